@@ -1,0 +1,103 @@
+"""Loading an experiment config file and applying command-line overrides.
+
+A config file defines `get_config(arg=None) -> ml_collections.ConfigDict`; `path:arg` selects a variant.
+Overrides are `--config.a.b=value`, parsed by the type of the existing field. A key that does not exist
+is an error naming it and the nearest valid keys, never a silently added field.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import pathlib
+
+import ml_collections
+from ml_collections.config_dict import FieldReference
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be applied; the message names the file or key."""
+
+
+def _load_module(path: pathlib.Path):
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"jaxflow_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path} defines no get_config(arg=None)")
+    return module
+
+
+def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Every leaf key of `config` as a dotted path."""
+    keys = []
+    for name, value in config.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, ml_collections.ConfigDict):
+            keys.extend(flat_keys(value, key + "."))
+        else:
+            keys.append(key)
+    return keys
+
+
+def _unknown(config, dotted: str) -> ConfigError:
+    keys = flat_keys(config)
+    near = difflib.get_close_matches(dotted, keys, n=3, cutoff=0.5)
+    if not near:  # a wrong leaf under a right section: suggest that section's keys
+        section = dotted.rsplit(".", 1)[0] + "."
+        near = [k for k in keys if k.startswith(section)][:5]
+    hint = f"; nearest valid keys: {', '.join(near)}" if near else ""
+    return ConfigError(f"unknown config key {dotted!r}{hint}")
+
+
+def _parse(raw: str, current, dotted: str):
+    """Converts the override text `raw` to the type of the field's current value."""
+    kind = current.get_type() if isinstance(current, FieldReference) else type(current)
+    if isinstance(current, FieldReference) and current.get() is None and raw.lower() == "none":
+        return None
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if kind in (int, float, str):
+            return kind(raw)
+        if current is None:
+            return ast.literal_eval(raw)
+        value = ast.literal_eval(raw)
+        if kind in (tuple, list):
+            return kind(value)
+        return value
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"config key {dotted!r} expects a value of type {kind.__name__}, got {raw!r}") from None
+
+
+def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> None:
+    """Sets `config.<dotted>` from the text `raw`, refusing keys that do not exist."""
+    *parents, leaf = dotted.split(".")
+    node = config
+    for part in parents:
+        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+            raise _unknown(config, dotted)
+        node = node[part]
+    if leaf not in node or isinstance(node[leaf], ml_collections.ConfigDict):
+        raise _unknown(config, dotted)
+    field = node.get_ref(leaf) if isinstance(node._fields[leaf], FieldReference) else node[leaf]
+    with node.unlocked():
+        node[leaf] = _parse(raw, field, dotted)
+
+
+def load_config(spec: str, overrides: dict[str, str] | None = None) -> ml_collections.ConfigDict:
+    """Loads `path[:arg]`, applies `{dotted key: text}` overrides, and returns the locked config."""
+    path, _, arg = spec.partition(":")
+    module = _load_module(pathlib.Path(path))
+    config = module.get_config(arg or None)
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"get_config in {path} returned {type(config).__name__}, not a ConfigDict")
+    config.lock()
+    for dotted, raw in (overrides or {}).items():
+        apply_override(config, dotted, raw)
+    return config

@@ -1,0 +1,148 @@
+"""Loading an HF model directory straight onto a mesh, and exporting back to one.
+
+Both directions read `jaxflow.models.names`: the same rows that load a checkpoint write it, and
+`iter_hf_tensors` (export's source) is what weight streaming to rollout engines sends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow import sharding
+from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config, to_hf_config
+from jaxflow.models.names import IGNORED_HF_SUFFIXES, TensorMap, hf_names, tensor_maps
+from jaxflow.models.safetensors_io import CheckpointError, CheckpointReader, write_checkpoint
+from jaxflow.models.transformer import Transformer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def abstract_model(cfg: ModelConfig, param_dtype=None) -> Transformer:
+    """The model with ShapeDtypeStructs in place of arrays: shapes and logical axes, no memory."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+
+
+def _check_names(directory, cfg: ModelConfig, layer_names, reader: CheckpointReader) -> None:
+    expected = {name for name, _, _ in hf_names(cfg, layer_names)}
+    present = set(reader.names())
+    missing = sorted(expected - present)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {directory} is missing tensor(s) {missing[:5]}{more} "
+                              f"required by its config.json ({cfg.architecture})")
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = sorted(n for n in present - expected - ignorable
+                        if not n.endswith(IGNORED_HF_SUFFIXES))
+    if unexpected:
+        raise CheckpointError(f"checkpoint {directory} has tensor(s) {unexpected[:5]} that a "
+                              f"{cfg.architecture} with this config.json does not have")
+
+
+def _read_row(reader: CheckpointReader, row: TensorMap, shape, dtype, num_layers) -> np.ndarray:
+    """The full jaxflow array of one row, on the host, in `dtype` (layers stacked)."""
+    def one(layer, per_layer_shape):
+        name = row.hf_name(layer)
+        want = row.hf_shape(per_layer_shape)
+        got = tuple(reader.shape(name))
+        if got != want:
+            raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r} has shape {got}, expected "
+                                  f"{want} from config.json")
+        return row.from_hf(reader.get(name), per_layer_shape).astype(dtype)
+
+    if row.stacked:
+        return np.stack([one(i, shape[1:]) for i in range(num_layers)])
+    return np.array(one(None, shape), copy=True)
+
+
+def load_model(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
+               param_dtype=None, rules=None) -> Transformer:
+    """Loads an HF Llama/Qwen2/Qwen3 directory (config.json + safetensors, single or sharded).
+
+    Each parameter is placed directly with its mesh sharding: a device receives only its own slice.
+    mesh: default a one-device mesh. param_dtype: default the checkpoint's config dtype.
+    """
+    directory = pathlib.Path(directory)
+    cfg = from_hf_config(read_hf_config(directory), source=str(directory / "config.json"))
+    dtype = jnp.dtype(param_dtype or cfg.dtype)
+    mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
+    shapes = abstract_model(cfg, dtype)
+    layer_names = shapes.layers.names
+    graphdef, abstract = nnx.split(shapes)
+    rows = {row.path: row for row in tensor_maps(cfg, layer_names)}
+    loaded = []
+    with CheckpointReader(directory) as reader:
+        _check_names(directory, cfg, layer_names, reader)
+        for path, var in nnx.to_flat_state(abstract):
+            shape = var.get_value().shape
+            host = _read_row(reader, rows[tuple(path)], shape, dtype, cfg.num_layers)
+            target = sharding.named_sharding(var.get_metadata()["logical_axes"], shape, mesh, rules)
+            array = jax.make_array_from_callback(shape, target, lambda index, h=host: h[index])
+            loaded.append((path, var.replace(value=array)))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _param(model: Transformer, path: tuple[str, ...]):
+    node = model
+    for part in path:
+        node = getattr(node, part)
+    return node[...]
+
+
+def iter_hf_tensors(model: Transformer, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array in HF layout) for every tensor of the model, one at a time.
+
+    dtype: cast on the way out (default: the parameter's dtype). Sharded parameters are gathered.
+    """
+    cfg = model.config
+    for row in tensor_maps(cfg, model.layers.names):
+        host = np.asarray(jax.device_get(_param(model, row.path)))
+        if dtype is not None:
+            host = host.astype(dtype)
+        if row.stacked:
+            for i in range(cfg.num_layers):
+                yield row.hf_name(i), np.ascontiguousarray(row.to_hf(host[i]))
+        else:
+            yield row.hf_name(), np.ascontiguousarray(row.to_hf(host))
+
+
+def export_model(model: Transformer, directory: str | os.PathLike, *, hf_config: dict | None = None,
+                 dtype=None, tokenizer_dir: str | os.PathLike | None = None,
+                 max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> pathlib.Path:
+    """Writes an HF directory that transformers and vLLM load: config.json, safetensors, tokenizer.
+
+    hf_config: the original config.json to keep (default: generated from the model's config).
+    dtype: e.g. "bfloat16" to cast on export. tokenizer_dir: where to copy tokenizer files from.
+    Refuses to write over an existing model directory unless `overwrite`.
+    """
+    directory = pathlib.Path(directory)
+    existing = [p.name for p in [directory / "config.json", *directory.glob("model*.safetensors")]
+                if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{directory} already holds a model ({', '.join(sorted(existing))}); "
+                              f"pass overwrite=True or choose another directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dict(hf_config) if hf_config is not None else to_hf_config(model.config)
+    tensors = dict(iter_hf_tensors(model, dtype))
+    if dtype is not None:
+        config["dtype"] = str(jnp.dtype(dtype))
+        config.pop("torch_dtype", None)
+    write_checkpoint(directory, tensors, max_shard_bytes=max_shard_bytes)
+    tmp = directory / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, directory / "config.json")
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = pathlib.Path(tokenizer_dir) / name
+            if src.is_file() and src.resolve() != (directory / name).resolve():
+                shutil.copyfile(src, directory / name)
+    return directory

@@ -1,0 +1,237 @@
+"""Decoder-only transformer in flax.nnx covering the Llama, Qwen2 and Qwen3 layouts.
+
+Layer parameters are stacked along a leading `layers` axis and the forward pass scans over them, so
+compile time does not grow with depth. Every parameter carries logical axis names; `jaxflow.sharding`
+maps them onto the mesh.
+
+Shapes: B batch, T query length, S key length, D hidden, H query heads, G kv heads, R = H // G,
+K head_dim, F mlp width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxflow.models.config import ModelConfig
+
+# Large negative instead of -inf: a query with no visible key (a padding row) gets a uniform softmax
+# instead of NaN, and its output is never used.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse rotary frequencies, [K/2] float32, computed as transformers does (float32 throughout)."""
+    k = cfg.head_dim
+    exponent = np.arange(0, k, 2, dtype=np.int64).astype(np.float32) / np.float32(k)
+    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
+    rope = cfg.rope
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / np.float32(rope["factor"])
+    elif kind == "llama3":
+        factor = rope["factor"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def apply_rope(x_btnk: jax.Array, positions_bt: jax.Array, inv_freq_k: jax.Array) -> jax.Array:
+    """Rotates the two halves of each head (HF's rotate_half convention), in float32."""
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq_k  # [B, T, K/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    x = x_btnk.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    return (x * cos + rotated * sin).astype(x_btnk.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, normalised in float32 and cast back before the scale (as HF does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * normed.astype(x.dtype)
+
+
+def attention_mask(segment_ids_bt: jax.Array, kv_segment_ids_bs: jax.Array | None = None,
+                   q_offset: int | jax.Array = 0) -> jax.Array:
+    """[B, 1, 1, T, S] bool: causal, same segment, and neither side padding (segment id 0).
+
+    `q_offset` is the absolute index of the first query among the keys (non-zero when decoding).
+    """
+    kv = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
+    t, s = segment_ids_bt.shape[1], kv.shape[1]
+    causal = (jnp.arange(t)[:, None] + q_offset) >= jnp.arange(s)[None, :]
+    same = segment_ids_bt[:, :, None] == kv[:, None, :]
+    real = (segment_ids_bt[:, :, None] != 0) & (kv[:, None, :] != 0)
+    return (causal[None] & same & real)[:, None, None]
+
+
+def attention(q_btgrk, k_bsgk, v_bsgk, mask_b11ts) -> jax.Array:
+    """Grouped-query attention with softmax in float32; returns [B, T, G, R, K]."""
+    scale = 1.0 / math.sqrt(q_btgrk.shape[-1])
+    scores = jnp.einsum("btgrk,bsgk->bgrts", q_btgrk, k_bsgk, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_b11ts, scores * scale, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bsgk.dtype)
+    return jnp.einsum("bgrts,bsgk->btgrk", probs, v_bsgk)
+
+
+# Layer parameter name -> (logical axes without the leading `layers` axis, shape function, init kind).
+# The order here is the order of `DecoderLayers` attributes; `present` decides optional ones.
+def _layer_param_specs(cfg: ModelConfig):
+    d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim)
+    specs = {
+        "input_norm": (("embed",), (d,), "ones"),
+        "q_proj": (("embed", "heads", "head_dim"), (d, h, k), "normal"),
+        "k_proj": (("embed", "kv_heads", "head_dim"), (d, g, k), "normal"),
+        "v_proj": (("embed", "kv_heads", "head_dim"), (d, g, k), "normal"),
+        "o_proj": (("heads", "head_dim", "embed"), (h, k, d), "normal"),
+        "post_attn_norm": (("embed",), (d,), "ones"),
+        "gate_proj": (("embed", "mlp"), (d, f), "normal"),
+        "up_proj": (("embed", "mlp"), (d, f), "normal"),
+        "down_proj": (("mlp", "embed"), (f, d), "normal"),
+    }
+    if cfg.qkv_bias:
+        specs.update(q_bias=(("heads", "head_dim"), (h, k), "zeros"),
+                     k_bias=(("kv_heads", "head_dim"), (g, k), "zeros"),
+                     v_bias=(("kv_heads", "head_dim"), (g, k), "zeros"))
+    if cfg.o_bias:
+        specs["o_bias"] = (("embed",), (d,), "zeros")
+    if cfg.qk_norm:
+        specs.update(q_norm=(("head_dim",), (k,), "ones"), k_norm=(("head_dim",), (k,), "ones"))
+    if cfg.mlp_bias:
+        specs.update(gate_bias=(("mlp",), (f,), "zeros"), up_bias=(("mlp",), (f,), "zeros"),
+                     down_bias=(("embed",), (d,), "zeros"))
+    return specs
+
+
+def _init(kind, key, shape, std, dtype):
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "zeros":
+        return jnp.zeros(shape, dtype)
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder blocks, each parameter stacked over a leading [L] axis."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.names = tuple(_layer_param_specs(cfg))
+        for name, (axes, shape, kind) in _layer_param_specs(cfg).items():
+            value = _init(kind, rngs.params(), (cfg.num_layers, *shape), cfg.initializer_range,
+                          param_dtype)
+            setattr(self, name, nnx.Param(value, logical_axes=("layers", *axes)))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        """The layer parameters as a dict of [L, ...] arrays, the `xs` of the layer scan."""
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt,
+                  inv_freq_k, mask_b11ts, kv_bsgk=None):
+    """One pre-norm decoder block on the per-layer params `p`.
+
+    `kv_bsgk`, when given, is a (keys, values) pair of earlier positions to attend to before this
+    chunk (the rollout engine's cache); the new keys/values are returned for the caller to store.
+    Returns (x_btd, (k_btgk, v_btgk)).
+    """
+    b, t, _ = x_btd.shape
+    g, r = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    h = rms_norm(x_btd, p["input_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p["q_proj"])
+    k = jnp.einsum("btd,dgk->btgk", h, p["k_proj"])
+    v = jnp.einsum("btd,dgk->btgk", h, p["v_proj"])
+    if cfg.qkv_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions_bt, inv_freq_k)
+    k = apply_rope(k, positions_bt, inv_freq_k)
+    keys, values = (k, v) if kv_bsgk is None else (jnp.concatenate([kv_bsgk[0], k], 1),
+                                                    jnp.concatenate([kv_bsgk[1], v], 1))
+    out = attention(q.reshape(b, t, g, r, -1), keys, values, mask_b11ts).reshape(b, t, g * r, -1)
+    attn = jnp.einsum("bthk,hkd->btd", out, p["o_proj"])
+    if cfg.o_bias:
+        attn = attn + p["o_bias"]
+    x_btd = x_btd + attn
+
+    h = rms_norm(x_btd, p["post_attn_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, p["gate_proj"])
+    up = jnp.einsum("btd,df->btf", h, p["up_proj"])
+    if cfg.mlp_bias:
+        gate, up = gate + p["gate_bias"], up + p["up_bias"]
+    down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"])
+    if cfg.mlp_bias:
+        down = down + p["down_bias"]
+    return x_btd + down, (k, v)
+
+
+class Transformer(nnx.Module):
+    """Token embedding, L stacked decoder blocks, final RMSNorm and LM head (tied or not)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=None):
+        dtype = jnp.dtype(param_dtype or cfg.dtype)
+        self.config = cfg
+        self.embed = nnx.Param(_init("normal", rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                     cfg.initializer_range, dtype), logical_axes=("vocab", "embed"))
+        self.layers = DecoderLayers(cfg, rngs=rngs, param_dtype=dtype)
+        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype), logical_axes=("embed",))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(_init("normal", rngs.params(), (cfg.hidden_size, cfg.vocab_size),
+                                           cfg.initializer_range, dtype),
+                                     logical_axes=("embed", "vocab"))
+
+    def hidden_states(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
+                      segment_ids_bt: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
+        """Final-norm hidden states [B, T, D].
+
+        tokens_bt: int32 token ids. positions_bt: rotary positions (default 0..T-1; for left padding
+        pass `positions_from_mask`). segment_ids_bt: int32, 0 marks padding, equal non-zero ids attend
+        to each other (packing); default all ones. remat recomputes each block in the backward pass.
+        """
+        cfg = self.config
+        if segment_ids_bt is None:
+            segment_ids_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        mask = attention_mask(segment_ids_bt)
+        x = jnp.take(self.embed[...], tokens_bt, axis=0)
+
+        def body(x, p):
+            return decoder_layer(cfg, p, x, positions_bt, inv_freq, mask)[0], None
+
+        if remat:
+            body = jax.checkpoint(body)
+        x, _ = jax.lax.scan(body, x, self.layers.stacked())
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+
+    def logits(self, h_btd: jax.Array) -> jax.Array:
+        """LM-head logits [B, T, V] in float32 from hidden states."""
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("btd,vd->btv", h_btd, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", h_btd, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, *, remat=False):
+        """Logits [B, T, V] float32; arguments as in `hidden_states`."""
+        return self.logits(self.hidden_states(tokens_bt, positions_bt, segment_ids_bt, remat=remat))
+
+
+def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
+    """Rotary positions for left-padded rows: 0 at each row's first real token, 0 on padding."""
+    mask = mask_bt.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask

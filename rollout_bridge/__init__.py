@@ -1,0 +1,1 @@
+"""Rollout side of jaxflow: engine adapters (vLLM, jaxflow's JAX engine), rollout workers, weight receiving."""

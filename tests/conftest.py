@@ -1,0 +1,17 @@
+"""Test setup: a fake 8-device CPU mesh and the JAX persistent compilation cache.
+
+Both must be in place before JAX initialises its backend, so this runs before any test module imports jax.
+"""
+import os
+import pathlib
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+_CACHE = pathlib.Path(os.environ.get("JAXFLOW_CACHE", pathlib.Path.home() / ".cache" / "jaxflow"))
+jax.config.update("jax_compilation_cache_dir", str(_CACHE / "jax_compilation"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
