@@ -1,0 +1,450 @@
+"""Staleness-aware policy losses for asynchronous RL post-training (see DESIGN.md, "The staleness-aware PPO step").
+
+Three policies meet in every loss, all as per-token log-probabilities of the sampled tokens, [B, T] float32:
+
+  - `logp_bt`        log π_θ, the parameters being trained (the only differentiable input);
+  - `behav_logp_bt`  log μ, the behaviour policy: the engine that sampled the token, possibly several versions old;
+  - `prox_logp_bt`   log π_prox, the trainer's weights at the start of this step (AReaL's proximal policy).
+
+Decoupled PPO (AReaL) splits the off-policy correction in two: a trust region u = π_θ/π_prox that is clipped, and
+a constant behaviour weight w = π_prox/μ that corrects for staleness and is capped. The other losses are variants
+behind one registry. Every loss returns a per-token loss already zeroed on masked tokens, plus per-token metrics;
+`token_weights` turns the mask into aggregation weights computed on the full batch so that micro-batches can be
+accumulated exactly, and `loss_and_metrics` applies them.
+
+Numerics: every exp() of a log-ratio first clamps the log-ratio to ±MAX_LOG_RATIO (as verl's rollout IS does).
+exp(20) ≈ 4.9e8 is far beyond any clip or cap, so the clamp only changes values that are already pathological, and
+it keeps a 1e6-token sum of them finite in float32. Beyond the clamp the gradient through that exp() is 0. Masked
+tokens are replaced by zeros before any arithmetic, so garbage there (±inf, NaN) never reaches values or gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Log-ratios are clamped to ±MAX_LOG_RATIO before exp() (see the module docstring).
+MAX_LOG_RATIO = 20.0
+
+BEHAV_WEIGHT_MODES = ("clamp", "mask", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Policy-loss settings; an ml_collections ConfigDict with the same fields works too (missing ones default).
+
+    CISPO defaults follow MiniMax-M1, which only clips the IS weight from above: `cispo_eps_low=1.0` puts the lower
+    bound at 0, i.e. no lower clip, and `cispo_eps_high=0.28` matches DAPO's clip-higher value.
+    """
+
+    name: str = "decoupled_ppo"  # key of POLICY_LOSSES
+    eps_low: float = 0.2  # trust region 1 - eps_low below
+    eps_high: float = 0.2  # trust region 1 + eps_high above; DAPO "clip-higher" uses 0.28
+    dual_clip_c: float | None = None  # dual clip for A < 0 (loss <= -c·A), c >= 1, typically 3.0
+    behav_weight_cap: float | None = None  # cap on w = π_prox/μ (AReaL uses 5.0); None = uncapped
+    behav_weight_mode: str = "clamp"  # what happens above the cap: "clamp" w to it, "mask" the token, "none"
+    tis_cap: float = 2.0  # truncation of π_θ/μ for the "tis" loss
+    cispo_eps_low: float = 1.0  # CISPO IS-weight clip below (1.0: no lower clip)
+    cispo_eps_high: float = 0.28  # CISPO IS-weight clip above
+    kl_coef: float = 0.0  # weight of the KL(π_θ || π_ref) penalty; needs ref_logp_bt when > 0
+    kl_estimator: str = "k3"  # per-token KL estimator: k1, k2 or k3 (Schulman's)
+    aggregation: str = "token_mean"  # token_mean, seq_mean_token_mean or constant (Dr.GRPO)
+    constant_normalizer: float | None = None  # C for "constant" aggregation; None = T (the padded length)
+
+    def __post_init__(self):
+        validate_loss_config(self)
+
+
+def _cfg(cfg: Any, field: str):
+    # Fields a ConfigDict leaves out take LossConfig's defaults.
+    return getattr(cfg, field) if hasattr(cfg, field) else _DEFAULTS[field]
+
+
+def validate_loss_config(cfg: Any) -> None:
+    """Raises ValueError naming the first invalid field of a loss config."""
+    name = _cfg(cfg, "name")
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
+    checks = [
+        ("behav_weight_mode", _cfg(cfg, "behav_weight_mode") in BEHAV_WEIGHT_MODES, BEHAV_WEIGHT_MODES),
+        ("kl_estimator", _cfg(cfg, "kl_estimator") in KL_ESTIMATORS, KL_ESTIMATORS),
+        ("aggregation", _cfg(cfg, "aggregation") in AGGREGATIONS, AGGREGATIONS),
+        ("eps_low", 0.0 <= _cfg(cfg, "eps_low") <= 1.0, "[0, 1]"),
+        ("eps_high", _cfg(cfg, "eps_high") >= 0.0, ">= 0"),
+        ("cispo_eps_low", 0.0 <= _cfg(cfg, "cispo_eps_low") <= 1.0, "[0, 1]"),
+        ("cispo_eps_high", _cfg(cfg, "cispo_eps_high") >= 0.0, ">= 0"),
+        ("tis_cap", _cfg(cfg, "tis_cap") > 0.0, "> 0"),
+        ("dual_clip_c", _cfg(cfg, "dual_clip_c") is None or _cfg(cfg, "dual_clip_c") >= 1.0, "None or >= 1"),
+        ("behav_weight_cap", _cfg(cfg, "behav_weight_cap") is None or _cfg(cfg, "behav_weight_cap") > 0, "> 0"),
+        ("constant_normalizer",
+         _cfg(cfg, "constant_normalizer") is None or _cfg(cfg, "constant_normalizer") > 0, "None or > 0"),
+    ]
+    for field, ok, valid in checks:
+        if not ok:
+            raise ValueError(f"loss config field {field}={_cfg(cfg, field)!r} is invalid; valid: {valid}")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossConfig)}
+
+
+# ----------------------------------------------------------------------------------------------- shared pieces
+
+def _exp_ratio(log_ratio):
+    return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def kl_estimate(logp_bt: jax.Array, ref_logp_bt: jax.Array, estimator: str = "k3") -> jax.Array:
+    """Per-token estimate of KL(π_θ || π_ref) from tokens sampled by π_θ (Schulman, "Approximating KL").
+
+    With d = ref - logp: k1 = -d = logp - ref; k2 = d²/2; k3 = exp(d) - d - 1 (non-negative, low variance; d is
+    clamped to ±MAX_LOG_RATIO). Inputs [B, T] log-probs; returns [B, T] nats.
+    """
+    d = ref_logp_bt - logp_bt
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        d = jnp.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+        return jnp.exp(d) - d - 1.0
+    raise ValueError(f"unknown kl_estimator {estimator!r}; valid names: {list(KL_ESTIMATORS)}")
+
+
+def behaviour_weight(log_w, cfg: Any):
+    """The staleness weight w = π_prox/μ = exp(log_w), capped per `cfg.behav_weight_mode`.
+
+    Works on any shape ([B, T] per token, [B] per sequence). Returns (w_used, w_raw, capped): w_used enters the
+    loss (min(w, cap) for "clamp"; 0 above the cap for "mask", which drops the token like AReaL's rejection
+    sampling; w for "none" or a None cap); w_raw is the uncapped weight, logged so its max shows the worst
+    staleness; capped is a bool array of the tokens the cap acted on.
+    """
+    w_raw = _exp_ratio(log_w)
+    cap, mode = _cfg(cfg, "behav_weight_cap"), _cfg(cfg, "behav_weight_mode")
+    if cap is None or mode == "none":
+        return w_raw, w_raw, jnp.zeros(w_raw.shape, bool)
+    over = w_raw > cap
+    w_used = jnp.minimum(w_raw, cap) if mode == "clamp" else jnp.where(over, 0.0, w_raw)
+    return w_used, w_raw, over
+
+
+def clipped_surrogate(ratio_bt, adv_bt, eps_low, eps_high, dual_clip_c=None):
+    """PPO's clipped surrogate as a loss: -min(r·A, clip(r, 1-eps_low, 1+eps_high)·A), optionally dual-clipped.
+
+    Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"): for A < 0 the loss is further bounded
+    by -c·A, i.e. loss = min(-min(rA, clip(r)A), -c·A), so a token whose ratio exploded cannot dominate the batch.
+    Returns (loss, clip_low, clip_high, dual_clipped); the flags mark tokens where the clip changed the loss
+    (A<0 and r<1-eps_low; A>0 and r>1+eps_high; A<0 and the -c·A bound was active).
+    """
+    surr = -jnp.minimum(ratio_bt * adv_bt, jnp.clip(ratio_bt, 1.0 - eps_low, 1.0 + eps_high) * adv_bt)
+    clip_low = (adv_bt < 0) & (ratio_bt < 1.0 - eps_low)
+    clip_high = (adv_bt > 0) & (ratio_bt > 1.0 + eps_high)
+    dual = jnp.zeros(surr.shape, bool)
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * adv_bt
+        dual = (adv_bt < 0) & (surr > bound)
+        surr = jnp.where(dual, bound, surr)
+    return surr, clip_low, clip_high, dual
+
+
+def _metrics(behav_weight, behav_capped, approx_kl, clip_low=None, clip_high=None, dual=None):
+    zeros = jnp.zeros(approx_kl.shape, jnp.float32)
+    as_f = lambda x: zeros if x is None else jnp.broadcast_to(x, zeros.shape).astype(jnp.float32)
+    return {
+        "clip_low": as_f(clip_low), "clip_high": as_f(clip_high), "behav_weight": as_f(behav_weight),
+        "behav_capped": as_f(behav_capped), "approx_kl": approx_kl.astype(jnp.float32), "dual_clipped": as_f(dual),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+
+# name -> fn(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg) -> (loss_bt, metrics). The inputs a loss
+# function sees are already validated, zeroed on masked tokens and (except logp_bt) stop-gradient; `policy_loss`
+# does that and is the entry point.
+POLICY_LOSSES: dict[str, Callable] = {}
+# name -> whether the loss reads prox_logp_bt (callers may skip computing π_prox when it does not).
+POLICY_LOSS_USES_PROX: dict[str, bool] = {}
+
+
+def register_policy_loss(name: str, *, uses_prox: bool = True):
+    """Decorator adding a loss to POLICY_LOSSES; `uses_prox=False` lets callers pass prox_logp_bt=None."""
+    def deco(fn):
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        POLICY_LOSS_USES_PROX[name] = uses_prox
+        return fn
+    return deco
+
+
+@register_policy_loss("ppo", uses_prox=False)
+def ppo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
+    """PPO-clip with π_old = μ (the behaviour policy), as in synchronous PPO/GRPO.
+
+    r = exp(logp - behav_logp); loss = -min(r·A, clip(r, 1-eps_low, 1+eps_high)·A), dual-clipped for A<0 when
+    cfg.dual_clip_c is set. Under staleness the trust region is measured against a stale policy, which is what
+    AReaL shows degrades at large η; use decoupled_ppo there.
+    """
+    del prox_logp_bt, mask_bt
+    r = _exp_ratio(logp_bt - behav_logp_bt)
+    loss, lo, hi, dual = clipped_surrogate(r, adv_bt, _cfg(cfg, "eps_low"), _cfg(cfg, "eps_high"),
+                                           _cfg(cfg, "dual_clip_c"))
+    ones = jnp.ones_like(r)
+    return loss, _metrics(ones, None, kl_estimate(logp_bt, behav_logp_bt), lo, hi, dual)
+
+
+def _decoupled(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, cfg, dual_clip_c):
+    u = _exp_ratio(logp_bt - prox_logp_bt)
+    w, w_raw, capped = behaviour_weight(prox_logp_bt - behav_logp_bt, cfg)
+    surr, lo, hi, dual = clipped_surrogate(u, adv_bt, _cfg(cfg, "eps_low"), _cfg(cfg, "eps_high"), dual_clip_c)
+    return w * surr, _metrics(w_raw, capped, kl_estimate(logp_bt, prox_logp_bt), lo, hi, dual)
+
+
+@register_policy_loss("decoupled_ppo")
+def decoupled_ppo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
+    """Decoupled PPO (AReaL, Fu et al. 2025): trust region against π_prox, staleness corrected by π_prox/μ.
+
+    u = exp(logp - prox_logp); w = exp(prox_logp - behav_logp) (constant), capped per cfg.behav_weight_mode;
+    loss = -w·min(u·A, clip(u, 1-eps_low, 1+eps_high)·A), dual-clipped for A<0 when cfg.dual_clip_c is set.
+    """
+    del mask_bt
+    return _decoupled(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, cfg, _cfg(cfg, "dual_clip_c"))
+
+
+@register_policy_loss("dual_clip")
+def dual_clip_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
+    """decoupled_ppo with the dual clip always on: c = cfg.dual_clip_c, or 3.0 when that is None.
+
+    loss = w·min(-min(u·A, clip(u)·A), -c·A) for A<0, and w·(-min(u·A, clip(u)·A)) for A>=0.
+    """
+    del mask_bt
+    c = _cfg(cfg, "dual_clip_c")
+    return _decoupled(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, cfg, 3.0 if c is None else c)
+
+
+@register_policy_loss("tis", uses_prox=False)
+def tis_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
+    """Truncated importance sampling REINFORCE (ROLL pg_variant "tis"; slime --use-tis caps at 2.0).
+
+    loss = -sg(min(exp(logp - behav_logp), tis_cap))·A·logp. No trust region: the gradient is the truncated-IS
+    policy gradient. `behav_capped` marks tokens whose IS weight hit tis_cap.
+    """
+    del prox_logp_bt, mask_bt
+    r = _exp_ratio(logp_bt - behav_logp_bt)
+    tis_cap = _cfg(cfg, "tis_cap")
+    c = jax.lax.stop_gradient(jnp.minimum(r, tis_cap))
+    return -c * adv_bt * logp_bt, _metrics(r, r > tis_cap, kl_estimate(logp_bt, behav_logp_bt))
+
+
+@register_policy_loss("cispo")
+def cispo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
+    """CISPO (MiniMax-M1): clip the IS weight, never the gradient, so every token keeps contributing.
+
+    u = exp(logp - prox_logp); loss = -w·sg(clip(u, 1-cispo_eps_low, 1+cispo_eps_high))·A·logp, with w the capped
+    behaviour weight of decoupled_ppo so stale samples are corrected too. clip_low/clip_high mark tokens whose
+    weight was clipped and A≠0 (for CISPO a clipped weight changes the loss whatever the sign of A).
+    """
+    del mask_bt
+    u = _exp_ratio(logp_bt - prox_logp_bt)
+    lo_b, hi_b = 1.0 - _cfg(cfg, "cispo_eps_low"), 1.0 + _cfg(cfg, "cispo_eps_high")
+    c = jax.lax.stop_gradient(jnp.clip(u, lo_b, hi_b))
+    w, w_raw, capped = behaviour_weight(prox_logp_bt - behav_logp_bt, cfg)
+    nonzero = adv_bt != 0
+    return -w * c * adv_bt * logp_bt, _metrics(w_raw, capped, kl_estimate(logp_bt, prox_logp_bt),
+                                               (u < lo_b) & nonzero, (u > hi_b) & nonzero)
+
+
+@register_policy_loss("topr", uses_prox=False)
+def topr_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
+    """Tapered Off-Policy REINFORCE (Le Roux et al. 2025; ROLL pg_variant "topr").
+
+    A > 0: loss = -A·logp (plain SFT-like push, never truncated); A <= 0: loss = -sg(clip(r, 0, 1))·A·logp with
+    r = exp(logp - behav_logp), so negatives are tapered off once the policy already avoids them.
+    `behav_capped` marks A<=0 tokens with r > 1.
+    """
+    del prox_logp_bt, mask_bt, cfg
+    r = _exp_ratio(logp_bt - behav_logp_bt)
+    pos = adv_bt > 0
+    c = jnp.where(pos, 1.0, jax.lax.stop_gradient(jnp.clip(r, 0.0, 1.0)))
+    return -c * adv_bt * logp_bt, _metrics(r, (~pos) & (r > 1.0), kl_estimate(logp_bt, behav_logp_bt))
+
+
+@register_policy_loss("gspo")
+def gspo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
+    """GSPO (Zheng et al. 2025), token form, with the behaviour weight of decoupled PPO at sequence level.
+
+    s_b = exp(Σ_t m·(logp - prox_logp) / Σ_t m) (geometric-mean sequence ratio); s_bt = sg(s_b)·exp(logp - sg(logp))
+    has value s_b and gradient s_b·∇logp_t; w_b = exp(Σ_t m·(prox_logp - behav_logp) / Σ_t m), capped per
+    cfg.behav_weight_mode at sequence level; loss_bt = -w_b·min(s_bt·A, clip(s_bt, 1-eps_low, 1+eps_high)·A),
+    dual-clipped for A<0 when cfg.dual_clip_c is set.
+    The GSPO paper used eps_low=3e-4, eps_high=4e-4 since a sequence ratio moves far less than a token ratio;
+    the cfg values are used as given. With seq_mean_token_mean aggregation and a per-sequence A this is GSPO.
+    """
+    m = mask_bt
+    len_b = jnp.maximum(jnp.sum(m, axis=1), 1.0)
+    log_s_b = jax.lax.stop_gradient(jnp.sum(m * (logp_bt - prox_logp_bt), axis=1) / len_b)
+    s_bt = _exp_ratio(log_s_b)[:, None] * jnp.exp(logp_bt - jax.lax.stop_gradient(logp_bt))
+    w_b, w_raw_b, capped_b = behaviour_weight(jnp.sum(m * (prox_logp_bt - behav_logp_bt), axis=1) / len_b, cfg)
+    surr, lo, hi, dual = clipped_surrogate(s_bt, adv_bt, _cfg(cfg, "eps_low"), _cfg(cfg, "eps_high"),
+                                           _cfg(cfg, "dual_clip_c"))
+    return w_b[:, None] * surr, _metrics(w_raw_b[:, None], capped_b[:, None], kl_estimate(logp_bt, prox_logp_bt),
+                                         lo, hi, dual)
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+def _check_shapes(**arrays) -> None:
+    (ref_name, ref), *rest = arrays.items()
+    ref_shape = tuple(jnp.shape(ref))
+    if len(ref_shape) != 2:
+        raise ValueError(f"{ref_name} must be [B, T]; got shape {ref_shape}")
+    for name, x in rest:
+        if x is not None and tuple(jnp.shape(x)) != ref_shape:
+            raise ValueError(f"{name} has shape {tuple(jnp.shape(x))} but {ref_name} has shape {ref_shape}")
+
+
+def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt=None):
+    """Per-token policy loss `name` (a key of POLICY_LOSSES) plus the optional KL penalty.
+
+    Args: all [B, T]: logp_bt (log π_θ, differentiable), behav_logp_bt (log μ), prox_logp_bt (log π_prox; may be
+      None for ppo/tis/topr), adv_bt, mask_bt (1 = trained token), ref_logp_bt (log π_ref, optional). All but
+      logp_bt are treated as constants. cfg: a LossConfig or any object with its fields.
+    Returns: loss_bt [B, T] float32, zero on masked tokens, = loss of `name` + kl_coef·k(π_θ, π_ref); and per-token
+      metrics [B, T] float32 (zero on masked tokens): clip_low, clip_high, behav_weight (uncapped), behav_capped,
+      approx_kl (k3 vs π_prox, or vs μ for losses without prox), dual_clipped, kl_ref (k(π_θ, π_ref); 0 without
+      ref_logp_bt).
+    Raises: ValueError for an unknown loss, a bad config, mismatched shapes, a missing prox or ref input.
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
+    validate_loss_config(cfg)
+    _check_shapes(logp_bt=logp_bt, behav_logp_bt=behav_logp_bt, prox_logp_bt=prox_logp_bt, adv_bt=adv_bt,
+                  mask_bt=mask_bt, ref_logp_bt=ref_logp_bt)
+    if prox_logp_bt is None:
+        if POLICY_LOSS_USES_PROX[name]:
+            raise ValueError(f"policy loss {name!r} needs prox_logp_bt (got None)")
+        prox_logp_bt = behav_logp_bt
+    kl_coef = _cfg(cfg, "kl_coef")
+    if kl_coef > 0 and ref_logp_bt is None:
+        raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logp_bt (got None)")
+
+    m = jnp.asarray(mask_bt) > 0
+    # Zero masked tokens *before* any exp(): jnp.where's unused branch still gets a gradient of 0·inf = NaN.
+    clean = lambda x: jnp.where(m, jnp.asarray(x, jnp.float32), 0.0)
+    const = lambda x: jax.lax.stop_gradient(clean(x))
+    logp = clean(logp_bt)
+    behav, prox, adv = const(behav_logp_bt), const(prox_logp_bt), const(adv_bt)
+    loss_bt, metrics = POLICY_LOSSES[name](logp, behav, prox, adv, m.astype(jnp.float32), cfg)
+
+    if ref_logp_bt is not None:
+        kl_bt = kl_estimate(logp, const(ref_logp_bt), _cfg(cfg, "kl_estimator"))
+        if kl_coef > 0:
+            loss_bt = loss_bt + kl_coef * kl_bt
+        metrics["kl_ref"] = kl_bt
+    else:
+        metrics["kl_ref"] = jnp.zeros_like(logp)
+    loss_bt = jnp.where(m, loss_bt, 0.0)
+    metrics = {k: jnp.where(m, v, 0.0).astype(jnp.float32) for k, v in metrics.items()}
+    return loss_bt, metrics
+
+
+def token_weights(mask_bt: jax.Array, aggregation: str, constant_normalizer: float | None = None, *,
+                  sequence_ids_bt: jax.Array | None = None) -> jax.Array:
+    """Aggregation weights w_bt such that the batch loss is Σ_bt w_bt·loss_bt. Compute them on the FULL batch.
+
+    Because the weights are fixed before splitting, summing Σ w·loss over micro-batches gives exactly the full
+    batch loss. With m = (mask_bt > 0), len_b = Σ_t m, N = number of sequences with len_b > 0:
+      token_mean:          w = m / Σ_bt m
+      seq_mean_token_mean: w = m / (len_b · N)        (empty sequences get weight 0)
+      constant:            w = m / (B · C)            (Dr.GRPO; C = constant_normalizer, default T)
+    Without sequence_ids_bt a row is a sequence. With it (packed rows: several sequences per row), a sequence is
+    the set of masked tokens sharing an id, len is counted per id, and B in "constant" becomes N, the number of
+    ids that own a masked token (a packed batch has no trace of fully masked sequences).
+    Args: mask_bt [B, T]; sequence_ids_bt [B, T] int, unique across rows. Returns [B, T] float32.
+    Raises: ValueError for an unknown aggregation, or an all-zero mask when mask_bt is concrete (eager). Under jit
+      the mask is a tracer and cannot be inspected, so an empty mask gives all-zero weights (a loss of 0).
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; valid names: {list(AGGREGATIONS)}")
+    if jnp.ndim(mask_bt) != 2:
+        raise ValueError(f"mask_bt must be [B, T]; got shape {jnp.shape(mask_bt)}")
+    m = (jnp.asarray(mask_bt) > 0).astype(jnp.float32)
+    if not isinstance(m, jax.core.Tracer) and not np.any(np.asarray(m)):
+        raise ValueError(f"loss mask is empty (all {m.size} entries of mask_bt are 0): nothing to train on")
+    if aggregation == "token_mean":
+        return m / jnp.maximum(jnp.sum(m), 1.0)
+    if sequence_ids_bt is not None:
+        _check_shapes(mask_bt=mask_bt, sequence_ids_bt=sequence_ids_bt)
+        # Dense ids via unique(size=...) keeps shapes static under jit; unmasked tokens add 0 to any count.
+        m_n = m.reshape(-1)
+        _, dense_n = jnp.unique(jnp.asarray(sequence_ids_bt).reshape(-1), return_inverse=True, size=m_n.size)
+        dense_n = dense_n.reshape(-1)
+        len_s = jax.ops.segment_sum(m_n, dense_n, num_segments=m_n.size)
+        num_seqs = jnp.maximum(jnp.sum(len_s > 0), 1).astype(jnp.float32)
+        if aggregation == "seq_mean_token_mean":
+            denom_n = jnp.maximum(len_s[dense_n], 1.0) * num_seqs
+        else:
+            denom_n = num_seqs * (m.shape[1] if constant_normalizer is None else constant_normalizer)
+        return (m_n / denom_n).reshape(m.shape)
+    if aggregation == "seq_mean_token_mean":
+        len_b = jnp.sum(m, axis=1)
+        num_seqs = jnp.maximum(jnp.sum(len_b > 0), 1).astype(jnp.float32)
+        return m / (jnp.maximum(len_b, 1.0)[:, None] * num_seqs)
+    c = m.shape[1] if constant_normalizer is None else constant_normalizer
+    return m / (m.shape[0] * c)
+
+
+def loss_and_metrics(name, cfg, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, weights_bt,
+                     ref_logp_bt=None):
+    """Scalar loss Σ_bt weights_bt·loss_bt (weights from `token_weights` on the full batch) and scalar metrics.
+
+    Inputs as in `policy_loss`; weights_bt [B, T]. Metrics are plain masked means over this (micro-)batch's
+    tokens: behav_weight_mean/max (uncapped), behav_capped_frac, clip_low_frac, clip_high_frac, clip_frac (their
+    sum), dual_clip_frac, approx_kl, kl_ref; plus loss and num_tokens (to re-weight means across micro-batches).
+    All metrics are 0 when the mask is empty.
+    """
+    _check_shapes(logp_bt=logp_bt, weights_bt=weights_bt)
+    loss_bt, tok = policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt)
+    m = jnp.asarray(mask_bt) > 0
+    loss = jnp.sum(jnp.where(m, weights_bt, 0.0) * loss_bt)
+    n = jnp.sum(m).astype(jnp.float32)
+    mean = lambda x: jnp.sum(x) / jnp.maximum(n, 1.0)
+    metrics = {
+        "loss": loss,
+        "behav_weight_mean": mean(tok["behav_weight"]),
+        "behav_weight_max": jnp.max(jnp.where(m, tok["behav_weight"], 0.0)),
+        "behav_capped_frac": mean(tok["behav_capped"]),
+        "clip_low_frac": mean(tok["clip_low"]),
+        "clip_high_frac": mean(tok["clip_high"]),
+        "clip_frac": mean(tok["clip_low"] + tok["clip_high"]),
+        "dual_clip_frac": mean(tok["dual_clipped"]),
+        "approx_kl": mean(tok["approx_kl"]),
+        "kl_ref": mean(tok["kl_ref"]),
+        "num_tokens": n,
+    }
+    return loss, metrics
+
+
+def loglinear_prox_logp(behav_logp_bt, logp_bt, versions_bt, v_prox):
+    """AReaL's log-linear π_prox, which saves the extra forward pass of the pre-step weights.
+
+    log π_prox ≈ log μ + α_t·(sg(log π_θ) - log μ), α_t = clip((v_prox - v_t) / (v_prox + 1 - v_t), 0, 1).
+    Assumption: along the versions v_t (the version that sampled token t, whose log-prob is log μ) … v_prox (the
+    weights at the start of this step) … v_prox+1 (π_θ, the version this step is making), a token's log-prob moves
+    linearly in the version number, so π_prox sits a fraction α of the way from μ to π_θ. On-policy tokens
+    (v_t = v_prox) get α = 0, i.e. π_prox = μ (exact up to engine/trainer numerics); very stale tokens get α → 1,
+    i.e. π_prox → π_θ. Elsewhere it is an approximation; AReaL reports similar reward at 27% less train time.
+
+    Args: behav_logp_bt, logp_bt [B, T] float; versions_bt [B, T] int (per-token behaviour version); v_prox int.
+    Returns: [B, T] float32 log π_prox, stop-gradient (π_prox is a constant of the step). Tokens with v_t > v_prox
+      (which admission control should never let through) get α = 0.
+    """
+    _check_shapes(logp_bt=logp_bt, behav_logp_bt=behav_logp_bt, versions_bt=versions_bt)
+    lag = (jnp.asarray(v_prox) - jnp.asarray(versions_bt)).astype(jnp.float32)
+    alpha = jnp.clip(lag / jnp.maximum(lag + 1.0, 1.0), 0.0, 1.0)
+    behav = jnp.asarray(behav_logp_bt, jnp.float32)
+    return jax.lax.stop_gradient(behav + alpha * (jnp.asarray(logp_bt, jnp.float32) - behav))
