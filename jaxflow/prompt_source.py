@@ -1,0 +1,60 @@
+"""Prompts for the trajectory service, read through a grain pipeline whose position is checkpointable."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+
+
+class PromptSource:
+    """Yields {"prompt": list[int], "meta": dict} records, shuffled per epoch by grain.
+
+    records: token-id prompts with task metadata (e.g. the answer a reward function checks).
+    num_epochs: None repeats forever. The position is saved with `get_state` and restored with
+    `set_state`, so a resumed run continues with the next unseen prompt.
+    """
+
+    def __init__(self, records: Sequence[dict[str, Any]], *, seed: int = 0, shuffle: bool = True,
+                 num_epochs: int | None = 1):
+        for i, r in enumerate(records):
+            prompt = r.get("prompt") if isinstance(r, dict) else None
+            if not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
+                raise ValueError(f"prompt record {i} has no valid 'prompt' (a non-empty list of token ids)")
+        dataset = grain.MapDataset.source(list(records))
+        if shuffle:
+            dataset = dataset.shuffle(seed=seed)
+        self._dataset = dataset.repeat(num_epochs).to_iter_dataset()
+        self._iter = iter(self._dataset)
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        # One record of lookahead, so `exhausted` is known as soon as the last prompt is handed out.
+        self._state = self._iter.get_state()  # the position of the lookahead record
+        try:
+            self._lookahead = next(self._iter)
+        except StopIteration:
+            self._lookahead = None
+
+    @property
+    def exhausted(self) -> bool:
+        """True once every record of every epoch has been handed out."""
+        return self._lookahead is None
+
+    def next(self) -> dict[str, Any] | None:
+        """The next record, or None once every epoch has been read."""
+        record = self._lookahead
+        if record is None:
+            return None
+        self._prefetch()
+        return {"prompt": list(record["prompt"]), "meta": dict(record.get("meta", {}))}
+
+    def get_state(self) -> dict[str, Any]:
+        """The position of the next record to hand out (JSON-serialisable)."""
+        return {"iterator": self._state}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._iter = iter(self._dataset)
+        self._iter.set_state(state["iterator"])
+        self._prefetch()
