@@ -25,36 +25,27 @@ class PromptSource:
         dataset = grain.MapDataset.source(list(records))
         if shuffle:
             dataset = dataset.shuffle(seed=seed)
-        self._dataset = dataset.repeat(num_epochs).to_iter_dataset()
-        self._iter = iter(self._dataset)
-        self._prefetch()
-
-    def _prefetch(self) -> None:
-        # One record of lookahead, so `exhausted` is known as soon as the last prompt is handed out.
-        self._state = self._iter.get_state()  # the position of the lookahead record
-        try:
-            self._lookahead = next(self._iter)
-        except StopIteration:
-            self._lookahead = None
+        # Random access by position: O(1) per record, and the position is the whole checkpoint state.
+        self._dataset = dataset.repeat(num_epochs)
+        self._length = len(self._dataset)
+        self._index = 0
 
     @property
     def exhausted(self) -> bool:
         """True once every record of every epoch has been handed out."""
-        return self._lookahead is None
+        return self._index >= self._length
 
     def next(self) -> dict[str, Any] | None:
         """The next record, or None once every epoch has been read."""
-        record = self._lookahead
-        if record is None:
+        if self.exhausted:
             return None
-        self._prefetch()
+        record = self._dataset[self._index]
+        self._index += 1
         return {"prompt": list(record["prompt"]), "meta": dict(record.get("meta", {}))}
 
     def get_state(self) -> dict[str, Any]:
         """The position of the next record to hand out (JSON-serialisable)."""
-        return {"iterator": self._state}
+        return {"index": self._index}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._iter = iter(self._dataset)
-        self._iter.set_state(state["iterator"])
-        self._prefetch()
+        self._index = int(state["index"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -42,8 +44,9 @@ class Sample:
         if n and (min(self.versions) < v_start or max(self.versions) > v_max):
             raise ValueError(f"{what}: token versions span [{min(self.versions)}, {max(self.versions)}], "
                              f"outside [v_start={v_start}, latest published={v_max}]")
-        if any(not isinstance(t, int) or t < 0 for t in self.tokens):
-            raise ValueError(f"{what}: token ids must be non-negative ints")
+        ids = np.asarray(self.tokens)
+        if n and (ids.dtype.kind not in "iu" or ids.min() < 0):
+            raise ValueError(f"{what}: token ids must be non-negative integers")
 
 
 @dataclasses.dataclass

@@ -141,7 +141,9 @@ class TrajectoryService:
         g.state, g.since = state, time.monotonic()
 
     def _task(self, g: _Group) -> GroupTask:
-        partial = None if g.samples is None else [dataclasses.replace(s) for s in g.samples]
+        # Copies: a worker extends these while the service keeps the snapshot it was given.
+        partial = None if g.samples is None else [
+            Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason) for s in g.samples]
         return GroupTask(group_id=g.group_id, prompt=list(g.prompt), n=g.n, v_start=g.v_start,
                          meta=dict(g.meta), partial=partial, attempt=g.attempt)
 
@@ -206,7 +208,7 @@ class TrajectoryService:
             self._check_samples(g, samples, "finish", finished=True)
             if rewards is not None:
                 self._check_rewards(g, rewards)
-            g.samples = [dataclasses.replace(s) for s in samples]
+            g.samples = list(samples)  # the service now owns these Sample objects
             self._move(g, GroupState.FINISHED)
             self._counts["finished"] += 1
             return self._occupy(g, rewards) if rewards is not None else None
@@ -243,7 +245,7 @@ class TrajectoryService:
             g = self._group(group_id, GroupState.RUNNING, worker)
             if partial is not None:
                 self._check_samples(g, partial, "abort", finished=False)
-                g.samples = [dataclasses.replace(s) for s in partial]
+                g.samples = list(partial)
             self._counts["aborted"] += 1
             self._requeue(g, reason or "aborted")
 

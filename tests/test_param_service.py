@@ -1,0 +1,642 @@
+"""ParameterService: exact round trips, commit-time visibility, eviction, rejected inputs that change nothing,
+shared memory across processes, and ParameterClient over a wire loopback and over real RPC."""
+
+import collections
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxflow import rpc, wire
+from jaxflow.param_service import (ALIGNMENT, DTYPES, RPC_METHODS, ParameterClient, ParameterService,
+                                   UnknownVersionError, attach_shared)
+
+SHM = ["private", "shm"]
+
+
+def _random(dtype: np.dtype, shape, rng: np.random.Generator) -> np.ndarray:
+    """Arbitrary bit patterns (NaNs and infinities included for floats) of `dtype`."""
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype == np.bool_:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def _tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """One tensor of every supported dtype, plus a 0-d, an empty and an odd-sized one."""
+    rng = np.random.default_rng(seed)
+    out = {f"model.{name}.weight": _random(dtype, (3, 5, 7), rng) for name, dtype in DTYPES.items()}
+    out["scalar"] = _random(np.dtype(np.float32), (), rng)
+    out["empty"] = np.zeros((0, 4), ml_dtypes.bfloat16)
+    out["odd"] = _random(np.dtype(np.uint8), (13,), rng)
+    return out
+
+
+def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert list(got) == list(want)
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype and got[name].shape == arr.shape, name
+        assert got[name].tobytes() == np.ascontiguousarray(arr).tobytes(), name
+
+
+def _segment_files(prefix: str) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix))
+
+
+@pytest.fixture(params=SHM)
+def service(request):
+    svc = ParameterService(keep=2, shared_memory=request.param == "shm")
+    yield svc
+    svc.close()
+
+
+# --- round trips --------------------------------------------------------------------------------------------
+
+def test_publish_pull_is_bit_identical_for_every_dtype(service):
+    tensors = _tensors()
+    service.publish(0, tensors)
+    version, pulled = service.pull()
+    assert version == 0 and service.latest() == 0 and service.versions() == [0]
+    _assert_same(pulled, tensors)
+    for arr in pulled.values():
+        assert not arr.flags.writeable
+        assert arr.ctypes.data % ALIGNMENT == 0
+    # Zero-copy: two pulls view the same memory.
+    again = service.pull(0)[1]
+    assert np.shares_memory(again["odd"], pulled["odd"])
+    manifest = service.manifest(0)
+    assert manifest["tensors"]["model.bfloat16.weight"] == {
+        "dtype": "bfloat16", "shape": [3, 5, 7], "nbytes": 210,
+        "offset": manifest["tensors"]["model.bfloat16.weight"]["offset"]}
+    assert all(t["offset"] % ALIGNMENT == 0 for t in manifest["tensors"].values())
+    assert manifest["total_bytes"] >= sum(t.nbytes for t in tensors.values())
+    assert (manifest["segment"] is not None) == service.shared_memory
+    assert wire.decode(wire.encode(manifest)) == manifest
+
+
+def test_publish_copies_the_input_once_and_accepts_any_layout(service):
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    tensors = {"transposed": base.T, "strided": base[:, ::2], "big_endian": base.astype(">f4"),
+               "bf16": base.astype(ml_dtypes.bfloat16)}
+    expected = {name: np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("="))
+                for name, arr in tensors.items()}
+    service.publish(3, list(tensors.items()))
+    base[:] = -1  # the trainer reuses its buffers at once
+    _assert_same(service.pull(3)[1], expected)
+
+
+def test_streamed_chunked_publish_equals_one_shot(service):
+    tensors = _tensors(1)
+    service.publish(0, tensors)
+    manifest = service.manifest(0)
+    # A manifest() entry is a valid begin() entry (extra keys ignored).
+    service.begin(1, manifest["tensors"])
+    rng = np.random.default_rng(0)
+    kinds = [bytes, bytearray, memoryview, lambda b: np.frombuffer(b, np.uint8)]
+    chunks = []
+    for name, arr in tensors.items():
+        raw = np.ascontiguousarray(arr).tobytes()
+        cuts = sorted({0, len(raw), *rng.integers(0, len(raw) + 1, size=4).tolist()})
+        for start, end in zip(cuts, cuts[1:]):
+            # Overlapping re-sends are fine: the same bytes land twice.
+            end = min(len(raw), end + int(rng.integers(0, 3)))
+            chunks.append((name, raw[start:end], start))
+    rng.shuffle(chunks)
+    for i, (name, data, offset) in enumerate(chunks):
+        service.put(1, name, kinds[i % len(kinds)](data), offset)
+    assert service.latest() == 0
+    service.commit(1)
+    _assert_same(service.pull(1)[1], service.pull(0)[1])
+    assert {k: v for k, v in service.manifest(1).items() if k != "version" and k != "segment"} == \
+           {k: v for k, v in manifest.items() if k != "version" and k != "segment"}
+
+
+def test_hf_tensors_of_a_tiny_model_round_trip(tmp_path):
+    import jax.numpy as jnp
+
+    from jaxflow.models import hf_io, tiny
+
+    model = hf_io.load_model(tiny.write_tiny_model(tmp_path / "tiny"))
+    with ParameterService(keep=1) as svc:
+        svc.publish(1, hf_io.iter_hf_tensors(model))
+        _assert_same(svc.pull(1)[1], dict(hf_io.iter_hf_tensors(model)))
+        # bf16 through the chunked client path, in small chunks.
+        client = ParameterClient(WireLoopback(svc), chunk_bytes=1000)
+        client.publish(2, hf_io.iter_hf_tensors(model, dtype=jnp.bfloat16))
+        want = dict(hf_io.iter_hf_tensors(model, dtype=jnp.bfloat16))
+        _assert_same(client.pull(2)[1], want)
+        assert {a.dtype.name for a in want.values()} == {"bfloat16"}
+
+
+# --- visibility ---------------------------------------------------------------------------------------------
+
+def test_a_version_is_invisible_until_committed(service):
+    tensors = _tensors()
+    service.begin(0, {n: {"dtype": a.dtype.name, "shape": list(a.shape)} for n, a in tensors.items()})
+    for name, arr in tensors.items():
+        service.put(0, name, arr)
+    assert service.latest() is None and service.versions() == []
+    for call in (lambda: service.pull(0), lambda: service.pull(), lambda: service.manifest(0),
+                 lambda: service.read(0, None, 0, 1)):
+        with pytest.raises(UnknownVersionError):
+            call()
+    with pytest.raises(TimeoutError):
+        service.wait_for_version(0, timeout=0.01)
+    service.commit(0)
+    assert service.latest() == 0
+    _assert_same(service.pull(0)[1], tensors)
+
+
+def test_a_polling_reader_never_sees_an_uncommitted_version():
+    svc = ParameterService(keep=2)
+    names = [f"t{i}" for i in range(4)]
+    manifest = {n: {"dtype": "int32", "shape": [256]} for n in names}
+    errors, seen = [], []
+    committing = [-1]  # the newest version whose commit() has been called
+    done = threading.Event()
+
+    def writer():
+        for v in range(1, 16):
+            svc.begin(v, manifest)
+            for name in names:
+                raw = np.full(256, v, np.int32).tobytes()
+                for start in range(0, len(raw), 128):
+                    svc.put(v, name, raw[start:start + 128], start)
+                time.sleep(0.001)  # let the reader run while the version is half written
+            committing[0] = v
+            svc.commit(v)
+        done.set()
+
+    def check(version, arrays):
+        if version > committing[0]:
+            errors.append(f"version {version} was visible before its commit")
+        if any((a != version).any() for a in arrays.values()):
+            errors.append(f"version {version} was visible incomplete")
+
+    def reader():
+        while not done.is_set():
+            latest = svc.latest()
+            if latest is None:
+                continue
+            check(*svc.pull(latest))
+            seen.append(latest)
+            try:
+                check(*svc.pull(latest + 1))  # being written, or not begun: visible only once committed
+            except UnknownVersionError:
+                pass
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    svc.close()
+    assert not errors, errors[:3]
+    assert seen and seen == sorted(seen)
+
+
+# --- eviction -----------------------------------------------------------------------------------------------
+
+def test_keeps_the_newest_versions_and_pulled_arrays_stay_valid(service):
+    first = _tensors(0)
+    service.publish(0, first)
+    _, held = service.pull(0)
+    held_read = service.read(0, "odd", 0, 13)
+    for v in range(1, 6):
+        service.publish(v, _tensors(v))
+    assert service.versions() == [4, 5] and service.latest() == 5
+    for gone in (0, 3):
+        with pytest.raises(UnknownVersionError, match=f"version {gone} is not published"):
+            service.pull(gone)
+    # Buffers of evicted versions are reused, but never one a pulled array still views.
+    _assert_same(held, first)
+    assert held_read.tobytes() == first["odd"].tobytes()
+    _assert_same(service.pull(5)[1], _tensors(5))
+
+
+def test_an_evicted_buffer_nobody_views_is_reused():
+    tensors = {"w": np.ones((64, 64), np.float32)}
+    with ParameterService(keep=1) as svc:
+        svc.publish(0, tensors)
+        address = svc.pull(0)[1]["w"].ctypes.data  # the pulled array is dropped at once
+        svc.publish(1, tensors)  # evicts 0
+        svc.publish(2, tensors)
+        assert svc.pull(2)[1]["w"].ctypes.data == address
+    with ParameterService(keep=1, prefault=False) as svc:
+        for v in range(4):
+            svc.publish(v, {"w": np.full(8, v, np.int64)})
+            assert (svc.pull()[1]["w"] == v).all()
+
+
+def test_shared_segments_are_unlinked_on_eviction_and_close():
+    svc = ParameterService(keep=1, shared_memory=True)
+    svc.publish(0, _tensors(0))
+    manifest = svc.manifest(0)
+    prefix = manifest["segment"].rsplit("_", 1)[0] + "_"
+    attached = attach_shared(manifest)
+    _assert_same(attached, _tensors(0))
+    assert not any(a.flags.writeable for a in attached.values())
+    svc.publish(1, _tensors(1))
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/dev/shm/{manifest['segment']}") and time.monotonic() < deadline:
+        time.sleep(0.01)  # evicted segments are unlinked on a background thread
+    with pytest.raises(FileNotFoundError):
+        attach_shared(manifest)
+    _assert_same(attached, _tensors(0))  # an existing mapping outlives the name
+    _, pulled = svc.pull(1)
+    svc.close()
+    assert _segment_files(prefix) == []
+    _assert_same(pulled, _tensors(1))
+    with pytest.raises(RuntimeError, match="closed"):
+        svc.latest()
+
+
+# --- rejected inputs ----------------------------------------------------------------------------------------
+
+W = np.arange(12, dtype=np.float32).reshape(3, 4)
+MANIFEST = {"w": {"dtype": "float32", "shape": [3, 4]}, "b": {"dtype": "bfloat16", "shape": [2]}}
+
+BAD_CALLS = {
+    "publish_same_version": (lambda s: s.publish(5, {"w": W}), ValueError,
+                             "version 5 is not newer than the latest published version 5"),
+    "publish_older_version": (lambda s: s.publish(3, {"w": W}), ValueError,
+                              "version 3 is not newer than the latest published version 5"),
+    "begin_older_version": (lambda s: s.begin(4, MANIFEST), ValueError, "version 4 is not newer"),
+    "begin_pending_again": (lambda s: s.begin(6, MANIFEST), ValueError, "version 6 is already being"),
+    "begin_negative": (lambda s: s.begin(-7, MANIFEST), ValueError, "non-negative int"),
+    "begin_bool": (lambda s: s.begin(True, MANIFEST), ValueError, "non-negative int"),
+    "begin_empty": (lambda s: s.begin(7, {}), ValueError, "non-empty"),
+    "begin_bad_dtype": (lambda s: s.begin(7, {"x": {"dtype": "complex64", "shape": [2]}}), ValueError,
+                        "tensor 'x' has dtype 'complex64'; supported: float64"),
+    "begin_bad_shape": (lambda s: s.begin(7, {"x": {"dtype": "float32", "shape": [2, -1]}}), ValueError,
+                        "tensor 'x' has shape"),
+    "begin_missing_key": (lambda s: s.begin(7, {"x": {"dtype": "float32"}}), ValueError,
+                          "must have 'dtype' and 'shape'"),
+    "publish_complex": (lambda s: s.publish(7, {"w": W, "x": np.zeros(2, np.complex64)}), ValueError,
+                        "'x' has dtype 'complex64'"),
+    "publish_object": (lambda s: s.publish(7, {"x": np.array([None])}), ValueError, "dtype 'object'"),
+    "publish_strings": (lambda s: s.publish(7, {"x": np.array(["a"])}), ValueError, "dtype 'str32'"),
+    "publish_duplicate": (lambda s: s.publish(7, [("w", W), ("w", W)]), ValueError, "'w' is given twice"),
+    "put_unknown_name": (lambda s: s.put(6, "nope", b"1234"), ValueError, "version 6 has no tensor 'nope'"),
+    "put_wrong_dtype": (lambda s: s.put(6, "w", W.astype(np.float16)), ValueError,
+                        "'w': got an array of dtype float16 and shape \\[3, 4\\], the manifest says float32"),
+    "put_wrong_shape": (lambda s: s.put(6, "w", W.reshape(4, 3)), ValueError, "shape \\[4, 3\\]"),
+    "put_beyond_end": (lambda s: s.put(6, "w", b"\0" * 8, 44), ValueError,
+                       "chunk \\[44, 52\\) is outside the tensor's 48 bytes"),
+    "put_negative_offset": (lambda s: s.put(6, "w", b"\0", -1), ValueError, "outside the tensor's"),
+    "put_array_at_offset": (lambda s: s.put(6, "w", W, 4), ValueError, "at offset 0"),
+    "put_not_bytes": (lambda s: s.put(6, "w", "some text"), ValueError, "bytes-like"),
+    "put_not_begun": (lambda s: s.put(9, "w", W), ValueError, "version 9: it is not being published"),
+    "put_committed": (lambda s: s.put(5, "w", W), ValueError, "version 5: it is already committed"),
+    "commit_incomplete": (lambda s: s.commit(6), ValueError,
+                          "cannot commit version 6: tensor 'w' is missing 36 of its 48 bytes "
+                          "\\(first gap: bytes \\[4, 16\\)\\); 1 more tensor"),
+    "commit_not_begun": (lambda s: s.commit(9), ValueError, "not being published"),
+    "read_out_of_range": (lambda s: s.read(5, "w", 40, 9), ValueError, "cannot read 9 bytes at offset 40"),
+    "read_unknown_name": (lambda s: s.read(5, "nope", 0, 1), ValueError, "no tensor 'nope'"),
+    "pull_pending": (lambda s: s.pull(6), UnknownVersionError, "being published but not committed"),
+    "pull_evicted": (lambda s: s.pull(3), UnknownVersionError, "available: \\[4, 5\\]"),
+    "manifest_pending": (lambda s: s.manifest(6), UnknownVersionError, "version 6"),
+}
+
+
+def _snapshot(svc: ParameterService):
+    return svc.latest(), svc.versions(), {v: {n: a.tobytes() for n, a in svc.pull(v)[1].items()}
+                                          for v in svc.versions()}
+
+
+@pytest.mark.parametrize("shm", SHM)
+def test_every_rejected_call_leaves_the_service_unchanged(shm):
+    svc = ParameterService(keep=2, shared_memory=shm == "shm")
+    for v in range(3, 6):
+        svc.publish(v, {"w": W + v})
+    svc.begin(6, MANIFEST)
+    svc.put(6, "w", W.tobytes()[:4])  # bytes [0, 4) and [16, 24) of w; the rest after the bad calls
+    svc.put(6, "w", memoryview(W.tobytes())[16:24], 16)
+    before = _snapshot(svc)
+    for name, (call, error, match) in BAD_CALLS.items():
+        with pytest.raises(error, match=match):
+            call(svc)
+        assert _snapshot(svc) == before, name
+    # Version 6 kept its bytes through all of that and completes; 7 still publishes.
+    svc.put(6, "w", W.tobytes()[4:], 4)
+    svc.put(6, "b", np.array([1.5, -2], ml_dtypes.bfloat16))
+    svc.commit(6)
+    svc.publish(7, {"w": W})
+    assert svc.versions() == [6, 7]
+    _assert_same(svc.pull(6)[1], {"w": W, "b": np.array([1.5, -2], ml_dtypes.bfloat16)})
+    svc.close()
+
+
+def test_failed_one_shot_publish_leaves_nothing_pending():
+    with ParameterService() as svc:
+        with pytest.raises(ValueError, match="dtype 'complex64'"):
+            svc.publish(1, {"w": W, "x": np.zeros(2, np.complex64)})
+        svc.publish(1, {"w": W})  # the version number is free again
+        assert svc.versions() == [1]
+
+
+def test_abort_and_stale_commit():
+    with ParameterService() as svc:
+        svc.begin(1, MANIFEST)
+        svc.put(1, "w", W)
+        assert svc.abort_publish(1) is True
+        assert svc.abort_publish(1) is False
+        with pytest.raises(ValueError, match="not being published"):
+            svc.commit(1)
+        assert svc.versions() == []
+        # Two versions in flight: the newer commits first, the older can then never become visible.
+        svc.begin(2, {"w": MANIFEST["w"]})
+        svc.begin(3, {"w": MANIFEST["w"]})
+        svc.put(2, "w", W)
+        svc.put(3, "w", W + 3)
+        svc.commit(3)
+        with pytest.raises(ValueError, match="version 2 is not newer than the latest published version 3"):
+            svc.commit(2)
+        assert svc.abort_publish(2) is False  # already dropped
+        assert svc.versions() == [3]
+        _assert_same(svc.pull()[1], {"w": W + 3})
+
+
+# --- waiting ------------------------------------------------------------------------------------------------
+
+def test_wait_for_version():
+    svc = ParameterService()
+    with pytest.raises(TimeoutError, match="no version >= 0 was published within 0.05 s"):
+        svc.wait_for_version(0, timeout=0.05)
+    assert svc.poll_version(0, 0.01) is None
+    timer = threading.Timer(0.1, lambda: [svc.publish(v, {"w": W}) for v in (1, 2, 3)])
+    timer.start()
+    assert svc.wait_for_version(3, timeout=10) == 3
+    assert svc.wait_for_version(1, timeout=0) == 3
+    # close() wakes a waiter, which then fails rather than waiting forever.
+    failures = []
+
+    def waiter():
+        try:
+            svc.wait_for_version(99)
+        except RuntimeError as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.05)
+    svc.close()
+    thread.join(timeout=5)
+    assert len(failures) == 1 and "closed" in str(failures[0])
+
+
+# --- another process ----------------------------------------------------------------------------------------
+
+_READER_SCRIPT = textwrap.dedent('''
+    import json, multiprocessing as mp, os, subprocess, sys, time
+    import numpy as np
+    from jaxflow.param_service import ParameterService, attach_shared
+
+    def tensors(v):
+        rng = np.random.default_rng(v)
+        return {"a": rng.standard_normal((64, 33)).astype(np.float32),
+                "b": rng.integers(0, 2**16, (17,), dtype=np.uint16).view("bfloat16"),
+                "c": rng.integers(0, 2, (5, 3)).astype(bool)}
+
+    def digest(arrays):
+        return {n: bytes(np.ascontiguousarray(a).tobytes()) for n, a in arrays.items()}
+
+    def reader(manifest, conn):
+        views = attach_shared(manifest)
+        conn.send((digest(views), any(v.flags.writeable for v in views.values())))
+        later = conn.recv()           # meanwhile the service evicted the version and unlinked it
+        conn.send(digest(views))      # the mapping is still valid
+        attach_shared(later)          # attached, never released: exiting must not unlink it
+
+    if __name__ == "__main__":
+        svc = ParameterService(keep=2, shared_memory=True)
+        svc.publish(1, tensors(1))
+        first = svc.manifest(1)
+        prefix = first["segment"].rsplit("_", 1)[0] + "_"
+        conn, child_conn = mp.get_context("spawn").Pipe()
+        child = mp.get_context("spawn").Process(target=reader, args=(first, child_conn))
+        child.start()
+        got, writable = conn.recv()
+        assert got == digest(tensors(1)) and not writable
+        svc.publish(2, tensors(2))
+        svc.publish(3, tensors(3))
+        deadline = time.monotonic() + 10
+        while os.path.exists("/dev/shm/" + first["segment"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists("/dev/shm/" + first["segment"])
+        conn.send(svc.manifest(3))
+        assert conn.recv() == digest(tensors(1))
+        child.join(30)
+        assert child.exitcode == 0, child.exitcode
+        # An unrelated process (its own resource tracker) attaches and exits: the segment must survive.
+        code = ("import json, sys; from jaxflow.param_service import attach_shared; "
+                "print(float(attach_shared(json.loads(sys.argv[1]))['a'].sum()))")
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(svc.manifest(3))], check=True,
+                             capture_output=True, text=True)
+        assert float(out.stdout) == float(tensors(3)["a"].sum()), out
+        sys.stderr.write(out.stderr)
+        assert os.path.exists("/dev/shm/" + svc.manifest(3)["segment"])
+        assert digest(svc.pull(3)[1]) == digest(tensors(3))
+        svc.close()
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+        print("OK")
+''')
+
+
+def test_a_reader_process_attaches_without_resource_tracker_trouble(tmp_path):
+    script = tmp_path / "shm_reader.py"
+    script.write_text(_READER_SCRIPT)
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               PYTHONWARNINGS="default")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "OK"
+    # The resource tracker reports leaked or doubly-unlinked segments on stderr; there must be none.
+    assert done.stderr == "", done.stderr
+
+
+# --- ParameterClient ----------------------------------------------------------------------------------------
+
+class WireLoopback:
+    """Stands in for a jaxflow.rpc.Client: arguments and results cross jaxflow.wire encoding, and the calls
+    of each method are counted."""
+
+    def __init__(self, service, on_call=None):
+        self.service = service
+        self.counts = collections.Counter()
+        self.on_call = on_call
+
+    def call(self, method, *args, **kwargs):
+        assert method in RPC_METHODS, method
+        self.counts[method] += 1
+        if self.on_call is not None:
+            self.on_call(method, args)
+        args, kwargs = wire.decode(wire.encode([list(args), kwargs]))
+        return wire.decode(wire.encode(getattr(self.service, method)(*args, **kwargs)))
+
+
+@pytest.mark.parametrize("mode", ["shm_attach", "shm_service_streamed", "private_streamed"])
+def test_client_pull_attaches_or_streams(mode):
+    with ParameterService(keep=2, shared_memory=mode != "private_streamed") as svc:
+        tensors = _tensors(2)
+        svc.publish(4, tensors)
+        rpc_client = WireLoopback(svc)
+        client = ParameterClient(rpc_client, chunk_bytes=300, shared_memory=mode == "shm_attach")
+        assert client.latest() == 4 and client.versions() == [4]
+        version, pulled = client.pull()
+        assert version == 4
+        _assert_same(pulled, tensors)
+        assert not any(a.flags.writeable for a in pulled.values())
+        total = svc.manifest(4)["total_bytes"]
+        expected_reads = 0 if mode == "shm_attach" else -(-total // 300)
+        assert rpc_client.counts["read"] == expected_reads
+
+
+def test_client_streams_when_the_segment_is_not_reachable():
+    class OtherHost(WireLoopback):
+        def call(self, method, *args, **kwargs):
+            result = super().call(method, *args, **kwargs)
+            if method == "manifest":
+                result["segment"] = "jxf_no_such_segment_here"
+            return result
+
+    with ParameterService(shared_memory=True) as svc:
+        svc.publish(0, _tensors(3))
+        rpc_client = OtherHost(svc)
+        _assert_same(ParameterClient(rpc_client).pull(0)[1], _tensors(3))
+        assert rpc_client.counts["read"] == 1
+
+
+def test_client_pull_of_latest_restarts_when_the_version_is_evicted_mid_stream():
+    svc = ParameterService(keep=1)
+    svc.publish(0, {"w": np.zeros(1000, np.float32)})
+
+    def publish_during_first_read(method, args):
+        if method == "read" and svc.latest() == 0:
+            svc.publish(1, {"w": np.ones(1000, np.float32)})
+
+    client = ParameterClient(WireLoopback(svc, publish_during_first_read), chunk_bytes=1024)
+    version, pulled = client.pull()
+    assert version == 1 and (pulled["w"] == 1).all()
+    with pytest.raises(UnknownVersionError):
+        client.pull(0)  # an explicit version is never swapped for another
+    svc.close()
+
+
+@pytest.mark.parametrize("shm", SHM)
+def test_client_publish_in_chunks(shm):
+    with ParameterService(shared_memory=shm == "shm") as svc:
+        tensors = _tensors(4)
+        rpc_client = WireLoopback(svc)
+        ParameterClient(rpc_client, chunk_bytes=64).publish(1, tensors)
+        _assert_same(svc.pull(1)[1], tensors)
+        assert rpc_client.counts["put"] == sum(-(-t.nbytes // 64) for t in tensors.values())
+
+        # A failure half-way aborts the version on the service: nothing visible, the number free again.
+        def fail_third_put(method, args):
+            if method == "put" and rpc_client.counts["put"] == 3:
+                raise ConnectionError("link down")
+
+        rpc_client = WireLoopback(svc, fail_third_put)
+        with pytest.raises(ConnectionError):
+            ParameterClient(rpc_client, chunk_bytes=64).publish(2, tensors)
+        assert rpc_client.counts["abort_publish"] == 1
+        assert svc.versions() == [1]
+        svc.publish(2, tensors)
+
+
+def test_client_wait_for_version_polls_in_slices():
+    with ParameterService() as svc:
+        rpc_client = WireLoopback(svc)
+        client = ParameterClient(rpc_client)
+        with pytest.raises(TimeoutError):
+            client.wait_for_version(0, timeout=0.1, poll_s=0.03)
+        assert rpc_client.counts["poll_version"] >= 3
+        threading.Timer(0.1, lambda: svc.publish(2, {"w": W})).start()
+        assert client.wait_for_version(1, timeout=10, poll_s=0.05) == 2
+
+
+class Counting:
+    """Passes calls on to an rpc.Client, counting them by method."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.counts = collections.Counter()
+
+    def call(self, method, *args, **kwargs):
+        self.counts[method] += 1
+        return self.inner.call(method, *args, **kwargs)
+
+
+# --- over real RPC ------------------------------------------------------------------------------------------
+
+def test_client_over_loopback_rpc():
+    svc = ParameterService(keep=2)
+    server = rpc.Server(svc, RPC_METHODS, token="t0k").start()
+    rpc_client = rpc.Client(server.address, token="t0k", timeout=30)
+    try:
+        client = ParameterClient(rpc_client, chunk_bytes=1 << 12)
+        tensors = _tensors(5) | {"big": np.arange(50_000, dtype=np.float32)}
+        client.publish(1, tensors)
+        _assert_same(client.pull(1)[1], tensors)
+        _assert_same(svc.pull(1)[1], tensors)
+        with pytest.raises(UnknownVersionError, match="version 0 is not published"):
+            client.pull(0)
+        with pytest.raises(ValueError, match="version 1 is not newer"):
+            client.publish(1, tensors)
+        with pytest.raises(TimeoutError):
+            client.wait_for_version(2, timeout=0.2, poll_s=0.1)
+    finally:
+        rpc_client.close()
+        server.close()
+        svc.close()
+
+
+def test_client_attaches_to_a_server_process_shared_memory():
+    process, address = rpc.serve_in_subprocess(
+        "jaxflow.param_service:ParameterService", {"keep": 2, "shared_memory": True}, RPC_METHODS)
+    try:
+        rpc_client = rpc.Client(address, timeout=60)
+        counting = Counting(rpc_client)
+        client = ParameterClient(counting, chunk_bytes=1 << 14)
+        tensors = _tensors(6) | {"big": np.arange(100_000, dtype=np.float32)}
+        client.publish(1, tensors)  # the server copies the chunks into its segment
+        version, pulled = client.pull()
+        assert version == 1 and counting.counts["read"] == 0  # attached, not streamed
+        _assert_same(pulled, tensors)
+        segment = client.manifest(1)["segment"]
+        rpc_client.close()
+    finally:
+        rpc.stop_subprocess(process)
+    assert not os.path.exists(f"/dev/shm/{segment}")  # the server's close() unlinked it
+    _assert_same(pulled, tensors)  # and our mapping is still good
+
+
+def test_sharded_policy_publishes_the_same_hf_tensors(tmp_path):
+    # The trainer's state lives sharded on a mesh; what it publishes must be the plain HF tensors.
+    import jax
+
+    from jaxflow import sharding
+    from jaxflow.models.hf_io import iter_hf_tensors, load_model
+    from jaxflow.models.tiny import write_tiny_model
+
+    write_tiny_model(tmp_path, architecture="Qwen2ForCausalLM", tie_word_embeddings=False)
+    sharded = load_model(tmp_path, mesh=sharding.make_mesh(1, 4, 2))
+    assert len(sharded.layers.q_proj[...].sharding.device_set) == 8
+    single = dict(iter_hf_tensors(load_model(tmp_path, mesh=sharding.make_mesh(devices=jax.devices()[:1]))))
+    service = ParameterService(keep=1)
+    service.publish(3, iter_hf_tensors(sharded))
+    version, pulled = service.pull()
+    assert version == 3 and sorted(pulled) == sorted(single)
+    for name, value in single.items():
+        np.testing.assert_array_equal(pulled[name], value)
