@@ -1,0 +1,523 @@
+"""Reward computation in worker processes that a bad reward function cannot take down.
+
+A reward function is named by reference, "module:function" (e.g. "jaxflow.tasks:reward"), and called as
+`fn(response: str, meta: dict) -> float`. `RewardPool` runs such calls in spawned worker processes, one call
+per worker at a time, so that:
+
+- a call that raises scores `failed_value`, is counted in `stats()["raised"]`, and each distinct error message
+  is logged once;
+- a call still running after `timeout_s` has its worker killed (SIGKILL, with any processes it started: each
+  worker leads its own process group) and replaced; the sample scores `failed_value` and is counted in
+  `stats()["timed_out"]`;
+- a worker that dies during a call (os._exit, a segfault, the OOM killer) is replaced; the sample scores
+  `failed_value` and is counted in `stats()["crashed"]`;
+- a result that is not a finite real number scores `failed_value` and is counted in `stats()["invalid"]`.
+
+Design: every worker has its own duplex pipe; one dispatcher thread in the parent owns all workers, hands a
+queued call to each idle worker, and waits on the pipes, the workers' process sentinels and a wake-up pipe at
+once (`multiprocessing.connection.wait`), with a timeout at the nearest deadline. `concurrent.futures`'
+ProcessPoolExecutor is not used because it cannot kill one hung call (and a dead worker breaks the whole
+executor). Calls and results cross the pipes as msgpack, so the parent never unpickles anything a reward
+function produced, and `meta` must be msgpack-serialisable (task records are).
+
+A new worker is given calls only once it reports ready, so spawn start-up never eats into `timeout_s`. The
+first call of a function in a worker imports its module first, under its own limit `import_timeout_s`; the
+worker reports when the import is done, and `timeout_s` runs from then (or list the references in `preload`
+to import them at start-up).
+
+Spawned workers re-import the main module of the parent, as with any `multiprocessing` spawn: a script that
+creates a pool must guard its entry point with `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import numbers
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+# Results are a few hundred bytes; anything longer from a worker is refused rather than buffered.
+_MAX_RESULT_BYTES = 1 << 16
+_MAX_ERROR_CHARS = 500
+# Distinct error messages remembered for log-once; beyond this, new messages are still counted, and logged.
+_MAX_REMEMBERED_ERRORS = 1000
+# Consecutive workers that die before reporting ready after which the pool stops restarting them.
+_MAX_START_FAILURES = 3
+
+STAT_KEYS = ("submitted", "scored", "raised", "timed_out", "crashed", "invalid", "workers_started")
+
+
+def resolve(fn_ref: str) -> Callable[[str, dict], Any]:
+    """The function a "module:function" reference names (the function may be a dotted attribute path).
+
+    Raises:
+      ValueError: `fn_ref` is not of the form "module:function", or names nothing callable.
+      ImportError: the module does not import.
+    """
+    module_name, sep, attr = fn_ref.partition(":") if isinstance(fn_ref, str) else ("", "", "")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function reference {fn_ref!r} is not of the form 'module:function'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
+        raise ValueError(f"reward function reference {fn_ref!r}: module {module_name!r} has no function {attr!r}")
+    return obj
+
+
+def _check_result(value: Any) -> float | None:
+    """`value` as a float if it is a finite real number (bool, int, float, numpy scalar), else None."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        value = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def score_inline(fn_ref: str, response: str, meta: dict) -> float:
+    """Calls the reward function in this process: for tests and debugging (an exception propagates).
+
+    Raises:
+      ValueError: `fn_ref` names no function, or the result is not a finite real number.
+    """
+    value = resolve(fn_ref)(response, meta)
+    checked = _check_result(value)
+    if checked is None:
+        raise ValueError(f"reward function {fn_ref} returned {value!r:.100}, not a finite real number")
+    return checked
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, preload: Sequence[str],
+                 memory_limit_mb: int | None) -> None:
+    """A reward worker: reports ready, then answers [job id, fn_ref, response, meta] calls until told to stop.
+
+    Answers are [job id, status, payload]: ("ok", float), ("invalid", repr of the result) or ("raised", error
+    text), preceded by ("loaded", None) when the call had to import its function first. An empty message, or
+    the parent closing its end of the pipe, stops the worker.
+    """
+    # Ctrl-C goes to the whole process group; the parent decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A group of its own, so that killing a hung call also kills any processes the reward function started.
+    os.setpgid(0, 0)
+    if memory_limit_mb is not None:
+        import resource
+        limit = memory_limit_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    functions: dict[str, Callable] = {}
+    try:
+        for fn_ref in preload:
+            functions[fn_ref] = resolve(fn_ref)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the pool with it
+        conn.send_bytes(msgpack.packb(["start_failed", f"preloading {fn_ref}: {_error_text(e)}"]))
+        return
+    conn.send_bytes(msgpack.packb(["ready", os.getpid()]))
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if not message:
+            return
+        job_id, fn_ref, response, meta = msgpack.unpackb(message, raw=False, strict_map_key=False)
+        try:
+            fn = functions.get(fn_ref)
+            if fn is None:
+                fn = functions[fn_ref] = resolve(fn_ref)
+                # The import is done: from here on the parent holds the call to timeout_s.
+                conn.send_bytes(msgpack.packb([job_id, "loaded", None]))
+            value = fn(response, meta)
+            checked = _check_result(value)
+            answer = [job_id, "ok", checked] if checked is not None else [job_id, "invalid", repr(value)[:200]]
+        # BaseException: a reward function calling sys.exit() or raising KeyboardInterrupt failed one sample;
+        # the worker itself is fine.
+        except BaseException as e:  # noqa: BLE001
+            answer = [job_id, "raised", _error_text(e)]
+        try:
+            conn.send_bytes(msgpack.packb(answer))
+        except (EOFError, OSError):
+            return
+
+
+@dataclasses.dataclass
+class _Job:
+    job_id: int
+    fn_ref: str
+    payload: bytes
+    future: Future
+    # set_running_or_notify_cancel() has been called (it may be called only once per future).
+    started: bool = False
+
+
+@dataclasses.dataclass
+class _Worker:
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+    ready: bool = False
+    job: _Job | None = None
+    deadline: float = math.inf
+    # fn_refs this worker has imported: a call of another one gets import_timeout_s until the worker says
+    # "loaded", then timeout_s.
+    loaded: set[str] = dataclasses.field(default_factory=set)
+
+
+class RewardPool:
+    """Scores responses with reward functions in worker processes, surviving raises, hangs and crashes.
+
+    Args:
+      num_workers: worker processes; each runs one call at a time.
+      timeout_s: the longest one call may run before its worker is killed and replaced.
+      failed_value: the score of a sample whose call raised, timed out, crashed or returned an invalid value.
+      import_timeout_s: extra time allowed for a worker's first call of a function (its module import).
+      preload: function references every worker imports at start-up, before it takes calls.
+      memory_limit_mb: if set, each worker's address-space limit (RLIMIT_AS): a runaway allocation raises
+        MemoryError in the worker (counted as raised) instead of pushing the machine into swap or the OOM
+        killer. Leave room for the interpreter and the reward's imports (a few hundred MiB).
+
+    Use as a context manager, or call `close()`: workers are daemon processes, but close() is what ends them
+    promptly and leaves no process behind.
+    """
+
+    def __init__(self, num_workers: int = 1, timeout_s: float = 2.0, *, failed_value: float = 0.0,
+                 import_timeout_s: float = 30.0, preload: Sequence[str] = (), memory_limit_mb: int | None = None):
+        if num_workers < 1:
+            raise ValueError(f"RewardPool: num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"RewardPool: timeout_s must be > 0, got {timeout_s}")
+        if _check_result(failed_value) is None:
+            raise ValueError(f"RewardPool: failed_value must be a finite number, got {failed_value!r}")
+        for fn_ref in preload:
+            if not isinstance(fn_ref, str) or fn_ref.count(":") != 1:
+                raise ValueError(f"reward function reference {fn_ref!r} is not of the form 'module:function'")
+        self.num_workers, self.timeout_s = num_workers, float(timeout_s)
+        self.failed_value, self.import_timeout_s = float(failed_value), float(import_timeout_s)
+        self._preload, self._memory_limit_mb = tuple(preload), memory_limit_mb
+        self._context = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._stats = dict.fromkeys(STAT_KEYS, 0)
+        self._logged: set[str] = set()
+        self._next_job_id = 0
+        self._closing = False
+        self._broken: str | None = None
+        self._start_failures = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._workers: list[_Worker] = []
+        try:
+            for _ in range(num_workers):
+                self._workers.append(self._start_worker())
+        except BaseException:
+            self._shutdown_workers()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
+        self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
+        self._thread.start()
+
+    # ---- public API ----
+
+    def submit(self, fn_ref: str, response: str, meta: dict) -> Future:
+        """Queues one call; the future's result is the score (a float, `failed_value` if the call failed).
+
+        Raises:
+          ValueError: `fn_ref` is not "module:function".
+          TypeError: `response` or `meta` cannot be sent to a worker (meta must be msgpack-serialisable).
+          RuntimeError: the pool is closed or its workers cannot start.
+        """
+        if not isinstance(fn_ref, str) or fn_ref.count(":") != 1 or fn_ref.startswith(":") or fn_ref.endswith(":"):
+            raise ValueError(f"reward function reference {fn_ref!r} is not of the form 'module:function'")
+        future: Future = Future()
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("RewardPool is closed")
+            if self._broken:
+                raise RuntimeError(self._broken)
+            job_id = self._next_job_id
+            self._next_job_id += 1
+            try:
+                payload = msgpack.packb([job_id, fn_ref, response, meta])
+            except (TypeError, ValueError, OverflowError) as e:
+                raise TypeError(f"reward call for {fn_ref}: response and meta must be msgpack-serialisable "
+                                f"({e})") from None
+            self._pending.append(_Job(job_id, fn_ref, payload, future))
+            self._stats["submitted"] += 1
+        self._wake()
+        return future
+
+    def score_group(self, fn_ref: str, responses: Sequence[str], meta: dict) -> list[float]:
+        """Scores the responses of one group (they share `meta`), in parallel over the workers; blocks."""
+        futures = [self.submit(fn_ref, r, meta) for r in responses]
+        return [f.result() for f in futures]
+
+    def stats(self) -> dict[str, int]:
+        """Counts since start: submitted, scored (valid results), raised, timed_out, crashed, invalid,
+        workers_started (initial workers plus replacements), and pending (queued or running now)."""
+        with self._lock:
+            return {**self._stats, "pending": self._stats["submitted"] - sum(
+                self._stats[k] for k in ("scored", "raised", "timed_out", "crashed", "invalid"))}
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the current workers (replaced workers get new ones)."""
+        with self._lock:
+            return [w.process.pid for w in self._workers]
+
+    def close(self) -> None:
+        """Stops the workers and the dispatcher; calls still queued or running fail with RuntimeError.
+
+        Idempotent. Returns once every worker process has exited and been reaped.
+        """
+        with self._lock:
+            if self._closing:
+                already = True
+            else:
+                already, self._closing = False, True
+        if already:
+            self._thread.join()
+            return
+        self._wake()
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- dispatcher (runs in self._thread; the only code that touches the workers after __init__) ----
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already: the dispatcher will wake anyway
+
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._context.Pipe(duplex=True)
+        process = self._context.Process(target=_worker_main, args=(child_conn, self._preload, self._memory_limit_mb),
+                                        name="jaxflow-reward-worker", daemon=True)
+        process.start()
+        # The child holds its own copy; closing ours lets a dead child show up as EOF on parent_conn.
+        child_conn.close()
+        with self._lock:
+            self._stats["workers_started"] += 1
+        return _Worker(process, parent_conn, loaded=set(self._preload))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._closing or self._broken:
+                        break
+                self._assign()
+                self._poll()
+        except BaseException as e:  # noqa: BLE001 - a dispatcher bug must fail calls, not hang callers
+            log.exception("reward pool dispatcher failed")
+            with self._lock:
+                self._broken = f"reward pool dispatcher failed: {_error_text(e)}"
+        finally:
+            self._shutdown_workers()
+
+    def _assign(self) -> None:
+        """Hands queued calls to idle, ready workers."""
+        for worker in self._workers:
+            if worker.job is not None or not worker.ready:
+                continue
+            with self._lock:
+                job = self._pending.popleft() if self._pending else None
+            if job is None:
+                return
+            if not job.started:
+                if not job.future.set_running_or_notify_cancel():
+                    continue  # cancelled by the caller while queued
+                job.started = True
+            try:
+                worker.conn.send_bytes(job.payload)
+            except (OSError, EOFError):
+                # The worker died while idle; its sentinel will show it. The call goes back to the front.
+                with self._lock:
+                    self._pending.appendleft(job)
+                worker.ready = False
+                continue
+            worker.job = job
+            limit = self.timeout_s if job.fn_ref in worker.loaded else self.import_timeout_s
+            worker.deadline = time.monotonic() + limit
+
+    def _poll(self) -> None:
+        """Waits for a result, a worker death, a wake-up or the nearest deadline, and handles what happened."""
+        deadline = min(w.deadline for w in self._workers)
+        timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+        waitables = [self._wake_r] + [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+        ready = set(multiprocessing.connection.wait(waitables, timeout))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        now = time.monotonic()
+        for i, worker in enumerate(self._workers):
+            alive = True
+            if worker.conn in ready:
+                # Drain: a worker may have sent "loaded" and its result, then died, before this turn.
+                while alive and worker.conn.poll(0):
+                    alive = self._receive(worker)
+            if alive and worker.process.sentinel in ready:
+                # A result sent just before dying has been read above; whatever is left died with it.
+                alive = False
+            if not alive:
+                self._replace(i, "crashed")
+            elif worker.job is not None and now >= worker.deadline:
+                self._replace(i, "timed_out")
+
+    def _receive(self, worker: _Worker) -> bool:
+        """Reads one message from `worker`; False if the worker is gone (or sent something malformed)."""
+        try:
+            message = msgpack.unpackb(worker.conn.recv_bytes(_MAX_RESULT_BYTES), raw=False)
+        except (EOFError, OSError, ValueError, msgpack.UnpackException):
+            return False
+        if isinstance(message, list) and message[:1] == ["ready"]:
+            worker.ready = True
+            self._start_failures = 0
+            return True
+        if isinstance(message, list) and message[:1] == ["start_failed"] and len(message) == 2:
+            # Every replacement would fail the same way: stop rather than restart workers in a loop.
+            self._break(f"reward workers cannot start: {str(message[1])[:_MAX_ERROR_CHARS]}")
+            return True
+        job = worker.job
+        if not isinstance(message, list) or len(message) != 3 or job is None or message[0] != job.job_id:
+            log.error("reward worker %s sent an unexpected message; replacing it", worker.process.pid)
+            return False
+        _, status, payload = message
+        if status == "loaded":
+            worker.loaded.add(job.fn_ref)
+            worker.deadline = time.monotonic() + self.timeout_s
+            return True
+        worker.job, worker.deadline = None, math.inf
+        if status == "ok":
+            self._finish(job, "scored", float(payload))
+        elif status == "invalid":
+            self._fail(job, "invalid", f"returned {payload}, not a finite real number")
+        else:
+            self._fail(job, "raised", f"raised {payload}")
+        return True
+
+    def _replace(self, index: int, reason: str) -> None:
+        """Ends worker `index` (killing it if need be), fails its call as `reason`, and starts a replacement."""
+        worker = self._workers[index]
+        if reason != "timed_out":
+            # Its pipe closed as it died; give the exit a moment to complete so the exit code is its own.
+            worker.process.join(timeout=1.0)
+        _kill(worker.process)
+        worker.conn.close()
+        if worker.job is not None:
+            if reason == "crashed":
+                what = f"crashed its worker (exit code {worker.process.exitcode})"
+            elif worker.job.fn_ref in worker.loaded:
+                what = f"ran past timeout_s={self.timeout_s:g}s; its worker was killed"
+            else:
+                what = f"did not import within import_timeout_s={self.import_timeout_s:g}s; its worker was killed"
+            self._fail(worker.job, reason, what)
+        elif not worker.ready:
+            self._start_failures += 1
+            log.error("reward worker %s exited with code %s before it was ready", worker.process.pid,
+                      worker.process.exitcode)
+            if self._start_failures >= _MAX_START_FAILURES:
+                # The dead worker stays in the list, not ready; the dispatcher stops at its next turn.
+                self._break(f"reward workers cannot start: {_MAX_START_FAILURES} exited in a row before ready "
+                            f"(last exit code {worker.process.exitcode}); check the preload references and "
+                            "that the main module is import-safe (if __name__ == '__main__')")
+                return
+        else:
+            log.warning("reward worker %s exited while idle (exit code %s); replacing it", worker.process.pid,
+                        worker.process.exitcode)
+        self._workers[index] = self._start_worker()
+
+    def _break(self, message: str) -> None:
+        """Marks the pool unusable: submit() refuses calls and the dispatcher stops, failing queued calls."""
+        log.error("%s", message)
+        with self._lock:
+            self._broken = message
+
+    def _finish(self, job: _Job, outcome: str, value: float) -> None:
+        with self._lock:
+            self._stats[outcome] += 1
+        job.future.set_result(value)
+
+    def _fail(self, job: _Job, outcome: str, what: str) -> None:
+        message = f"reward function {job.fn_ref} {what}"
+        with self._lock:
+            first = message not in self._logged
+            if first and len(self._logged) < _MAX_REMEMBERED_ERRORS:
+                self._logged.add(message)
+        if first:
+            log.warning("%s; the sample scores %g (logged once per distinct message)", message, self.failed_value)
+        self._finish(job, outcome, self.failed_value)
+
+    def _shutdown_workers(self) -> None:
+        """Stops every worker and fails the calls still queued or running; leaves no process behind."""
+        for worker in self._workers:
+            try:
+                if worker.ready and worker.job is None:
+                    worker.conn.send_bytes(b"")
+            except (OSError, EOFError):
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=1.0 if worker.ready and worker.job is None else 0.0)
+            _kill(worker.process)
+            worker.conn.close()
+        message = self._broken or "RewardPool closed before the call finished"
+        with self._lock:
+            jobs = [w.job for w in self._workers if w.job is not None] + list(self._pending)
+            self._pending.clear()
+        for worker in self._workers:
+            worker.job = None
+        for job in jobs:
+            if job.started or job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError(message))
+
+
+def _kill(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILLs a worker and its process group (what its reward function started), then reaps it."""
+    if process.is_alive():
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:  # not yet its own group leader (killed during start-up), or already gone
+            process.kill()
+    process.join()
+
+
+def group_reward_fn(pool: RewardPool, fn_ref: str, decode: Callable[[Sequence[int]], str]):
+    """A rollout worker's `reward_fn(task, samples) -> rewards` that scores decoded samples with `pool`.
+
+    Args:
+      pool: where the reward function runs.
+      fn_ref: the reward function ("module:function"), e.g. a task's `reward_ref`.
+      decode: token ids -> text, e.g. `tokenizer.decode`.
+    """
+    def reward_fn(task, samples) -> list[float]:
+        return pool.score_group(fn_ref, [decode(s.tokens) for s in samples], task.meta)
+    return reward_fn
