@@ -38,8 +38,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Query heads and key/value heads (grouped-query attention when fewer kv heads).
     config.model.num_heads = 4
     config.model.num_kv_heads = 2
-    # Width of one attention head.
-    config.model.head_dim = 16
+    # Width of one attention head (vLLM's CPU attention needs >= 32).
+    config.model.head_dim = 32
     # Whether the LM head reuses the token embedding.
     config.model.tie_word_embeddings = True
 

