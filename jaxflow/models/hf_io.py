@@ -10,7 +10,7 @@ import json
 import os
 import pathlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,36 +32,91 @@ def abstract_model(cfg: ModelConfig, param_dtype=None) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype))
 
 
-def _check_names(directory, cfg: ModelConfig, layer_names, reader: CheckpointReader) -> None:
+def check_hf_names(cfg: ModelConfig, layer_names: tuple[str, ...], names, *, source: str,
+                   error=ValueError) -> None:
+    """Raises `error` naming `source` and the tensors if `names` are not exactly the model's HF names.
+
+    An `lm_head.weight` beside tied embeddings and old rotary buffers are tolerated (and unused), as
+    transformers does.
+    """
     expected = {name for name, _, _ in hf_names(cfg, layer_names)}
-    present = set(reader.names())
+    present = set(names)
     missing = sorted(expected - present)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {directory} is missing tensor(s) {missing[:5]}{more} "
-                              f"required by its config.json ({cfg.architecture})")
+        raise error(f"{source} is missing tensor(s) {missing[:5]}{more} required by its config "
+                    f"({cfg.architecture})")
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = sorted(n for n in present - expected - ignorable
                         if not n.endswith(IGNORED_HF_SUFFIXES))
     if unexpected:
-        raise CheckpointError(f"checkpoint {directory} has tensor(s) {unexpected[:5]} that a "
-                              f"{cfg.architecture} with this config.json does not have")
+        raise error(f"{source} has tensor(s) {unexpected[:5]} that a {cfg.architecture} with this "
+                    f"config does not have")
 
 
-def _read_row(reader: CheckpointReader, row: TensorMap, shape, dtype, num_layers) -> np.ndarray:
-    """The full jaxflow array of one row, on the host, in `dtype` (layers stacked)."""
-    def one(layer, per_layer_shape):
-        name = row.hf_name(layer)
-        want = row.hf_shape(per_layer_shape)
-        got = tuple(reader.shape(name))
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
+                   mesh: jax.sharding.Mesh | None = None, *, param_dtype=None, cast: bool = True,
+                   rules=None, source: str = "weights", where=None, error=ValueError) -> nnx.State:
+    """The model's parameter State, placed on `mesh`, from HF-named tensors in HF layout.
+
+    Every name, shape and (unless `cast`) dtype is checked against the table in
+    `jaxflow.models.names` before anything is converted or sent to a device, so a bad input changes
+    nothing. tensors: name -> array-like with .shape and .dtype (read only after the checks; lazy
+    mappings such as a checkpoint reader work). param_dtype: default the config's dtype. cast: convert
+    other dtypes to param_dtype; when False a dtype mismatch is an error. source: what the tensors are,
+    for messages; where(name): how to name one tensor in messages (default `tensor 'name'`).
+    Each parameter is placed with its logical-axis sharding: a device receives only its slice.
+    """
+    dtype = jnp.dtype(param_dtype or cfg.dtype)
+    mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
+    where = where or (lambda name: f"{source}: tensor {name!r}")
+    shapes = abstract_model(cfg, dtype)
+    layer_names = shapes.layers.names
+    check_hf_names(cfg, layer_names, tensors.keys(), source=source, error=error)
+    abstract = nnx.state(shapes)
+    rows = {row.path: row for row in tensor_maps(cfg, layer_names)}
+    per_layer = {path: var.get_value().shape[1:] if rows[tuple(path)].stacked else var.get_value().shape
+                 for path, var in nnx.to_flat_state(abstract)}
+    for name, row, _ in hf_names(cfg, layer_names):
+        tensor = tensors[name]
+        got, want = tuple(tensor.shape), row.hf_shape(per_layer[row.path])
         if got != want:
-            raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r} has shape {got}, expected "
-                                  f"{want} from config.json")
-        return row.from_hf(reader.get(name), per_layer_shape).astype(dtype)
+            raise error(f"{where(name)} has shape {got}, expected {want} from the config")
+        if not cast and np.dtype(tensor.dtype) != dtype:
+            raise error(f"{where(name)} has dtype {np.dtype(tensor.dtype)}, expected {dtype} (the "
+                        f"parameter dtype; casting was not asked for)")
 
-    if row.stacked:
-        return np.stack([one(i, shape[1:]) for i in range(num_layers)])
-    return np.array(one(None, shape), copy=True)
+    def host_row(row: TensorMap, shape) -> np.ndarray:
+        if row.stacked:
+            return np.stack([row.from_hf(np.asarray(tensors[row.hf_name(i)]), shape[1:]).astype(dtype)
+                             for i in range(cfg.num_layers)])
+        return np.array(row.from_hf(np.asarray(tensors[row.hf_name()]), shape), dtype=dtype, copy=True)
+
+    placed = []
+    for path, var in nnx.to_flat_state(abstract):
+        shape = var.get_value().shape
+        host = host_row(rows[tuple(path)], shape)
+        target = sharding.named_sharding(var.get_metadata()["logical_axes"], shape, mesh, rules)
+        array = jax.make_array_from_callback(shape, target, lambda index, h=host: h[index])
+        placed.append((path, var.replace(value=array)))
+    return nnx.from_flat_state(placed)
+
+
+class _ReaderTensors(Mapping):
+    """A checkpoint reader seen as name -> tensor: each value is a zero-copy view of the mapped file, so
+    checking shapes and dtypes reads no data."""
+
+    def __init__(self, reader: CheckpointReader):
+        self._reader = reader
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._reader.get(name)
+
+    def __iter__(self):
+        return iter(self._reader)
+
+    def __len__(self) -> int:
+        return len(self._reader)
 
 
 def load_model(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
@@ -73,22 +128,12 @@ def load_model(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
     """
     directory = pathlib.Path(directory)
     cfg = from_hf_config(read_hf_config(directory), source=str(directory / "config.json"))
-    dtype = jnp.dtype(param_dtype or cfg.dtype)
-    mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
-    shapes = abstract_model(cfg, dtype)
-    layer_names = shapes.layers.names
-    graphdef, abstract = nnx.split(shapes)
-    rows = {row.path: row for row in tensor_maps(cfg, layer_names)}
-    loaded = []
+    graphdef = nnx.graphdef(abstract_model(cfg, param_dtype))
     with CheckpointReader(directory) as reader:
-        _check_names(directory, cfg, layer_names, reader)
-        for path, var in nnx.to_flat_state(abstract):
-            shape = var.get_value().shape
-            host = _read_row(reader, rows[tuple(path)], shape, dtype, cfg.num_layers)
-            target = sharding.named_sharding(var.get_metadata()["logical_axes"], shape, mesh, rules)
-            array = jax.make_array_from_callback(shape, target, lambda index, h=host: h[index])
-            loaded.append((path, var.replace(value=array)))
-    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+        state = params_from_hf(cfg, _ReaderTensors(reader), mesh, param_dtype=param_dtype, rules=rules,
+                               source=f"checkpoint {directory}", error=CheckpointError,
+                               where=lambda name: f"{reader.file_of(name)}: tensor {name!r}")
+    return nnx.merge(graphdef, state)
 
 
 def _param(model: Transformer, path: tuple[str, ...]):

@@ -141,12 +141,17 @@ class DecoderLayers(nnx.Module):
 
 
 def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt,
-                  inv_freq_k, mask_b11ts, kv_bsgk=None):
+                  inv_freq_k, mask_b11ts, store_kv=None):
     """One pre-norm decoder block on the per-layer params `p`.
 
-    `kv_bsgk`, when given, is a (keys, values) pair of earlier positions to attend to before this
-    chunk (the rollout engine's cache); the new keys/values are returned for the caller to store.
-    Returns (x_btd, (k_btgk, v_btgk)).
+    store_kv says where keys/values live. None: the chunk attends within itself (training, prefill;
+    `mask_b11ts` is [B, 1, 1, T, T]) and its own (k_btgk, v_btgk) are returned. Otherwise a function
+    `store_kv(k_btgk, v_btgk) -> (keys_bsgk, values_bsgk, cache)` that stores the chunk's keys/values
+    in a cache (the rollout engine's) and returns the S keys/values to attend over (`mask_b11ts` is
+    [B, 1, 1, T, S]) and the updated cache, which is returned in their place. The cache layout stays
+    the caller's business, so the engine can update a buffer in place while this body stays the one
+    the trainer runs.
+    Returns (x_btd, (k_btgk, v_btgk) or cache).
     """
     b, t, _ = x_btd.shape
     g, r = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
@@ -161,8 +166,10 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions_bt, inv_freq_k)
     k = apply_rope(k, positions_bt, inv_freq_k)
-    keys, values = (k, v) if kv_bsgk is None else (jnp.concatenate([kv_bsgk[0], k], 1),
-                                                    jnp.concatenate([kv_bsgk[1], v], 1))
+    if store_kv is None:
+        keys, values, kv_out = k, v, (k, v)
+    else:
+        keys, values, kv_out = store_kv(k, v)
     out = attention(q.reshape(b, t, g, r, -1), keys, values, mask_b11ts).reshape(b, t, g * r, -1)
     attn = jnp.einsum("bthk,hkd->btd", out, p["o_proj"])
     if cfg.o_bias:
@@ -177,7 +184,7 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
     down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"])
     if cfg.mlp_bias:
         down = down + p["down_bias"]
-    return x_btd + down, (k, v)
+    return x_btd + down, kv_out
 
 
 class Transformer(nnx.Module):

@@ -1,0 +1,250 @@
+"""The jitted half of the JAX rollout engine: KV cache, prefill, chunked decode and per-slot sampling.
+
+Everything here has fixed shapes so that a running engine compiles a handful of programs once: the
+cache holds `num_slots` sequences of up to `max_len` positions, one decode call runs `num_steps` steps
+for all slots at once, and prefill lengths come from a few buckets. The layer math is
+`jaxflow.models.transformer.decoder_layer`, the same function the trainer's forward pass scans.
+
+A slot's sequence is prompt + generated tokens. The cache holds keys/values of all but its last token;
+that last token is the slot's pending input, fed by the next decode step, which writes its keys/values
+and samples the following token. So prefill needs no LM head, and sampling lives in one place.
+
+Shapes: L layers, B slots, S cache positions (max_len, or the attention window), G kv heads, K head_dim,
+D hidden, V vocab, C decode steps per call, P sequences per prefill call, T prefill bucket length, N stop
+ids per slot.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxflow import sharding
+from jaxflow.models.config import ModelConfig
+from jaxflow.models.transformer import attention_mask, decoder_layer, rms_norm, rope_inv_freq
+
+# SlotState.finish_b codes.
+RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+LOGPROBS_MODES = ("raw", "processed")
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer and slot: k_lbgsk, v_lbgsk [L, B, G, S, K] in the param dtype.
+
+    Heads before positions: for each (slot, head) the keys are one contiguous [S, K] block, the layout a
+    batched matrix-vector product wants (several times faster attention on CPU than [B, S, G, K],
+    and the layout TPU attention kernels expect).
+    """
+
+    k_lbgsk: jax.Array
+    v_lbgsk: jax.Array
+
+
+class SlotState(NamedTuple):
+    """Per-slot decode state, all [B] (stop ids [B, N]); the host owns it between decode calls.
+
+    tokens_b: the pending input token (the sequence's last token, not yet in the cache).
+    lengths_b: positions already in the cache, i.e. the pending token's position.
+    active_b: the slot holds a sequence still generating. generated_b: tokens generated so far, a
+    resumed prefix included; it also indexes the per-token PRNG key. max_tokens_b: the request's limit on
+    generated_b. temperature_b (0 = greedy), top_k_b (0 = off), top_p_b (1 = off): sampling filters.
+    seeds_b: uint32 per-request seed. stop_ids_bn: stop token ids, -1 pads. finish_b: RUNNING, or why the
+    slot stopped in the last call (FINISH_STOP, FINISH_LENGTH).
+    """
+
+    tokens_b: jax.Array
+    lengths_b: jax.Array
+    active_b: jax.Array
+    generated_b: jax.Array
+    max_tokens_b: jax.Array
+    temperature_b: jax.Array
+    top_k_b: jax.Array
+    top_p_b: jax.Array
+    seeds_b: jax.Array
+    stop_ids_bn: jax.Array
+    finish_b: jax.Array
+
+
+CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
+
+
+def cache_sharding(cfg: ModelConfig, num_slots: int, max_len: int, mesh: jax.sharding.Mesh,
+                   rules=None) -> jax.sharding.NamedSharding:
+    """Slots over the batch axes (data, fsdp), kv heads over tensor, each only where it divides."""
+    shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return sharding.named_sharding(CACHE_AXES, shape, mesh, rules)
+
+
+def init_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
+               out_sharding: jax.sharding.NamedSharding) -> KVCache:
+    """A zeroed cache, created directly in its sharding."""
+    shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out_sharding)
+    return KVCache(zeros(), zeros())
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "out_sharding"), donate_argnames=("cache",))
+def prefill(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, lengths_p: jax.Array,
+            slots_p: jax.Array, *, out_sharding) -> KVCache:
+    """Computes keys/values of tokens_pt[p, :lengths_p[p]] and stores them in slot slots_p[p], positions
+    0..T-1 (the tail past lengths_p[p] holds junk that decode overwrites before it is ever visible).
+
+    tokens_pt: int32, right-padded. slots_p: int32; a slot >= B marks a padding row, which is dropped.
+    Returns the updated cache (the input cache is donated).
+    """
+    model = nnx.merge(graphdef, params)
+    cfg = model.config
+    t = tokens_pt.shape[1]
+    segment_ids_pt = (jnp.arange(t)[None, :] < lengths_p[:, None]).astype(jnp.int32)
+    positions_pt = jnp.broadcast_to(jnp.arange(t), tokens_pt.shape)
+    mask = attention_mask(segment_ids_pt)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+
+    def body(x_ptd, p):
+        return decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, mask)
+
+    x_ptd = jnp.take(model.embed[...], tokens_pt, axis=0)
+    _, (k_lptgk, v_lptgk) = jax.lax.scan(body, x_ptd, model.layers.stacked())
+    k_lpgtk, v_lpgtk = jnp.swapaxes(k_lptgk, 2, 3), jnp.swapaxes(v_lptgk, 2, 3)
+    k = cache.k_lbgsk.at[:, slots_p, :, :t].set(k_lpgtk.astype(cache.k_lbgsk.dtype), mode="drop")
+    v = cache.v_lbgsk.at[:, slots_p, :, :t].set(v_lpgtk.astype(cache.v_lbgsk.dtype), mode="drop")
+    return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
+
+
+def _forward_step(model, cache: KVCache, tokens_b: jax.Array, lengths_b: jax.Array, window: int):
+    """One token per slot at position lengths_b: writes its keys/values, returns (logits_bv, cache).
+
+    Attention reads only the first `window` cache positions (every active slot's sequence fits in them).
+    """
+    cfg = model.config
+    positions_b1 = lengths_b[:, None]
+    rows_b = jnp.arange(tokens_b.shape[0])
+    # Each slot sees its own cached positions and the token being written; the rest of the window
+    # (junk from earlier occupants or prefill padding) stays hidden.
+    mask_b1111w = (jnp.arange(window)[None, :] <= positions_b1)[:, None, None, None, :]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+
+    def body(carry, xs):
+        x_b1d, k_lbgsk, v_lbgsk = carry
+        p, layer = xs
+
+        def store(k_b1gk, v_b1gk):
+            # The cache is the loop carry and is written with a scatter, which XLA does in place; a
+            # per-layer cache passed as scan xs/ys would be copied whole at every step.
+            k = k_lbgsk.at[layer, rows_b, :, lengths_b].set(k_b1gk[:, 0].astype(k_lbgsk.dtype))
+            v = v_lbgsk.at[layer, rows_b, :, lengths_b].set(v_b1gk[:, 0].astype(v_lbgsk.dtype))
+            # decoder_layer attends over [B, S, G, K]; XLA folds this transpose into the dot.
+            keys, values = (jnp.swapaxes(jax.lax.dynamic_index_in_dim(c, layer, 0, False)[:, :, :window],
+                                         1, 2) for c in (k, v))
+            return keys, values, (k, v)
+
+        x_b1d, (k_lbgsk, v_lbgsk) = decoder_layer(cfg, p, x_b1d, positions_b1, inv_freq, mask_b1111w,
+                                                  store)
+        return (x_b1d, k_lbgsk, v_lbgsk), None
+
+    x_b1d = jnp.take(model.embed[...], tokens_b[:, None], axis=0)
+    layers = (model.layers.stacked(), jnp.arange(cfg.num_layers))
+    (x_b1d, k, v), _ = jax.lax.scan(body, (x_b1d, cache.k_lbgsk, cache.v_lbgsk), layers)
+    h_b1d = rms_norm(x_b1d, model.final_norm[...], cfg.rms_norm_eps)
+    return model.logits(h_b1d)[:, 0], KVCache(k, v)
+
+
+def _filter_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
+    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf.
+
+    The nucleus is the smallest set of most likely tokens (after top-k) whose mass reaches top_p; ties
+    at a threshold are kept.
+    """
+    v = scaled_bv.shape[-1]
+    sorted_bv = -jnp.sort(-scaled_bv, axis=-1)
+    kth_b = jnp.take_along_axis(sorted_bv, jnp.clip(top_k_b - 1, 0, v - 1)[:, None], axis=-1)[:, 0]
+    kth_b = jnp.where(top_k_b > 0, kth_b, -jnp.inf)
+    sorted_bv = jnp.where(sorted_bv >= kth_b[:, None], sorted_bv, -jnp.inf)
+    probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+    mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
+    cutoff_b = jnp.min(jnp.where(mass_before_bv < top_p_b[:, None], sorted_bv, jnp.inf), axis=-1)
+    threshold_b = jnp.maximum(kth_b, jnp.where(top_p_b < 1.0, cutoff_b, -jnp.inf))
+    return jnp.where(scaled_bv >= threshold_b[:, None], scaled_bv, -jnp.inf)
+
+
+def sample_tokens(logits_bv: jax.Array, state: SlotState, logprobs_mode: str = "raw"):
+    """Samples one token per slot with that slot's parameters; returns (tokens_b int32, logprobs_b f32).
+
+    Temperature scales first, then top-k and top-p filter (as transformers and vLLM order them);
+    temperature 0 takes the argmax of the unmodified logits. The key of a slot's j-th generated token is
+    fold_in(key(seed), j), so a request's samples do not depend on its slot, its neighbours, chunking,
+    or an abort and resume.
+
+    logprobs_mode "raw": log-probabilities under the model's unmodified distribution (temperature 1, no
+    filters), which is what the trainer recomputes as the behaviour policy. "processed": under the
+    distribution actually sampled from (temperature and filters applied; at temperature 0, the filtered
+    temperature-1 distribution).
+    """
+    logits_bv = logits_bv.astype(jnp.float32)
+    sampling_b = state.temperature_b > 0
+    scaled_bv = logits_bv / jnp.where(sampling_b, state.temperature_b, 1.0)[:, None]
+    # The sort behind top-k/top-p is the costliest part of sampling with a large vocab: skip it when
+    # no slot asks for a filter.
+    filtered = jnp.any((state.top_k_b > 0) | (state.top_p_b < 1.0))
+    processed_bv = jax.lax.cond(filtered, _filter_top_k_top_p, lambda s, k, p: s, scaled_bv,
+                                state.top_k_b, state.top_p_b)
+    keys_b = jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(state.seeds_b,
+                                                                             state.generated_b)
+    sampled_b = jax.vmap(jax.random.categorical)(keys_b, processed_bv)
+    tokens_b = jnp.where(sampling_b, sampled_b, jnp.argmax(logits_bv, axis=-1)).astype(jnp.int32)
+    reported_bv = logits_bv if logprobs_mode == "raw" else processed_bv
+    logprobs_b = jnp.take_along_axis(jax.nn.log_softmax(reported_bv, axis=-1), tokens_b[:, None],
+                                     axis=-1)[:, 0]
+    return tokens_b, logprobs_b
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "window", "logprobs_mode",
+                                             "out_sharding"), donate_argnames=("cache",))
+def decode(graphdef, params: nnx.State, cache: KVCache, state: SlotState, *, num_steps: int, window: int,
+           logprobs_mode: str, out_sharding):
+    """Up to `num_steps` decode steps for every slot in one call; stops early once no slot is active.
+
+    window: attention reads cache positions [0, window) only; the caller picks it (from a few buckets) so
+    that every active slot's lengths_b + num_steps fits, which saves reading the whole cache while
+    sequences are short.
+
+    A slot stops after sampling a stop id (FINISH_STOP; the stop token is kept), reaching max_tokens
+    generated, or filling the cache (FINISH_LENGTH: prompt + generated = S). Inactive slots still run
+    (fixed shapes) but their state and outputs are frozen.
+    Returns (cache, state, tokens_bc int32 with -1 where nothing was generated, logprobs_bc float32).
+    """
+    model = nnx.merge(graphdef, params)
+    max_len = cache.k_lbgsk.shape[3]
+    b = state.tokens_b.shape[0]
+
+    def step(carry):
+        i, cache, s, tokens_bc, logprobs_bc = carry
+        logits_bv, cache = _forward_step(model, cache, s.tokens_b, s.lengths_b, window)
+        token_b, logprob_b = sample_tokens(logits_bv, s, logprobs_mode)
+        active_b = s.active_b
+        stop_b = jnp.any(token_b[:, None] == s.stop_ids_bn, axis=-1)
+        generated_b = s.generated_b + 1
+        full_b = (generated_b >= s.max_tokens_b) | (s.lengths_b + 2 >= max_len)
+        done_b = active_b & (stop_b | full_b)
+        s = s._replace(
+            tokens_b=jnp.where(active_b, token_b, s.tokens_b),
+            lengths_b=jnp.where(active_b, s.lengths_b + 1, s.lengths_b),
+            generated_b=jnp.where(active_b, generated_b, s.generated_b),
+            active_b=active_b & ~done_b,
+            finish_b=jnp.where(done_b, jnp.where(stop_b, FINISH_STOP, FINISH_LENGTH), s.finish_b))
+        tokens_bc = tokens_bc.at[:, i].set(jnp.where(active_b, token_b, -1))
+        logprobs_bc = logprobs_bc.at[:, i].set(jnp.where(active_b, logprob_b, 0.0))
+        return i + 1, cache, s, tokens_bc, logprobs_bc
+
+    def more(carry):
+        return (carry[0] < num_steps) & jnp.any(carry[2].active_b)
+
+    state = state._replace(finish_b=jnp.zeros_like(state.finish_b))
+    init = (jnp.int32(0), cache, state, jnp.full((b, num_steps), -1, jnp.int32),
+            jnp.zeros((b, num_steps), jnp.float32))
+    _, cache, state, tokens_bc, logprobs_bc = jax.lax.while_loop(more, step, init)
+    return jax.lax.with_sharding_constraint(cache, out_sharding), state, tokens_bc, logprobs_bc

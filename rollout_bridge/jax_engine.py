@@ -1,0 +1,447 @@
+"""jaxflow's own rollout engine: continuous batching over a fixed-shape KV cache, in JAX.
+
+It is the embedded default engine (trainer and rollout in one process, one machine) and the TPU path.
+A background thread runs the loop:
+
+1. apply commands from other threads (weight swaps, aborts) — only ever between decode calls;
+2. admit waiting requests into free slots: prefill prompt (+ resumed prefix) into the slot's cache rows;
+3. run `decode_chunk` decode steps for all slots in one jitted call;
+4. hand finished samples to `poll`, freeing their slots for the next admission.
+
+Shapes never depend on the requests: the cache is [layers, max_slots, kv_heads, max_len, head_dim], a
+decode call always covers every slot (empty and finished ones masked), and prefill lengths are rounded
+up to `prefill_buckets`, so a long-running engine compiles one decode program and a few prefill ones.
+
+Log-probabilities: by default each token's log-probability under the model's unmodified distribution
+(temperature 1, no top-k/top-p) — the quantity the trainer recomputes for the behaviour policy, so
+importance weights compare like with like. `logprobs_mode="processed"` reports the log-probability
+under the distribution actually sampled from instead.
+
+Weight updates keep requests in flight: the new weights are checked against the HF name table before
+anything changes, swapped in between decode calls, and every in-flight sequence's cache is recomputed
+under them (prompt + tokens so far), so the tokens after the swap are exactly what the new weights
+produce from that prefix; each token records the version that produced it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxflow import sharding
+from jaxflow.models import hf_io
+from jaxflow.models.transformer import Transformer
+from jaxflow.rollout_types import Sample
+from rollout_bridge import jax_decode
+from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
+                                   WeightsRejected)
+
+# Window of recent decode calls that `load().tokens_per_s` averages over.
+_RATE_WINDOW_S = 5.0
+_FINISH_NAMES = {jax_decode.FINISH_STOP: "stop", jax_decode.FINISH_LENGTH: "length"}
+
+
+@dataclasses.dataclass
+class _Running:
+    """A request in a slot: its sample so far (a resumed prefix included)."""
+
+    request: Request
+    sample: Sample
+
+    @property
+    def sequence(self) -> list[int]:
+        return list(self.request.prompt) + self.sample.tokens
+
+
+def _copy_prefix(request: Request) -> Sample:
+    prefix = request.prefix or Sample()
+    return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs),
+                  versions=list(prefix.versions))
+
+
+class JaxEngine(Engine):
+    """The JAX rollout engine; see the module docstring.
+
+    model: an HF model directory, or a loaded `Transformer` (copied onto `mesh`).
+    max_slots: sequences decoded at once. max_len: cache positions per slot (prompt + completion).
+    decode_chunk: decode steps per jitted call (the granularity of admission, aborts and weight swaps).
+    mesh: default one device; params follow their logical axes, the cache is split by slots over
+    data/fsdp and by kv heads over tensor (each where it divides). version: the weights' policy version.
+    prefill_buckets: prefill lengths (capped at max_len; max_len is always one). seed: draws per-request
+    seeds for requests without one. param_dtype: the serving dtype (default the checkpoint's).
+    cast_weights: let `update_weights` cast tensors of another dtype; by default that is refused.
+    logprobs_mode: "raw" or "processed" (module docstring). prefill_batch: most sequences per prefill
+    call (calls are padded to a power of two). max_stop_ids: most stop token ids per request.
+    """
+
+    def __init__(self, model: str | os.PathLike | Transformer, *, max_slots: int = 32,
+                 max_len: int = 1024, decode_chunk: int = 16, mesh: jax.sharding.Mesh | None = None,
+                 version: int = 0, prefill_buckets: Iterable[int] = (64, 128, 256, 512, 1024),
+                 seed: int = 0, param_dtype=None, cast_weights: bool = False,
+                 logprobs_mode: str = "raw", prefill_batch: int = 8, max_stop_ids: int = 8, rules=None):
+        if logprobs_mode not in jax_decode.LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode {logprobs_mode!r} is not one of {jax_decode.LOGPROBS_MODES}")
+        if max_slots < 1 or max_len < 2 or decode_chunk < 1 or prefill_batch < 1:
+            raise ValueError(f"need max_slots >= 1, max_len >= 2, decode_chunk >= 1, prefill_batch >= 1; "
+                             f"got {max_slots}, {max_len}, {decode_chunk}, {prefill_batch}")
+        self._mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
+        self._rules = rules
+        if isinstance(model, Transformer):
+            if param_dtype is not None:
+                raise ValueError("param_dtype applies to a model directory; a loaded Transformer is "
+                                 "served in its own dtype")
+        else:
+            model = hf_io.load_model(model, mesh=self._mesh, param_dtype=param_dtype, rules=rules)
+        self.config = cfg = model.config
+        self._param_dtype = model.embed[...].dtype
+        self._graphdef, params = nnx.split(model)
+        # Placed exactly as update_weights places new weights, so a swap never triggers a recompile; and
+        # copied, so that a trainer donating its own params (one process, same mesh) leaves ours intact.
+        self._params = jax.device_put(params, sharding.state_shardings(params, self._mesh, rules),
+                                      may_alias=False)
+        self._cast_weights = cast_weights
+        self._version = version
+        self.max_slots, self.max_len, self.decode_chunk = max_slots, max_len, decode_chunk
+        self._buckets = sorted({min(int(b), max_len) for b in prefill_buckets} | {max_len})
+        self._prefill_batch = prefill_batch
+        self._logprobs_mode = logprobs_mode
+        self._max_stop_ids = max_stop_ids
+        self._seeds = np.random.default_rng(seed)
+        self._cache_sharding = jax_decode.cache_sharding(cfg, max_slots, max_len, self._mesh, rules)
+        self._cache = jax_decode.init_cache(cfg, max_slots, max_len, self._param_dtype,
+                                            self._cache_sharding)
+        self._slots = self._empty_slots()
+        self._running: dict[int, _Running] = {}  # slot -> request; only the loop thread touches it
+        self._rates: collections.deque[tuple[float, float, int]] = collections.deque()
+        # Shared with the API threads, under _lock.
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the loop waits for work
+        self._finished = threading.Condition(self._lock)  # poll waits for completions
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._commands: list[tuple] = []
+        self._completions: list[Completion] = []
+        self._active_ids: set[str] = set()
+        self._snapshot = EngineLoad(0, 0, 0.0, 0.0, version)
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="jax-engine", daemon=True)
+        self._thread.start()
+
+    # ----- the Engine interface (any thread) -----
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, request: Request) -> None:
+        error = self._invalid(request)
+        with self._lock:
+            self._raise_if_down()
+            if request.request_id in self._active_ids:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            if error is not None:
+                sample = _copy_prefix(request)
+                sample.finish_reason = "error"
+                self._completions.append(Completion(request.request_id, sample, error))
+                self._finished.notify_all()
+                return
+            self._active_ids.add(request.request_id)
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def poll(self, timeout: float | None = None) -> list[Completion]:
+        """Completions finished since the last poll (errors included; aborted requests come back from
+        `abort`, not here, except at `close`). Raises EngineError once the loop has failed or the engine
+        is closed and nothing is left to hand out.
+        """
+        with self._lock:
+            if not self._completions and self._error is None and not self._closing and timeout:
+                self._finished.wait_for(
+                    lambda: self._completions or self._error is not None or self._closing, timeout)
+            if not self._completions and (self._error is not None or self._closing):
+                raise self._engine_error()
+            done, self._completions = self._completions, []
+            return done
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Partial samples (finish_reason "abort") of those `request_ids` still waiting or running; ids
+        already finished (their completion is in, or will be in, `poll`) or unknown are skipped. Works
+        after a loop failure too, so no in-flight work is lost.
+        """
+        ids = set(request_ids)
+        future = concurrent.futures.Future()
+        with self._lock:
+            loop_alive = self._thread.is_alive() and self._error is None and not self._closing
+            if loop_alive:
+                self._commands.append(("abort", ids, future))
+                self._wake.notify()
+        if loop_alive:
+            try:
+                return future.result()
+            except EngineError:
+                pass  # the loop stopped before getting to it: nothing runs now, take them directly
+        return self._abort(ids)
+
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Checks `tensors` (HF names, shapes, dtypes) against the model's table, places them on the mesh,
+        then waits for the loop to swap them in between decode calls and recompute the in-flight caches.
+        Raises WeightsRejected, with nothing changed, on any mismatch.
+        """
+        self._raise_if_down()
+        if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
+            raise WeightsRejected(f"version must be an int, got {version!r}")
+        params = hf_io.params_from_hf(self.config, tensors, self._mesh, param_dtype=self._param_dtype,
+                                      cast=self._cast_weights, rules=self._rules, error=WeightsRejected,
+                                      source=f"weights of version {version}")
+        future = concurrent.futures.Future()
+        with self._lock:
+            self._raise_if_down()
+            self._commands.append(("weights", (int(version), params), future))
+            self._wake.notify()
+        future.result()
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            return dataclasses.replace(self._snapshot, waiting=len(self._waiting), version=self._version)
+
+    def close(self) -> None:
+        """Stops the loop after the decode call in progress. Requests still waiting or running come out
+        of the next `poll` as partial samples (finish_reason "abort"), so closing loses nothing."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        with self._lock:
+            in_flight = set(self._active_ids)
+        aborted = self._abort(in_flight)
+        with self._lock:
+            self._completions.extend(aborted)
+            self._finished.notify_all()
+
+    # ----- checks -----
+
+    def _invalid(self, request: Request) -> str | None:
+        """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
+        p: SamplingParams = request.params
+        prefix = request.prefix or Sample()
+        n = len(request.prompt) + len(prefix.tokens)
+        vocab = self.config.vocab_size
+        if len(request.prompt) == 0:
+            return "empty prompt"
+        if n > self.max_len - 1:
+            return (f"prompt ({len(request.prompt)} tokens) + prefix ({len(prefix.tokens)} tokens) = {n} "
+                    f"tokens is longer than the context of {self.max_len - 1} (max_len {self.max_len} "
+                    f"minus one generated token)")
+        if any(not 0 <= t < vocab for t in [*request.prompt, *prefix.tokens, *p.stop_token_ids]):
+            return f"token ids must lie in [0, {vocab}) (the model's vocab)"
+        if not len(prefix.logprobs) == len(prefix.versions) == len(prefix.tokens):
+            return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
+                    f"{len(prefix.versions)} versions")
+        if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
+            return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
+                    f"max_tokens >= 1")
+        if len(p.stop_token_ids) > self._max_stop_ids:
+            return (f"{len(p.stop_token_ids)} stop token ids, more than this engine's max_stop_ids="
+                    f"{self._max_stop_ids}")
+        return None
+
+    def _engine_error(self) -> EngineError:
+        if self._error is None:
+            return EngineError("the engine is closed")
+        return EngineError(f"the engine loop failed with {type(self._error).__name__}: {self._error}; "
+                           f"abort() still returns the partial samples of requests in flight")
+
+    def _raise_if_down(self) -> None:
+        if self._error is not None or self._closing:
+            raise self._engine_error() from self._error
+
+    # ----- the loop (engine thread) -----
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    self._wake.wait_for(lambda: self._closing or self._commands or self._waiting
+                                        or self._running)
+                    if self._closing:
+                        for _, _, future in self._commands:
+                            future.set_exception(self._engine_error())
+                        self._commands = []
+                        return
+                    commands, self._commands = self._commands, []
+                for kind, arg, future in commands:
+                    try:
+                        result = self._abort(arg) if kind == "abort" else self._swap_weights(*arg)
+                    except BaseException as e:
+                        future.set_exception(e)
+                        raise
+                    future.set_result(result)
+                self._admit()
+                if self._running:
+                    self._decode()
+                else:
+                    self._publish_load()
+        except BaseException as e:  # surfaced on the next poll/submit, never swallowed
+            with self._lock:
+                self._error = e
+                for _, _, future in self._commands:
+                    future.set_exception(self._engine_error())
+                self._commands = []
+                self._finished.notify_all()
+
+    def _empty_slots(self) -> dict[str, np.ndarray]:
+        b = self.max_slots
+        return dict(tokens_b=np.zeros(b, np.int32), lengths_b=np.zeros(b, np.int32),
+                    active_b=np.zeros(b, bool), generated_b=np.zeros(b, np.int32),
+                    max_tokens_b=np.zeros(b, np.int32), temperature_b=np.zeros(b, np.float32),
+                    top_k_b=np.zeros(b, np.int32), top_p_b=np.ones(b, np.float32),
+                    seeds_b=np.zeros(b, np.uint32),
+                    stop_ids_bn=np.full((b, self._max_stop_ids), -1, np.int32),
+                    finish_b=np.zeros(b, np.int32))
+
+    def _admit(self) -> None:
+        """Moves waiting requests into free slots and prefills them."""
+        free = [s for s in range(self.max_slots) if s not in self._running]
+        admitted = []
+        with self._lock:
+            while free and self._waiting:
+                request = self._waiting.popleft()
+                sample, p = _copy_prefix(request), request.params
+                # A resumed sample may already be complete: nothing to generate.
+                if len(sample.tokens) >= p.max_tokens:
+                    sample.finish_reason = "length"
+                elif sample.tokens and sample.tokens[-1] in p.stop_token_ids:
+                    sample.finish_reason = "stop"
+                if sample.finish_reason is not None:
+                    self._complete(request, sample)
+                    continue
+                slot = free.pop(0)
+                self._running[slot] = _Running(request, sample)
+                admitted.append(slot)
+        for slot in admitted:
+            self._fill_slot(slot)
+        self._prefill(admitted)
+
+    def _fill_slot(self, slot: int) -> None:
+        run = self._running[slot]
+        p, seq = run.request.params, run.sequence
+        seed = p.seed if p.seed is not None else int(self._seeds.integers(2**32))
+        s = self._slots
+        s["tokens_b"][slot], s["lengths_b"][slot] = seq[-1], len(seq) - 1
+        s["active_b"][slot], s["generated_b"][slot] = True, len(run.sample.tokens)
+        s["max_tokens_b"][slot], s["temperature_b"][slot] = p.max_tokens, p.temperature
+        s["top_k_b"][slot], s["top_p_b"][slot] = p.top_k, p.top_p
+        s["seeds_b"][slot] = seed % 2**32
+        s["stop_ids_bn"][slot] = -1
+        s["stop_ids_bn"][slot, :len(p.stop_token_ids)] = p.stop_token_ids
+
+    def _free_slot(self, slot: int) -> _Running:
+        # Neutral sampling params on empty slots keep the top-k/top-p sort off when nobody needs it.
+        s = self._slots
+        s["active_b"][slot], s["temperature_b"][slot] = False, 0.0
+        s["top_k_b"][slot], s["top_p_b"][slot] = 0, 1.0
+        return self._running.pop(slot)
+
+    def _prefill(self, slots: list[int]) -> None:
+        """(Re)computes the cache rows of `slots` from their sequences under the current weights.
+
+        Sequences are grouped by bucket; a call takes up to prefill_batch of them, padded to a power of
+        two so that the number of compiled shapes stays at buckets x log2(prefill_batch).
+        """
+        by_bucket: dict[int, list[tuple[int, list[int]]]] = collections.defaultdict(list)
+        for slot in slots:
+            context = self._running[slot].sequence[:-1]  # the last token is the pending decode input
+            if context:
+                by_bucket[next(b for b in self._buckets if b >= len(context))].append((slot, context))
+        for t, items in sorted(by_bucket.items()):
+            for start in range(0, len(items), self._prefill_batch):
+                group = items[start:start + self._prefill_batch]
+                p = 1 << (len(group) - 1).bit_length()
+                tokens_pt = np.zeros((p, t), np.int32)
+                lengths_p = np.zeros(p, np.int32)
+                slots_p = np.full(p, self.max_slots, np.int32)  # out of range: padding rows are dropped
+                for row, (slot, context) in enumerate(group):
+                    tokens_pt[row, :len(context)] = context
+                    lengths_p[row], slots_p[row] = len(context), slot
+                self._cache = jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
+                                                 lengths_p, slots_p, out_sharding=self._cache_sharding)
+
+    def _decode(self) -> None:
+        """One decode call over all slots; appends its tokens and completes finished requests."""
+        version, start = self._version, time.monotonic()
+        longest = int(self._slots["lengths_b"][self._slots["active_b"]].max()) + self.decode_chunk
+        window = next(b for b in self._buckets if b >= min(longest, self.max_len))
+        self._cache, state, tokens_bc, logprobs_bc = jax_decode.decode(
+            self._graphdef, self._params, self._cache, jax_decode.SlotState(**self._slots),
+            num_steps=self.decode_chunk, window=window, logprobs_mode=self._logprobs_mode,
+            out_sharding=self._cache_sharding)
+        state, tokens_bc, logprobs_bc = jax.device_get((state, tokens_bc, logprobs_bc))
+        self._slots = {k: np.array(v) for k, v in state._asdict().items()}
+        generated, finished = 0, []
+        for slot in list(self._running):
+            n = int((tokens_bc[slot] >= 0).sum())
+            sample = self._running[slot].sample
+            sample.tokens.extend(tokens_bc[slot, :n].tolist())
+            sample.logprobs.extend(logprobs_bc[slot, :n].tolist())
+            sample.versions.extend([version] * n)
+            generated += n
+            if not self._slots["active_b"][slot]:
+                sample.finish_reason = _FINISH_NAMES[int(self._slots["finish_b"][slot])]
+                finished.append(self._free_slot(slot))
+        now = time.monotonic()
+        self._rates.append((start, now, generated))
+        while self._rates and self._rates[0][1] < now - _RATE_WINDOW_S:
+            self._rates.popleft()
+        # Load first, so that whoever polls a completion sees a load that already counts it out.
+        self._publish_load()
+        with self._lock:
+            for run in finished:
+                self._complete(run.request, run.sample)
+
+    def _complete(self, request: Request, sample: Sample) -> None:
+        """Hands a finished sample to poll (caller holds the lock)."""
+        self._active_ids.discard(request.request_id)
+        self._completions.append(Completion(request.request_id, sample))
+        self._finished.notify_all()
+
+    def _abort(self, ids: set[str]) -> list[Completion]:
+        """Removes waiting and running requests in `ids`; their partial samples, finish_reason "abort"."""
+        out = []
+        with self._lock:
+            for request in [r for r in self._waiting if r.request_id in ids]:
+                self._waiting.remove(request)
+                sample = _copy_prefix(request)
+                sample.finish_reason = "abort"
+                self._active_ids.discard(request.request_id)
+                out.append(Completion(request.request_id, sample))
+            for slot in [s for s, run in self._running.items() if run.request.request_id in ids]:
+                run = self._free_slot(slot)
+                run.sample.finish_reason = "abort"
+                self._active_ids.discard(run.request.request_id)
+                out.append(Completion(run.request.request_id, run.sample))
+        return out
+
+    def _swap_weights(self, version: int, params: nnx.State) -> None:
+        """Serves `params` from now on and recomputes every in-flight cache under them."""
+        self._params, self._version = params, version
+        self._prefill(list(self._running))
+
+    def _publish_load(self) -> None:
+        now = time.monotonic()
+        rates = [r for r in self._rates if r[1] >= now - _RATE_WINDOW_S]
+        tokens_per_s = sum(r[2] for r in rates) / max(now - rates[0][0], 1e-9) if rates else 0.0
+        active = self._slots["active_b"]
+        used = int((self._slots["lengths_b"][active] + 1).sum())
+        with self._lock:
+            self._snapshot = EngineLoad(running=len(self._running), waiting=len(self._waiting),
+                                        kv_used=used / (self.max_slots * self.max_len),
+                                        tokens_per_s=tokens_per_s, version=self._version)

@@ -1,0 +1,362 @@
+"""The JAX rollout engine against transformers' greedy generate and jaxflow's own teacher-forced forward:
+continuous batching, log-probs, in-flight weight updates, abort/resume, sampling, bad input, sharding."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from jaxflow import sharding
+from jaxflow.models.hf_io import export_model, iter_hf_tensors, load_model, params_from_hf
+from jaxflow.models.tiny import write_tiny_model
+from jaxflow.rollout_types import Sample
+from rollout_bridge import jax_decode
+from rollout_bridge.engine import EngineError, Request, SamplingParams, WeightsRejected
+from rollout_bridge.jax_engine import JaxEngine
+
+# Small enough to compile fast, with more prompts than slots and prompts in several prefill buckets.
+ENGINE_KW = dict(max_slots=4, max_len=128, decode_chunk=8, prefill_buckets=(16, 32, 64))
+PROMPT_LENS = (1, 3, 11, 30, 50, 7)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def prompts(seed=0, lens=PROMPT_LENS, vocab=500):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lens]
+
+
+def run(engine, token_lists, params=GREEDY, tag="r"):
+    reqs = [Request(f"{tag}{i}", p, params) for i, p in enumerate(token_lists)]
+    return engine.generate(reqs, timeout=120)
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens)
+
+
+def forward_logits(model, prompt, completion):
+    """Teacher-forced logits [len(completion), V] that predict each completion token under `model`."""
+    seq = np.zeros((1, ENGINE_KW["max_len"]), np.int32)  # one shape, one compile; causal: the tail is inert
+    seq[0, :len(prompt) + len(completion)] = prompt + completion
+    return np.asarray(_logits(model, seq))[0, len(prompt) - 1:len(prompt) + len(completion) - 1]
+
+
+def teacher_forced(model, prompt, completion):
+    """(log-probs of `completion` given prompt, argmax tokens at the same positions) under `model`."""
+    logits = forward_logits(model, prompt, completion)
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))
+    return logp[np.arange(len(completion)), completion], logits.argmax(-1)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return lively_tiny_model(tmp_path_factory.mktemp("qwen3"), "Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(qwen3_dir):
+    return load_model(qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir):
+    eng = JaxEngine(qwen3_dir, **ENGINE_KW)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(engine):
+    """The module engine's greedy completions of `prompts()`: the baseline other tests compare with."""
+    out = [c.sample.tokens for c in run(engine, prompts())]
+    assert all(len(set(tokens)) > 5 for tokens in out)  # not a degenerate repeat
+    return out
+
+
+def _pause_after_decode(monkeypatch, engine, call: int) -> threading.Event:
+    """Holds the engine loop right after its `call`-th decode call until another thread has queued a
+    command (a swap, an abort), so that the command lands at a known chunk boundary instead of racing the
+    loop. Returns an event set when the loop is held there."""
+    real, calls, held = jax_decode.decode, [], threading.Event()
+
+    def wrapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == call:
+            held.set()
+            deadline = time.monotonic() + 30
+            while not engine._commands and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return out
+
+    monkeypatch.setattr(jax_decode, "decode", wrapped)
+    return held
+
+
+def lively_tiny_model(directory, architecture, **kw):
+    """`write_tiny_model` with weights ~10x its initializer's (norm scales around 1): a model whose greedy
+    output is not one token repeated, so that comparisons of token sequences mean something."""
+    directory = write_tiny_model(directory, architecture=architecture, **kw)
+    model = load_model(directory)
+    rng = np.random.default_rng(1)
+    tensors = {name: (1 + 0.2 * rng.standard_normal(t.shape) if name.endswith("norm.weight")
+                      else 0.2 * rng.standard_normal(t.shape)).astype(t.dtype)
+               for name, t in iter_hf_tensors(model)}
+    model = nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors))
+    return export_model(model, directory, overwrite=True)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_greedy_matches_transformers_generate(architecture, tmp_path, engine, qwen3_dir):
+    if architecture == "Qwen3ForCausalLM":
+        directory, eng = qwen3_dir, engine
+    else:
+        # Qwen2 untied covers the separate lm_head.
+        directory = lively_tiny_model(tmp_path, architecture,
+                                      tie_word_embeddings=architecture != "Qwen2ForCausalLM")
+        eng = JaxEngine(directory, **ENGINE_KW)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    eos = hf.config.eos_token_id
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(eos,))
+    try:
+        out = run(eng, prompts(), params)  # 6 requests on 4 slots: refills mid-run
+    finally:
+        if eng is not engine:
+            eng.close()
+    for prompt, c in zip(prompts(), out):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                              do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+        if eos in ref:
+            ref = ref[:ref.index(eos) + 1]
+        assert c.sample.tokens == ref, (len(prompt), c.sample.tokens, ref)
+        assert c.sample.finish_reason == ("stop" if ref[-1] == eos else "length")
+        assert c.sample.versions == [0] * len(ref) and c.error is None
+
+
+def test_logprobs_equal_teacher_forced_forward(engine, qwen3_model):
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=3)
+    for p, c in zip(prompts(1), run(engine, prompts(1), params)):
+        ref, _ = teacher_forced(qwen3_model, p, c.sample.tokens)
+        np.testing.assert_allclose(c.sample.logprobs, ref, atol=1e-4, rtol=0)
+
+
+def test_processed_logprobs_mode(qwen3_dir, qwen3_model):
+    eng = JaxEngine(qwen3_dir, logprobs_mode="processed", **ENGINE_KW)
+    params = SamplingParams(max_tokens=12, temperature=0.7, top_k=20, seed=4)
+    try:
+        out = run(eng, prompts(5)[:4], params)
+    finally:
+        eng.close()
+    for p, c in zip(prompts(5), out):
+        logits = forward_logits(qwen3_model, p, c.sample.tokens) / 0.7
+        kth = np.sort(logits, -1)[:, -20][:, None]
+        logp = np.asarray(jax.nn.log_softmax(np.where(logits >= kth, logits, -np.inf), -1))
+        ref = logp[np.arange(len(c.sample.tokens)), c.sample.tokens]
+        np.testing.assert_allclose(c.sample.logprobs, ref, atol=1e-4, rtol=0)
+
+
+def test_close_hands_back_in_flight_requests(qwen3_dir):
+    eng = JaxEngine(qwen3_dir, **ENGINE_KW)
+    for i, p in enumerate(prompts()):
+        eng.submit(Request(f"c{i}", p, SamplingParams(max_tokens=100, temperature=0.0)))
+    eng.close()
+    out = eng.poll()
+    assert sorted(c.request_id for c in out) == [f"c{i}" for i in range(6)]
+    assert all(c.sample.finish_reason == "abort" for c in out)
+    with pytest.raises(EngineError, match="closed"):
+        eng.submit(Request("late", [3], GREEDY))
+
+
+def test_refill_does_not_recompile(engine, greedy_reference):
+    before = jax_decode.decode._cache_size()
+    out = run(engine, prompts(), tag="again")  # slots freed and refilled: the same decode program
+    assert [c.sample.tokens for c in out] == greedy_reference
+    assert jax_decode.decode._cache_size() == before
+
+
+def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
+    eng = JaxEngine(qwen3_dir, **ENGINE_KW)
+    rng = np.random.default_rng(0)
+    new = {name: (t + 0.05 * rng.standard_normal(t.shape)).astype(t.dtype)
+           for name, t in iter_hf_tensors(qwen3_model)}
+    new_model = nnx.merge(nnx.graphdef(qwen3_model), params_from_hf(qwen3_model.config, new))
+    # Swap after the second decode call (16 tokens in), with every request still running.
+    held = _pause_after_decode(monkeypatch, eng, 2)
+    reqs = [Request(f"w{i}", p, SamplingParams(max_tokens=60, temperature=0.0))
+            for i, p in enumerate(prompts(2, lens=(5, 20, 9)))]
+    for r in reqs:
+        eng.submit(r)
+    assert held.wait(30)
+    eng.update_weights(1, new)
+    assert eng.version == 1
+    done = {c.request_id: c for c in _poll_all(eng, len(reqs))}
+    eng.close()
+    for r in reqs:
+        s = done[r.request_id].sample
+        # Requests admitted together swap 16 tokens in; one admitted a chunk late, 8 tokens in.
+        swap = s.versions.index(1)
+        assert swap in (8, 16) and s.versions == [0] * swap + [1] * (60 - swap), s.versions
+        old_lp, old_argmax = teacher_forced(qwen3_model, r.prompt, s.tokens)
+        new_lp, new_argmax = teacher_forced(new_model, r.prompt, s.tokens)
+        np.testing.assert_allclose(s.logprobs[:swap], old_lp[:swap], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(s.logprobs[swap:], new_lp[swap:], atol=1e-4, rtol=0)
+        assert s.tokens[:swap] == old_argmax[:swap].tolist()
+        # The new weights' greedy continuation of the pre-swap prefix, token by token.
+        assert s.tokens[swap:] == new_argmax[swap:].tolist()
+
+
+def _poll_all(engine, n, timeout=60.0):
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += engine.poll(timeout=1.0)
+    assert len(out) == n
+    return out
+
+
+def test_abort_and_resume_equals_uninterrupted(engine, greedy_reference, monkeypatch):
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    ps = prompts()
+    aborted = {}
+    # 6 requests on 4 slots: after the first decode call, 4 run and 2 wait; abort one of each.
+    held = _pause_after_decode(monkeypatch, engine, 1)
+    for i, p in enumerate(ps):
+        engine.submit(Request(f"a{i}", p, params))
+    assert held.wait(30)
+    for c in engine.abort(["a0", "a5", "unknown"]):
+        aborted[c.request_id] = c.sample
+    assert set(aborted) == {"a0", "a5"}
+    assert aborted["a0"].finish_reason == "abort" and len(aborted["a0"].tokens) == 8
+    assert aborted["a5"].tokens == [] and aborted["a5"].finish_reason == "abort"
+    monkeypatch.undo()
+    rest = {c.request_id: c.sample for c in _poll_all(engine, 4)}
+    for i in (1, 2, 3, 4):
+        assert rest[f"a{i}"].tokens == greedy_reference[i]
+    resumed = engine.generate([Request("a0", ps[0], params, prefix=aborted["a0"]),
+                               Request("a5", ps[5], params, prefix=aborted["a5"])])
+    for c, i in zip(resumed, (0, 5)):
+        assert c.sample.tokens == greedy_reference[i] and c.sample.finish_reason == "length"
+        assert c.sample.logprobs[:len(aborted[c.request_id].tokens)] == aborted[c.request_id].logprobs
+
+
+def test_sampling(engine, greedy_reference):
+    ps = prompts()[:4]
+
+    def tokens(**kw):
+        return [c.sample.tokens for c in run(engine, ps, SamplingParams(max_tokens=24, **kw))]
+
+    seeded = tokens(temperature=1.0, seed=11)
+    assert tokens(temperature=1.0, seed=11) == seeded
+    assert tokens(temperature=1.0, seed=12) != seeded
+    assert seeded != greedy_reference[:4]
+    assert tokens(temperature=0.8, top_k=1, seed=5) == greedy_reference[:4]
+    assert tokens(temperature=1.0, top_p=1e-6, seed=5) == greedy_reference[:4]
+    # Mixed sampling params in one batch: each slot keeps its own.
+    mixed = engine.generate([Request("g", ps[0], SamplingParams(max_tokens=24, temperature=0.0)),
+                             Request("s", ps[0], SamplingParams(max_tokens=24, temperature=1.0, seed=11)),
+                             Request("k", ps[0], SamplingParams(max_tokens=24, temperature=2.0, top_k=1))])
+    assert [c.sample.tokens for c in mixed] == [greedy_reference[0], seeded[0], greedy_reference[0]]
+
+
+def test_stop_tokens_max_tokens_and_context(engine, greedy_reference):
+    p = prompts()[2]
+    ref = greedy_reference[2]
+    stops = (ref[5], ref[9])
+    first = min(ref.index(t) for t in stops)
+    c = engine.generate([Request("s", p, SamplingParams(max_tokens=24, temperature=0.0,
+                                                        stop_token_ids=stops))])[0]
+    assert c.sample.tokens == ref[:first + 1] and c.sample.finish_reason == "stop"
+    c = engine.generate([Request("m", p, SamplingParams(max_tokens=5, temperature=0.0))])[0]
+    assert c.sample.tokens == ref[:5] and c.sample.finish_reason == "length"
+    # max_tokens counts a resumed prefix; a prefix that already reaches it generates nothing.
+    prefix = Sample(ref[:3], [0.0] * 3, [0] * 3, "abort")
+    c = engine.generate([Request("p", p, SamplingParams(max_tokens=5, temperature=0.0), prefix)])[0]
+    assert c.sample.tokens == ref[:5] and c.sample.versions == [0] * 5
+    c = engine.generate([Request("q", p, SamplingParams(max_tokens=3, temperature=0.0), prefix)])[0]
+    assert c.sample.tokens == ref[:3] and c.sample.finish_reason == "length"
+    # The cache holds max_len positions: prompt + completion stops there.
+    long_prompt = prompts(4, lens=(124,))[0]
+    c = engine.generate([Request("l", long_prompt, SamplingParams(max_tokens=24, temperature=0.0))])[0]
+    assert len(c.sample.tokens) == 4 and c.sample.finish_reason == "length"
+
+
+def test_too_long_prompt_is_a_per_request_error(engine, greedy_reference):
+    ps = prompts()
+    reqs = [Request("long", list(range(3, 131)), GREEDY)]
+    reqs += [Request(f"ok{i}", p, GREEDY) for i, p in enumerate(ps)]
+    reqs += [Request("bad", [3, 10_000], GREEDY)]
+    out = engine.generate(reqs)
+    assert out[0].sample.finish_reason == "error" and out[0].sample.tokens == []
+    assert "128 tokens" in out[0].error and "127" in out[0].error
+    assert [c.sample.tokens for c in out[1:-1]] == greedy_reference
+    assert out[-1].sample.finish_reason == "error" and "vocab" in out[-1].error
+    # A prompt that just fits generates one token.
+    c = engine.generate([Request("fits", list(range(3, 130)), GREEDY)])[0]
+    assert len(c.sample.tokens) == 1 and c.sample.finish_reason == "length"
+
+
+def test_bad_weights_are_rejected_and_nothing_changes(engine, qwen3_model, greedy_reference):
+    good = dict(iter_hf_tensors(qwen3_model))
+    name = "model.layers.1.mlp.up_proj.weight"
+    cases = {
+        "missing": ({k: v for k, v in good.items() if k != name}, name),
+        "extra": ({**good, "model.layers.9.mlp.up_proj.weight": good[name]}, "layers.9"),
+        "shape": ({**good, name: good[name][:, :10]}, name + ".*shape"),
+        "dtype": ({**good, name: good[name].astype(np.float16)}, name + ".*float16"),
+    }
+    version = engine.version
+    for what, (tensors, pattern) in cases.items():
+        with pytest.raises(WeightsRejected, match=pattern):
+            engine.update_weights(version + 1, tensors)
+        assert engine.version == version, what
+    assert [c.sample.tokens for c in run(engine, prompts(), tag="after")] == greedy_reference
+
+
+def test_loop_failure_surfaces_as_engine_error(qwen3_dir, monkeypatch):
+    eng = JaxEngine(qwen3_dir, **ENGINE_KW)
+    eng.generate([Request("warm", [5, 6, 7], SamplingParams(max_tokens=10, temperature=0.0))])
+    fail = threading.Event()
+    real = jax_decode.decode
+
+    def failing(*args, **kwargs):
+        if fail.is_set():
+            raise RuntimeError("device fell over")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax_decode, "decode", failing)
+    fail.set()
+    eng.submit(Request("x", [5, 6, 7], SamplingParams(max_tokens=100, temperature=0.0)))
+    with pytest.raises(EngineError, match="device fell over"):
+        eng.poll(timeout=30)
+    with pytest.raises(EngineError, match="device fell over"):
+        eng.submit(Request("y", [5], GREEDY))
+    partial = eng.abort(["x"])
+    assert [c.request_id for c in partial] == ["x"] and partial[0].sample.finish_reason == "abort"
+    eng.close()
+
+
+def test_sharded_engine_matches_one_device(qwen3_dir, greedy_reference):
+    mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
+    eng = JaxEngine(qwen3_dir, mesh=mesh, **ENGINE_KW)
+    try:
+        spec = eng._cache.k_lbgsk.sharding.spec  # slots over fsdp, kv heads over tensor
+        assert spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None, None)
+        assert [c.sample.tokens for c in run(eng, prompts())] == greedy_reference
+    finally:
+        eng.close()
+
+
+def test_load_reports_progress(engine):
+    assert engine.load().version == engine.version
+    out = run(engine, prompts()[:2])
+    load = engine.load()
+    assert load.running == 0 and load.waiting == 0 and load.kv_used == 0.0
+    assert load.tokens_per_s > 0 and all(c.sample.done for c in out)
