@@ -1,0 +1,140 @@
+"""Rollout engines side by side: jaxflow's JAX engine and vLLM on the same model and workload.
+
+Workload: N requests with temperature-1 sampling and no stop token, each with its own length drawn
+from a long-tailed (log-normal) distribution, so both engines generate exactly the same number of
+tokens; plus the same workload with uniform lengths. Weight-sync latency: `update_weights` with the
+model's full HF tensor set (what a parameter-service pull delivers).
+
+    .venv/bin/python benchmarks/engines.py --json /tmp/engines.json
+    .venv/bin/python benchmarks/engines.py --quick
+
+The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload).
+vLLM runs when it is installed (`python3 -m jaxflow.setup_env`); otherwise its columns say n/a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from jaxflow.models.hf_io import iter_hf_tensors, load_model
+from jaxflow.models.tiny import write_tiny_model
+from rollout_bridge.engine import Request, SamplingParams
+
+# name -> write_tiny_model kwargs
+MODELS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
+    "small": dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32),
+}
+
+
+def workload(n: int, median: int, max_tokens: int, long_tail: bool, seed: int = 0) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    requests = []
+    for i in range(n):
+        prompt = rng.integers(5, 400, int(rng.integers(16, 48))).tolist()
+        length = (int(np.clip(rng.lognormal(np.log(median), 0.9), 4, max_tokens)) if long_tail
+                  else median)
+        params = SamplingParams(max_tokens=length, temperature=1.0, seed=i)
+        requests.append(Request(f"r{i}", prompt, params))
+    return requests
+
+
+def run_engine(engine, requests: list[Request], tensors, repeats: int) -> dict:
+    engine.generate(requests[:4])  # warm-up: compiles / allocates
+    rates = []
+    for r in range(repeats):
+        batch = [Request(f"{q.request_id}-{r}", q.prompt, q.params) for q in requests]
+        t0 = time.perf_counter()
+        out = engine.generate(batch)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(c.sample.tokens) for c in out)
+        assert tokens == sum(q.params.max_tokens for q in requests), "engine stopped early"
+        rates.append(tokens / elapsed)
+    syncs = []
+    for v in range(1, 4):
+        t0 = time.perf_counter()
+        engine.update_weights(engine.version + 1, tensors)
+        syncs.append(time.perf_counter() - t0)
+    return {"tokens_per_s": statistics.median(rates), "weight_sync_s": statistics.median(syncs),
+            "tokens": sum(q.params.max_tokens for q in requests)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--median-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=384)
+    parser.add_argument("--slots", type=int, default=64, help="concurrent sequences per engine")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.repeats, args.max_tokens = 32, 2, 256
+
+    workdir = tempfile.mkdtemp(prefix="jaxflow-engines-")
+    model_dir = os.path.join(workdir, "model")
+    write_tiny_model(model_dir, **MODELS[args.model])
+    tensors = dict(iter_hf_tensors(load_model(model_dir)))
+    max_len = args.max_tokens + 64
+    loads = {"long_tail": workload(args.requests, args.median_tokens, args.max_tokens, True),
+             "uniform": workload(args.requests, args.median_tokens, args.max_tokens, False)}
+
+    results: dict[str, dict] = {}
+    from rollout_bridge.jax_engine import JaxEngine
+
+    engine = JaxEngine(model_dir, max_slots=args.slots, max_len=max_len)
+    try:
+        results["jax"] = {name: run_engine(engine, reqs, tensors, args.repeats) for name, reqs in loads.items()}
+    finally:
+        engine.close()
+    print("  jax engine done", flush=True)
+
+    vllm_ok = not args.no_vllm
+    if vllm_ok:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            vllm_ok = False
+            print("  vLLM not installed: its columns are n/a (python3 -m jaxflow.setup_env installs it)")
+    if vllm_ok:
+        from rollout_bridge.vllm_engine import VllmEngine
+
+        engine = VllmEngine(model_dir, max_model_len=max_len, max_num_seqs=args.slots)
+        try:
+            results["vllm"] = {name: run_engine(engine, reqs, tensors, args.repeats)
+                               for name, reqs in loads.items()}
+        finally:
+            engine.close()
+        print("  vllm engine done", flush=True)
+
+    print(f"\nmodel {args.model}; {args.requests} requests, {args.slots} concurrent, median "
+          f"{args.median_tokens} tokens (long tail up to {args.max_tokens}); median of {args.repeats}")
+    print(f"{'engine':<8}{'workload':<11}{'tokens':>8}{'tokens/s':>11}{'weight sync (ms)':>18}")
+    for eng, per in results.items():
+        for name, r in per.items():
+            print(f"{eng:<8}{name:<11}{r['tokens']:>8}{r['tokens_per_s']:>11,.0f}{1e3 * r['weight_sync_s']:>18.1f}")
+    jax_tps = results["jax"]["long_tail"]["tokens_per_s"]
+    vllm_tps = results["vllm"]["long_tail"]["tokens_per_s"] if "vllm" in results else None
+    ratio = jax_tps / vllm_tps if vllm_tps else None
+    if ratio is not None:
+        print(f"\njax / vllm tokens/s on the long-tail workload: {ratio:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
+                       "results": results, "args": vars(args)}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,561 @@
+"""The vLLM rollout engine: jaxflow's `Engine` interface over vLLM's public async engine (`AsyncLLM`).
+
+vLLM is imported only inside this module's functions, so `jaxflow` and `rollout_bridge` import without
+it. An `AsyncLLM` runs on an asyncio loop in a background thread (vLLM runs its engine core and workers
+in child processes); the public methods hand work to that loop and may be called from any thread. Each
+request is one `AsyncLLM.generate` stream of token deltas.
+
+Log-probabilities: vLLM runs with `logprobs_mode="raw_logprobs"` and each request asks for `logprobs=0`,
+so a token's log-prob comes from the model's unmodified distribution (temperature 1, before top-k, top-p
+or any logits processor): the quantity the trainer recomputes for the behaviour policy, and what jaxflow's
+JAX engine reports by default. `logprobs_mode="processed_logprobs"` reports the log-prob under the
+distribution actually sampled from instead.
+
+Token versions are exact because vLLM's engine core labels them: every batch of tokens a step emits
+carries the weight version the engine core holds during that step (`EngineCore._attach_weight_version`),
+and a request's final output carries the spans `[start, end) -> version` of its tokens
+(`CompletionOutput.weight_versions`). The label changes only while generation is paused, within the pause
+that reloads the weights, so a token computed before the pause keeps the old version even when it reaches
+this process after the resume, and every token sampled after the resume carries the new one.
+
+Weight updates keep requests in flight: `update_weights` checks every tensor against the HF name table of
+the model's config.json before anything changes, then pauses generation with requests kept
+(`pause_generation(mode="keep")`), streams the tensors to the workers (`collective_rpc` into
+`rollout_bridge.vllm_worker_ext`), reloads them in place, drops every KV block so in-flight requests are
+recomputed from prompt + tokens so far under the new weights, labels the new version, and resumes.
+
+Load: `running` counts requests that have produced a token, `waiting` those submitted that have not
+(queued in vLLM, or prefilling); `kv_used` is vLLM's KV-cache usage after its latest step, read through
+a stat logger (0.0 when nothing is in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from jaxflow.models import hf_io, names
+from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config
+from jaxflow.rollout_types import Sample
+from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
+                                   WeightsRejected)
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rollout_bridge.vllm_worker_ext.JaxflowWorkerExtension"
+# Window of recent token arrivals that `load().tokens_per_s` averages over.
+_RATE_WINDOW_S = 5.0
+# Most tensor bytes per weight-update message: bounds the copies one message makes on its way.
+_CHUNK_BYTES = 256 * 2**20
+# vLLM's finish reasons -> jaxflow's ("repetition" needs repetition detection, never asked for here).
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+_GIB = 2**30
+
+
+def expected_hf_tensors(cfg: ModelConfig) -> tuple[tuple[str, ...], dict[str, tuple[int, ...]]]:
+    """The model's layer parameter names, and HF name -> HF shape of every tensor of a model of `cfg`,
+    from jaxflow's name table (shapes only, no memory)."""
+    model = hf_io.abstract_model(cfg)
+    shapes = {}
+    for name, row, _ in names.hf_names(cfg, model.layers.names):
+        node = model
+        for part in row.path:
+            node = getattr(node, part)
+        shape = node.get_value().shape
+        shapes[name] = row.hf_shape(shape[1:] if row.stacked else shape)
+    return model.layers.names, shapes
+
+
+def check_weights(cfg: ModelConfig, layer_names: tuple[str, ...], expected: Mapping[str, tuple[int, ...]],
+                  tensors: Mapping[str, np.ndarray], dtype: np.dtype, *, cast: bool, source: str) -> None:
+    """Raises WeightsRejected naming the tensor unless `tensors` are exactly the model's HF tensors by
+    name and shape, and of `dtype` (of any float dtype when `cast`). Reads only `.shape` and `.dtype`.
+    A tied model's `lm_head.weight` and old rotary buffers are tolerated (and not sent)."""
+    hf_io.check_hf_names(cfg, layer_names, tensors.keys(), source=source, error=WeightsRejected)
+    for name, want in expected.items():
+        tensor = tensors[name]
+        got = tuple(tensor.shape)
+        if got != want:
+            raise WeightsRejected(f"{source}: tensor {name!r} has shape {got}, expected {want} from the "
+                                  f"config")
+        got_dtype = np.dtype(tensor.dtype)
+        castable = got_dtype.kind == "f" or got_dtype.name == "bfloat16"
+        if got_dtype != dtype and not (cast and castable):
+            why = "not a float dtype" if cast else "casting was not asked for"
+            raise WeightsRejected(f"{source}: tensor {name!r} has dtype {got_dtype}, expected {dtype} "
+                                  f"(the serving dtype; {why})")
+
+
+def weight_payloads(expected: Iterable[str], tensors: Mapping[str, np.ndarray], dtype: np.dtype,
+                    chunk_bytes: int = _CHUNK_BYTES) -> list[list[tuple[str, str, list[int], memoryview]]]:
+    """Chunks of (name, dtype name, shape, raw bytes) for the worker extension, in `expected` order.
+
+    Raw bytes because vLLM's RPC turns arrays into nested lists. The bytes are memoryviews of the arrays
+    themselves (copied only where a cast or a non-contiguous layout needs it), so nothing is copied
+    before vLLM serialises the message.
+    """
+    chunks, chunk, size = [], [], 0
+    for name in expected:
+        array = np.ascontiguousarray(np.asarray(tensors[name]).astype(dtype, copy=False))
+        if chunk and size + array.nbytes > chunk_bytes:
+            chunks.append(chunk)
+            chunk, size = [], 0
+        chunk.append((name, array.dtype.name, list(array.shape), array.reshape(-1).view(np.uint8).data))
+        size += array.nbytes
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """A submitted request until it is handed out: its sample so far (a resumed prefix included)."""
+
+    request: Request
+    vllm_id: str  # unique per submission: a resumed request may reuse an aborted one's id
+    sample: Sample
+    # Version known here when each new token arrived: only a fallback for when vLLM sends no labels.
+    arrival_versions: list[int] = dataclasses.field(default_factory=list)
+    started: bool = False  # a token has arrived
+    aborting: bool = False
+    handed_out: bool = False  # its completion went to poll
+    error: str | None = None
+    task: asyncio.Task | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def _copy_prefix(request: Request) -> Sample:
+    prefix = request.prefix or Sample()
+    return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs),
+                  versions=list(prefix.versions))
+
+
+def _stat_logger_factory(engine: "VllmEngine"):
+    """A vLLM stat-logger factory that keeps the latest KV-cache usage on `engine` (for `load()`).
+
+    vLLM calls `record` on its asyncio loop after every batch of outputs; SchedulerStats is documented
+    as unstable, so a missing field only leaves kv_used at 0.
+    """
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    engine_ref = weakref.ref(engine)  # vLLM must not keep the engine alive
+
+    class KvUsageLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            target = engine_ref()
+            if scheduler_stats is not None and target is not None:
+                target._kv_usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
+
+        def log_engine_initialized(self):
+            pass
+
+    return KvUsageLogger
+
+
+class VllmEngine(Engine):
+    """A vLLM engine behind jaxflow's Engine interface; see the module docstring.
+
+    model_dir: an HF model directory (config.json, safetensors, tokenizer). version: the policy version
+    of its weights. max_model_len: context length (prompt + completion) in tokens. kv_cache_gib: KV-cache
+    size in GiB (vLLM's `kv_cache_memory_bytes`; None leaves vLLM's own sizing, e.g.
+    `gpu_memory_utilization`; on CPU the VLLM_CPU_KVCACHE_SPACE variable, if set, wins). dtype: the
+    serving dtype ("float32" for parity with the trainer; "auto" takes the checkpoint's). max_num_seqs:
+    most sequences vLLM batches at once. seed: vLLM's seed (requests without a seed draw from it).
+    cast_weights: let `update_weights` cast float tensors of another dtype; by default that is refused.
+    startup_timeout: seconds to wait for vLLM to come up. engine_kwargs: more `AsyncEngineArgs` fields
+    (e.g. `enforce_eager=True`, `tensor_parallel_size=2`, `logprobs_mode="processed_logprobs"`).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, version: int = 0, max_model_len: int = 1024,
+                 kv_cache_gib: float | None = 1.0, dtype: str = "float32", max_num_seqs: int = 256,
+                 seed: int = 0, cast_weights: bool = False, startup_timeout: float = 900.0,
+                 **engine_kwargs):
+        self.model_dir = str(model_dir)
+        self.config = from_hf_config(read_hf_config(model_dir),
+                                     source=os.path.join(self.model_dir, "config.json"))
+        self._layer_names, self._expected = expected_hf_tensors(self.config)
+        self._cast_weights = cast_weights
+        self._version = version
+        self._kv_usage = 0.0
+        args = dict(model=self.model_dir, dtype=dtype, max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs, seed=seed, worker_extension_cls=WORKER_EXTENSION,
+                    logprobs_mode="raw_logprobs", skip_tokenizer_init=True, disable_log_stats=True)
+        if kv_cache_gib is not None:
+            args["kv_cache_memory_bytes"] = int(kv_cache_gib * _GIB)
+        args.update(engine_kwargs)
+        # Shared with the API threads, under _lock.
+        self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)  # poll waits for completions
+        self._live: dict[str, _Live] = {}
+        self._completions: list[Completion] = []
+        self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
+        self._submitted = 0
+        self._error: BaseException | None = None
+        self._closing = False
+        self._update_lock = threading.Lock()  # one weight update at a time
+        self.last_update_s: float | None = None  # wall time of the latest update_weights
+        self._loop = asyncio.new_event_loop()
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run_loop, args=(args, started), name="vllm-engine",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            started.result(timeout=startup_timeout)
+        except BaseException as e:
+            self._closing = True  # a startup that finishes late shuts itself down
+            self._thread.join(timeout=60)
+            raise EngineError(f"vLLM failed to start on {self.model_dir}: {type(e).__name__}: {e}") from e
+
+    # ----- the Engine interface (any thread) -----
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length in tokens (prompt + completion), as vLLM resolved it."""
+        return self._max_model_len
+
+    def submit(self, request: Request) -> None:
+        error = self._invalid(request)
+        with self._lock:
+            self._raise_if_down()
+            if request.request_id in self._live:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            sample, p = _copy_prefix(request), request.params
+            if error is not None:
+                sample.finish_reason = "error"
+            # A resumed sample may already be complete: nothing to generate.
+            elif len(sample.tokens) >= p.max_tokens:
+                sample.finish_reason = "length"
+            elif sample.tokens and sample.tokens[-1] in p.stop_token_ids:
+                sample.finish_reason = "stop"
+            if sample.finish_reason is not None:
+                self._completions.append(Completion(request.request_id, sample, error))
+                self._finished.notify_all()
+                return
+            self._submitted += 1
+            live = _Live(request, f"{request.request_id}#{self._submitted}", sample)
+            self._live[request.request_id] = live
+        asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
+
+    def poll(self, timeout: float | None = None) -> list[Completion]:
+        """Completions finished since the last poll (errors included; aborted requests come back from
+        `abort`, not here). Raises EngineError once the engine has failed and nothing is left to hand out.
+        """
+        with self._lock:
+            if not self._completions and self._error is None and timeout:
+                self._finished.wait_for(lambda: self._completions or self._error is not None, timeout)
+            if not self._completions and self._error is not None:
+                raise self._engine_error()
+            done, self._completions = self._completions, []
+            return done
+
+    def abort(self, request_ids: Iterable[str], timeout: float = 60.0) -> list[Completion]:
+        """Partial samples (finish_reason "abort") of those `request_ids` still in flight; ids already
+        finished (their completion is in, or will be in, `poll`) or unknown are skipped. Works after an
+        engine failure too, so no in-flight work is lost.
+        """
+        with self._lock:
+            lives = [self._live[i] for i in set(request_ids) if i in self._live]
+            for live in lives:
+                live.aborting = True
+            healthy = self._error is None and not self._closing
+        if healthy and lives:
+            try:
+                self._call(self._llm.abort([live.vllm_id for live in lives]), timeout)
+            except Exception as e:  # the engine died under us: its streams end on their own
+                self._fail(e)
+                healthy = False
+        out = []
+        # A healthy engine ends each aborted stream promptly; a dead one's streams end with its error.
+        deadline = time.monotonic() + (timeout if healthy else 5.0)
+        for live in lives:
+            if not live.done.wait(max(deadline - time.monotonic(), 0.0)) and healthy:
+                raise EngineError(f"request {live.request.request_id!r} did not stop within {timeout}s "
+                                  f"of its abort")
+            with self._lock:
+                if live.handed_out:
+                    continue
+                self._live.pop(live.request.request_id, None)
+                live.sample.finish_reason = "abort"
+                if len(live.sample.versions) < len(live.sample.tokens):  # cut off by an engine failure
+                    self._tag_unlabelled(live)
+                out.append(Completion(live.request.request_id, live.sample))
+        return out
+
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Checks `tensors` (HF names, shapes, dtypes) against the model's table, then swaps them in with
+        requests kept in flight (their KV is recomputed under the new weights). Raises WeightsRejected,
+        with nothing changed, on any mismatch; EngineError if the transfer fails (a failure before the
+        reload leaves the old weights serving; one during it stops the engine).
+        """
+        self._raise_if_down()
+        check_weights(self.config, self._layer_names, self._expected, tensors, self._dtype,
+                      cast=self._cast_weights, source=f"weights of version {version}")
+        chunks = weight_payloads(self._expected, tensors, self._dtype)
+        with self._update_lock:
+            self._raise_if_down()
+            start = time.perf_counter()
+            self._call(self._swap_weights(int(version), chunks))
+            self.last_update_s = time.perf_counter() - start
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            running = sum(live.started for live in self._live.values())
+            waiting = len(self._live) - running
+            now = time.monotonic()
+            while self._arrivals and self._arrivals[0][0] < now - _RATE_WINDOW_S:
+                self._arrivals.popleft()
+            # The first arrival in the window marks its start; its own tokens were made before it.
+            tokens = sum(n for _, n in list(self._arrivals)[1:])
+            rate = tokens / max(now - self._arrivals[0][0], 1e-9) if len(self._arrivals) > 1 else 0.0
+            return EngineLoad(running=running, waiting=waiting,
+                              kv_used=self._kv_usage if self._live else 0.0, tokens_per_s=rate,
+                              version=self._version)
+
+    def close(self) -> None:
+        """Stops vLLM (its engine core and worker processes) and the loop thread. Requests still in flight
+        are dropped: abort them first to keep their partial samples."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=300)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=60)
+        with self._lock:
+            self._finished.notify_all()
+
+    def __enter__(self) -> "VllmEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----- checks -----
+
+    def _invalid(self, request: Request) -> str | None:
+        """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
+        p: SamplingParams = request.params
+        prefix = request.prefix or Sample()
+        n = len(request.prompt) + len(prefix.tokens)
+        vocab = self.config.vocab_size
+        if not request.prompt:
+            return "empty prompt"
+        if n > self._max_model_len - 1:
+            return (f"prompt ({len(request.prompt)} tokens) + prefix ({len(prefix.tokens)} tokens) = {n} "
+                    f"tokens is longer than the context of {self._max_model_len - 1} (max_model_len "
+                    f"{self._max_model_len} minus one generated token)")
+        if any(not 0 <= t < vocab for t in [*request.prompt, *prefix.tokens, *p.stop_token_ids]):
+            return f"token ids must lie in [0, {vocab}) (the model's vocab)"
+        if not len(prefix.logprobs) == len(prefix.versions) == len(prefix.tokens):
+            return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
+                    f"{len(prefix.versions)} versions")
+        if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
+            return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
+                    f"max_tokens >= 1")
+        return None
+
+    def _engine_error(self) -> EngineError:
+        if self._error is None:
+            return EngineError("the engine is closed")
+        return EngineError(f"the vLLM engine failed with {type(self._error).__name__}: {self._error}; "
+                           f"abort() still returns the partial samples of requests in flight")
+
+    def _raise_if_down(self) -> None:
+        if self._error is not None or self._closing:
+            raise self._engine_error() from self._error
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._finished.notify_all()
+
+    # ----- the loop (vllm-engine thread) -----
+
+    def _call(self, coro, timeout: float | None = None):
+        """Runs `coro` on the loop and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _run_loop(self, args: dict, started: concurrent.futures.Future) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start(args))
+        except BaseException as e:
+            started.set_exception(e)
+            self._loop.close()
+            return
+        if self._closing:  # __init__ gave up waiting
+            self._llm.shutdown()
+            self._loop.close()
+            return
+        started.set_result(None)
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        self._loop.close()
+
+    async def _start(self, args: dict) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_stat_logger_factory(self)])
+        try:
+            # Label the on-disk weights before any request can see the default label.
+            await llm.update_weight_version(str(self._version))
+            model_config = llm.model_config
+            self._dtype = np.dtype(str(model_config.dtype).removeprefix("torch."))
+            self._max_model_len = int(model_config.max_model_len)
+        except BaseException:
+            llm.shutdown()
+            raise
+        self._llm = llm
+
+    async def _shutdown(self) -> None:
+        tasks = [live.task for live in list(self._live.values()) if live.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._llm.shutdown()
+
+    def _vllm_params(self, p: SamplingParams, n_prefix: int):
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # ignore_eos: only stop_token_ids end a sample, as in every jaxflow engine; the checkpoint's EOS
+        # is one of them when the task wants it.
+        return VllmSamplingParams(
+            n=1, max_tokens=p.max_tokens - n_prefix, temperature=p.temperature, top_p=p.top_p,
+            top_k=p.top_k, seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
+            logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+
+    async def _generate(self, live: _Live) -> None:
+        """Streams one request; hands its completion to poll (or, when aborted, to abort)."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import tokens_input
+
+        live.task = asyncio.current_task()
+        request = live.request
+        n_prefix = len(live.sample.tokens)
+        finish, spans = None, None
+        try:
+            if live.aborting:  # aborted before it reached vLLM
+                finish = "abort"
+            else:
+                # An engine input (not a raw prompt): token ids go to the engine without a tokenizer.
+                prompt = tokens_input(list(request.prompt) + live.sample.tokens)
+                stream = self._llm.generate(prompt, self._vllm_params(request.params, n_prefix),
+                                            live.vllm_id)
+                async for out in stream:
+                    completion = out.outputs[0]
+                    self._append(live, completion)
+                    if completion.finish_reason is not None:
+                        finish, spans = completion.finish_reason, completion.weight_versions
+                    elif live.aborting:
+                        # The abort may have come before vLLM knew the request; repeat it now it does.
+                        await self._llm.abort(live.vllm_id)
+        except asyncio.CancelledError:
+            live.done.set()
+            raise
+        except VLLMClientError as e:  # vLLM refused this request; the engine keeps serving
+            finish, live.error = "error", f"vLLM refused the request: {e}"
+        except Exception as e:
+            if not self._llm.errored:  # a failure of this request only
+                finish, live.error = "error", f"vLLM failed the request: {type(e).__name__}: {e}"
+            else:
+                # The engine is dead: keep the partial sample for abort(); poll raises from now on.
+                self._fail(e)
+                live.done.set()
+                return
+        self._finish(live, finish, spans, n_prefix)
+
+    def _append(self, live: _Live, completion) -> None:
+        tokens = list(completion.token_ids)
+        if not tokens:
+            return
+        logprobs = completion.logprobs
+        if logprobs is None or len(logprobs) != len(tokens):
+            raise EngineError(f"vLLM sent {len(tokens)} tokens with "
+                              f"{0 if logprobs is None else len(logprobs)} log-probs")
+        with self._lock:
+            live.sample.tokens.extend(tokens)
+            live.sample.logprobs.extend(float(lp[t].logprob) for lp, t in zip(logprobs, tokens))
+            live.arrival_versions.extend([self._version] * len(tokens))
+            live.started = True
+            self._arrivals.append((time.monotonic(), len(tokens)))
+
+    def _finish(self, live: _Live, finish: str | None, spans, n_prefix: int) -> None:
+        """Labels the new tokens with their versions and hands the sample out."""
+        n_new = len(live.sample.tokens) - n_prefix
+        versions = []
+        for span in spans or ():
+            versions += [int(span.version)] * (span.end - span.start)
+        with self._lock:
+            if len(versions) == n_new:
+                live.sample.versions.extend(versions)
+            else:
+                self._tag_unlabelled(live)
+            reason = _FINISH_REASONS.get(str(finish), "error")
+            if reason == "error" and live.error is None:
+                live.error = f"vLLM finished the request with reason {finish!r}"
+            live.sample.finish_reason = reason
+            if not (reason == "abort" and live.aborting):
+                live.handed_out = True
+                self._live.pop(live.request.request_id, None)
+                self._completions.append(Completion(live.request.request_id, live.sample, live.error))
+                self._finished.notify_all()
+            live.done.set()
+
+    def _tag_unlabelled(self, live: _Live) -> None:
+        """Versions for tokens vLLM sent no labels for: the version served when each arrived (exact
+        except for tokens computed just before a weight update and delivered after it). Caller holds
+        the lock."""
+        missing = len(live.sample.tokens) - len(live.sample.versions)
+        log.warning("request %s: vLLM labelled no weight versions for %d tokens; using arrival-time "
+                    "versions", live.request.request_id, missing)
+        live.sample.versions.extend(live.arrival_versions[len(live.arrival_versions) - missing:])
+
+    async def _swap_weights(self, version: int, chunks) -> None:
+        """Pause (requests kept) -> stage -> reload -> drop KV -> label -> resume; on the loop."""
+        llm = self._llm
+        await llm.pause_generation(mode="keep", clear_cache=True)
+        try:
+            try:
+                for chunk in chunks:
+                    await llm.collective_rpc("jaxflow_stage_weights", args=(chunk,))
+            except BaseException as e:
+                await llm.collective_rpc("jaxflow_discard_staged")
+                raise EngineError(f"sending weights of version {version} to vLLM failed; the weights of "
+                                  f"version {self._version} keep serving: {type(e).__name__}: {e}") from e
+            try:
+                await llm.collective_rpc("jaxflow_commit_weights")
+                # The pause already dropped the KV cache; resetting again, with running requests
+                # preempted, makes "no KV block computed by the old weights survives" explicit.
+                await llm.reset_prefix_cache(reset_running_requests=True)
+                await llm.update_weight_version(str(version))
+            except BaseException as e:
+                error = EngineError(f"reloading weights of version {version} failed part way; the model "
+                                    f"may mix versions, so the engine stops: {type(e).__name__}: {e}")
+                self._fail(error)
+                raise error from e
+            self._version = version
+        finally:
+            await llm.resume_generation()

@@ -1,0 +1,356 @@
+"""The vLLM engine (real vLLM, no mocks) against jaxflow's own teacher-forced forward: log-probs of
+on-disk and pushed weights, in-flight weight updates with exact token versions, abort/resume, bad input.
+
+One engine serves the whole module (vLLM takes ~20-30 s to start on CPU). Tests that push other weights
+put the on-disk weights back before they end, so every test starts from version-0 behaviour.
+Skipped when vLLM is not importable, except under CI, where vLLM must run.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+try:
+    import vllm  # noqa: F401
+except ImportError as e:
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(f"vLLM is not importable ({e}); install the rollout-cpu or rollout-gpu extra to run the "
+                f"vLLM engine tests", allow_module_level=True)
+
+import psutil  # noqa: E402  (a vLLM dependency)
+
+from jaxflow.models.hf_io import export_model, iter_hf_tensors, load_model, params_from_hf  # noqa: E402
+from jaxflow.models.tiny import write_tiny_model  # noqa: E402
+from jaxflow.rollout_types import Sample  # noqa: E402
+from rollout_bridge.engine import EngineError, Request, SamplingParams, WeightsRejected  # noqa: E402
+from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
+
+MAX_MODEL_LEN = 256
+PROMPT_LENS = (1, 3, 11, 30, 50, 7)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+# fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order.
+ATOL = 1e-4
+
+
+def prompts(seed=0, lens=PROMPT_LENS, vocab=500):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lens]
+
+
+def run(engine, token_lists, params=GREEDY, tag="r"):
+    reqs = [Request(f"{tag}{i}", p, params) for i, p in enumerate(token_lists)]
+    return engine.generate(reqs, timeout=120)
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens)
+
+
+def teacher_forced(model, prompt, completion):
+    """(log-probs of `completion` given prompt, argmax tokens at the same positions) under `model`."""
+    seq = np.asarray([prompt + completion], np.int32)
+    logits = np.asarray(_logits(model, seq))[0, len(prompt) - 1:-1]
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))
+    return logp[np.arange(len(completion)), completion], logits.argmax(-1)
+
+
+def perturbed(model, seed, scale=0.05):
+    """(model with every weight moved by scale * N(0, 1), its HF tensors): the weights a trainer pushes."""
+    rng = np.random.default_rng(seed)
+    tensors = {name: (t + scale * rng.standard_normal(t.shape)).astype(t.dtype)
+               for name, t in iter_hf_tensors(model)}
+    return nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors)), tensors
+
+
+def lively_tiny_model(directory, **kw):
+    """`write_tiny_model` (Qwen3, hidden 64, head_dim 32) with weights ~10x its initializer's: greedy
+    output that is not one token repeated, so comparisons of token sequences mean something."""
+    directory = write_tiny_model(directory, architecture="Qwen3ForCausalLM", head_dim=32, **kw)
+    model = load_model(directory)
+    rng = np.random.default_rng(1)
+    tensors = {name: (1 + 0.2 * rng.standard_normal(t.shape) if name.endswith("norm.weight")
+                      else 0.2 * rng.standard_normal(t.shape)).astype(t.dtype)
+               for name, t in iter_hf_tensors(model)}
+    model = nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors))
+    return export_model(model, directory, overwrite=True)
+
+
+def wait_running(engine, n, timeout=60.0):
+    """Waits until `n` requests have produced tokens (they are mid-generation)."""
+    deadline = time.monotonic() + timeout
+    while engine.load().running < n:
+        assert time.monotonic() < deadline, engine.load()
+        time.sleep(0.002)
+
+
+def poll_all(engine, n, timeout=120.0):
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += engine.poll(timeout=1.0)
+    assert len(out) == n
+    return {c.request_id: c for c in out}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return lively_tiny_model(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def base_model(model_dir):
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def base_tensors(base_model):
+    return dict(iter_hf_tensors(base_model))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    eng = VllmEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=32, kv_cache_gib=1.0,
+                     enforce_eager=True)
+    # vLLM's engine core and worker run in child processes. multiprocessing's resource tracker, started
+    # with the first spawned child, serves this process until it exits: not vLLM's to stop.
+    spawned = [p for p in psutil.Process().children(recursive=True)
+               if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(spawned) >= 2, [p.cmdline() for p in spawned]
+    yield eng
+    eng.close()
+    # close() leaves no orphan: the engine core and worker processes are gone.
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive, [p.name() for p in alive]
+
+
+@pytest.fixture
+def restore(engine, base_tensors):
+    """Puts the on-disk weights back (as a fresh version) after a test that pushes others."""
+    yield
+    engine.update_weights(engine.version + 1, base_tensors)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(engine, base_model):
+    """The engine's greedy completions of `prompts()` under the on-disk weights."""
+    out = [c.sample.tokens for c in run(engine, prompts(), tag="ref")]
+    assert all(len(set(tokens)) > 5 for tokens in out)  # not a degenerate repeat
+    return out
+
+
+def test_imports_without_vllm():
+    code = ("import sys; sys.modules['vllm'] = None; import jaxflow, rollout_bridge.engine, "
+            "rollout_bridge.vllm_engine, rollout_bridge.worker")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_on_disk_weights_match_teacher_forced_forward(engine, base_model, greedy_reference):
+    version = engine.version
+    for p, c in zip(prompts(), run(engine, prompts())):
+        s = c.sample
+        ref_lp, ref_argmax = teacher_forced(base_model, p, s.tokens)
+        assert s.tokens == ref_argmax.tolist() and len(s.tokens) == 24
+        np.testing.assert_allclose(s.logprobs, ref_lp, atol=ATOL, rtol=0)
+        assert s.versions == [version] * 24 and s.finish_reason == "length" and c.error is None
+
+
+def test_pushed_jaxflow_weights_match_teacher_forced_forward(engine, base_model, greedy_reference,
+                                                             restore):
+    new_model, new_tensors = perturbed(base_model, seed=0, scale=0.1)
+    version = engine.version + 1
+    engine.update_weights(version, new_tensors)
+    assert engine.version == version and engine.load().version == version
+    out = run(engine, prompts(), tag="pushed")
+    for p, c in zip(prompts(), out):
+        s = c.sample
+        ref_lp, ref_argmax = teacher_forced(new_model, p, s.tokens)
+        assert s.tokens == ref_argmax.tolist()
+        np.testing.assert_allclose(s.logprobs, ref_lp, atol=ATOL, rtol=0)
+        assert s.versions == [version] * len(s.tokens)
+    # The push took effect: the new weights' greedy output is not the old one.
+    assert [c.sample.tokens for c in out] != greedy_reference
+
+
+def test_sampled_logprobs_are_the_raw_distribution(engine, base_model, greedy_reference):
+    ps = prompts()[:4]
+    params = SamplingParams(max_tokens=24, temperature=0.7, top_k=20, top_p=0.9, seed=11)
+    out = run(engine, ps, params, tag="s")
+    for p, c in zip(ps, out):
+        ref_lp, _ = teacher_forced(base_model, p, c.sample.tokens)  # temperature 1, no filters
+        np.testing.assert_allclose(c.sample.logprobs, ref_lp, atol=ATOL, rtol=0)
+    assert [c.sample.tokens for c in out] != greedy_reference[:4]
+    assert [c.sample.tokens for c in run(engine, ps, params, tag="t")] == [c.sample.tokens for c in out]
+    assert run(engine, ps[:1], SamplingParams(max_tokens=24, temperature=1.0, top_k=1, seed=5),
+               tag="k")[0].sample.tokens == greedy_reference[0]
+
+
+def test_weight_update_mid_generation(engine, base_model, restore, capsys, caplog):
+    new_model, new_tensors = perturbed(base_model, seed=1)
+    old_version, new_version = engine.version, engine.version + 1
+    n = 200
+    reqs = [Request(f"w{i}", p, SamplingParams(max_tokens=n, temperature=0.0))
+            for i, p in enumerate(prompts(2, lens=(5, 20, 9)))]
+    for r in reqs:
+        engine.submit(r)
+    wait_running(engine, len(reqs))
+    engine.update_weights(new_version, new_tensors)
+    latency = engine.last_update_s
+    done = poll_all(engine, len(reqs))
+    with capsys.disabled():
+        print(f"\nupdate_weights with {len(reqs)} requests in flight: {latency * 1e3:.1f} ms")
+    for r in reqs:
+        s = done[r.request_id].sample
+        assert len(s.tokens) == n and s.finish_reason == "length"
+        # Contiguous: the old version, then the new one, both present.
+        swap = s.versions.index(new_version)
+        assert 0 < swap < n and s.versions == [old_version] * swap + [new_version] * (n - swap)
+        old_lp, old_argmax = teacher_forced(base_model, r.prompt, s.tokens)
+        new_lp, new_argmax = teacher_forced(new_model, r.prompt, s.tokens)
+        # Each token's log-prob is its own version's forward of the full sequence: the boundary is
+        # exact, and the KV of the pre-update tokens was recomputed under the new weights.
+        np.testing.assert_allclose(s.logprobs[:swap], old_lp[:swap], atol=ATOL, rtol=0)
+        np.testing.assert_allclose(s.logprobs[swap:], new_lp[swap:], atol=ATOL, rtol=0)
+        assert s.tokens[:swap] == old_argmax[:swap].tolist()
+        assert s.tokens[swap:] == new_argmax[swap:].tolist()
+        # The two versions disagree enough for the check above to locate the boundary.
+        assert np.abs(old_lp[swap:] - new_lp[swap:]).max() > 100 * ATOL
+    assert "labelled no weight versions" not in caplog.text  # versions came from vLLM's own labels
+
+
+def test_abort_and_resume_equals_uninterrupted(engine, caplog):
+    n = 200
+    params = SamplingParams(max_tokens=n, temperature=0.0)
+    ps = prompts(3, lens=(4, 17, 8))
+    reference = run(engine, ps, params, tag="u")
+    for i, p in enumerate(ps):
+        engine.submit(Request(f"a{i}", p, params))
+    wait_running(engine, len(ps))
+    aborted = {c.request_id: c.sample for c in engine.abort(["a0", "a2", "unknown"])}
+    assert set(aborted) == {"a0", "a2"}
+    assert engine.abort(["a0"]) == []  # already handed back
+    rest = poll_all(engine, 1)
+    assert rest["a1"].sample.tokens == reference[1].sample.tokens
+    assert engine.poll(timeout=0.5) == []  # aborted requests come back from abort() only
+    for rid in ("a0", "a2"):
+        s = aborted[rid]
+        assert s.finish_reason == "abort" and 0 < len(s.tokens) < n, len(s.tokens)
+        assert len(s.logprobs) == len(s.versions) == len(s.tokens)
+    resumed = engine.generate([Request("a0", ps[0], params, prefix=aborted["a0"]),
+                               Request("a2", ps[2], params, prefix=aborted["a2"])])
+    for c, i in zip(resumed, (0, 2)):
+        prefix, ref = aborted[c.request_id], reference[i].sample
+        assert c.sample.tokens == ref.tokens and c.sample.finish_reason == "length"
+        assert c.sample.logprobs[:len(prefix.tokens)] == prefix.logprobs
+        assert c.sample.versions == [engine.version] * n
+        np.testing.assert_allclose(c.sample.logprobs, ref.logprobs, atol=ATOL, rtol=0)
+    assert "labelled no weight versions" not in caplog.text
+
+
+def test_stop_tokens_and_max_tokens_count_the_prefix(engine, greedy_reference):
+    p, ref = prompts()[2], greedy_reference[2]
+    stops = (ref[5], ref[9])
+    first = min(ref.index(t) for t in stops)
+    c = engine.generate([Request("s", p, SamplingParams(max_tokens=24, temperature=0.0,
+                                                        stop_token_ids=stops))])[0]
+    assert c.sample.tokens == ref[:first + 1] and c.sample.finish_reason == "stop"
+    c = engine.generate([Request("m", p, SamplingParams(max_tokens=5, temperature=0.0))])[0]
+    assert c.sample.tokens == ref[:5] and c.sample.finish_reason == "length"
+    prefix = Sample(ref[:3], [0.0] * 3, [0] * 3, "abort")
+    c = engine.generate([Request("p", p, SamplingParams(max_tokens=5, temperature=0.0), prefix)])[0]
+    assert c.sample.tokens == ref[:5] and c.sample.finish_reason == "length"
+    assert c.sample.versions == [0] * 3 + [engine.version] * 2  # the prefix keeps its own versions
+    c = engine.generate([Request("q", p, SamplingParams(max_tokens=3, temperature=0.0), prefix)])[0]
+    assert c.sample.tokens == ref[:3] and c.sample.finish_reason == "length"
+
+
+def test_bad_weights_are_rejected_and_nothing_changes(engine, base_tensors, greedy_reference):
+    name = "model.layers.1.mlp.up_proj.weight"
+    good = base_tensors
+    cases = {
+        "missing": ({k: v for k, v in good.items() if k != name}, name),
+        "extra": ({**good, "model.layers.9.mlp.up_proj.weight": good[name]}, "layers.9"),
+        "shape": ({**good, name: good[name][:, :10]}, name + ".*shape"),
+        "dtype": ({**good, name: good[name].astype(np.float16)}, name + ".*float16"),
+    }
+    version = engine.version
+    for what, (tensors, pattern) in cases.items():
+        with pytest.raises(WeightsRejected, match=pattern):
+            engine.update_weights(version + 1, tensors)
+        assert engine.version == version, what
+    assert [c.sample.tokens for c in run(engine, prompts(), tag="after")] == greedy_reference
+
+
+def test_too_long_prompt_is_a_per_request_error(engine, greedy_reference):
+    reqs = [Request("long", list(range(3, 3 + MAX_MODEL_LEN)), GREEDY)]
+    reqs += [Request(f"ok{i}", p, GREEDY) for i, p in enumerate(prompts())]
+    reqs += [Request("bad", [3, 10_000], GREEDY)]
+    out = engine.generate(reqs)
+    assert out[0].sample.finish_reason == "error" and out[0].sample.tokens == []
+    assert f"{MAX_MODEL_LEN} tokens" in out[0].error and str(MAX_MODEL_LEN - 1) in out[0].error
+    assert [c.sample.tokens for c in out[1:-1]] == greedy_reference
+    assert out[-1].sample.finish_reason == "error" and "vocab" in out[-1].error
+    # A prompt that just fits generates one token.
+    c = engine.generate([Request("fits", list(range(3, 2 + MAX_MODEL_LEN)), GREEDY)])[0]
+    assert len(c.sample.tokens) == 1 and c.sample.finish_reason == "length"
+
+
+def test_load_and_throughput(engine, base_tensors, capsys):
+    """Greedy decode rate with 32 concurrent requests, and update_weights latency (printed)."""
+    n, max_tokens = 32, 200
+    reqs = [Request(f"t{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            for i, p in enumerate(prompts(5, lens=(16,) * n))]
+    start = time.perf_counter()
+    for r in reqs:
+        engine.submit(r)
+    wait_running(engine, n)
+    busy = engine.load()
+    done = poll_all(engine, n)
+    wall = time.perf_counter() - start
+    assert busy.running == n and busy.waiting == 0 and 0 < busy.kv_used <= 1
+    assert all(len(c.sample.tokens) == max_tokens for c in done.values())
+    idle = engine.load()  # its 5 s window still covers the run
+    assert idle.running == idle.waiting == 0 and idle.kv_used == 0.0 and idle.tokens_per_s > 0
+    latencies = []
+    for _ in range(3):
+        engine.update_weights(engine.version + 1, base_tensors)
+        latencies.append(engine.last_update_s)
+    with capsys.disabled():
+        print(f"\nvLLM greedy decode, tiny Qwen3 (hidden 64, head_dim 32, fp32, eager), {n} concurrent "
+              f"requests x {max_tokens} tokens: {n * max_tokens / wall:.0f} tokens/s end to end "
+              f"({wall:.2f} s; load() reports {idle.tokens_per_s:.0f} tokens/s); update_weights (idle): "
+              f"{1e3 * np.median(latencies):.1f} ms median of 3")
+
+
+def test_engine_death_surfaces_as_engine_error(model_dir):
+    """vLLM's engine core dies mid-generation: poll and submit raise EngineError, abort still hands back
+    the partial sample, and close() cleans up."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # the module engine's
+    eng = VllmEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, kv_cache_gib=0.25,
+                     enforce_eager=True)
+    try:
+        eng.submit(Request("x", [5, 6, 7], SamplingParams(max_tokens=MAX_MODEL_LEN - 8, temperature=0.0)))
+        wait_running(eng, 1)
+        spawned = [p for p in psutil.Process().children(recursive=True)
+                   if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+        (core,) = [p for p in spawned if "EngineCore" in " ".join(p.cmdline())]
+        core.kill()
+        with pytest.raises(EngineError, match="vLLM engine failed"):
+            eng.poll(timeout=60)
+        with pytest.raises(EngineError):
+            eng.submit(Request("y", [5], GREEDY))
+        (partial,) = eng.abort(["x"])
+        s = partial.sample
+        assert partial.request_id == "x" and s.finish_reason == "abort"
+        assert 0 < len(s.tokens) < MAX_MODEL_LEN - 8 and len(s.logprobs) == len(s.versions) == len(s.tokens)
+    finally:
+        eng.close()
+    _, alive = psutil.wait_procs(spawned, timeout=30)  # the worker does not outlive its engine core
+    assert not alive, [p.cmdline() for p in alive]
