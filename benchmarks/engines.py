@@ -1,8 +1,9 @@
 """Rollout engines side by side: jaxflow's JAX engine and vLLM on the same model and workload.
 
-Workload: N requests with temperature-1 sampling and no stop token, each with its own length drawn
-from a long-tailed (log-normal) distribution, so both engines generate exactly the same number of
-tokens; plus the same workload with uniform lengths. Weight-sync latency: `update_weights` with the
+Workload: a rollout round of N requests (several per concurrent slot, as in RL), temperature-1
+sampling and no stop token, each with its own length drawn from a long-tailed (log-normal)
+distribution, so both engines generate exactly the same number of tokens; plus the same workload with
+uniform lengths. Weight-sync latency: `update_weights` with the
 model's full HF tensor set (what a parameter-service pull delivers).
 
     .venv/bin/python benchmarks/engines.py --json /tmp/engines.json
@@ -69,7 +70,7 @@ def run_engine(engine, requests: list[Request], tensors, repeats: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=256, help="a rollout round: several per slot")
     parser.add_argument("--median-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=384)
     parser.add_argument("--slots", type=int, default=64, help="concurrent sequences per engine")
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.repeats, args.max_tokens = 32, 2, 256
+        args.requests, args.slots, args.repeats, args.max_tokens = 128, 32, 2, 256
 
     workdir = tempfile.mkdtemp(prefix="jaxflow-engines-")
     model_dir = os.path.join(workdir, "model")
