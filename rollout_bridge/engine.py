@@ -74,6 +74,29 @@ class EngineLoad:
     version: int
 
 
+def request_error(request: Request, *, vocab_size: int, context: int, context_name: str) -> str | None:
+    """Why `request` cannot run on an engine with `context` positions (a per-request error: the engine
+    keeps serving), or None. `context_name` names the engine's setting in the message."""
+    p = request.params
+    prefix = request.prefix or Sample()
+    n = len(request.prompt) + len(prefix.tokens)
+    if not request.prompt:
+        return "empty prompt"
+    if n > context - 1:
+        return (f"prompt ({len(request.prompt)} tokens) + prefix ({len(prefix.tokens)} tokens) = {n} "
+                f"tokens is longer than the context of {context - 1} ({context_name} {context} minus one "
+                f"generated token)")
+    if any(not 0 <= t < vocab_size for t in [*request.prompt, *prefix.tokens, *p.stop_token_ids]):
+        return f"token ids must lie in [0, {vocab_size}) (the model's vocab)"
+    if not len(prefix.logprobs) == len(prefix.versions) == len(prefix.tokens):
+        return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
+                f"{len(prefix.versions)} versions")
+    if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
+        return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
+                f"max_tokens >= 1")
+    return None
+
+
 class Engine(abc.ABC):
     """A rollout engine; see the module docstring."""
 

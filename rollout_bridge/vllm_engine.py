@@ -48,7 +48,7 @@ from jaxflow.models import hf_io, names
 from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config
 from jaxflow.rollout_types import Sample
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
-                                   WeightsRejected)
+                                   WeightsRejected, request_error)
 
 log = logging.getLogger(__name__)
 
@@ -354,25 +354,8 @@ class VllmEngine(Engine):
 
     def _invalid(self, request: Request) -> str | None:
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
-        p: SamplingParams = request.params
-        prefix = request.prefix or Sample()
-        n = len(request.prompt) + len(prefix.tokens)
-        vocab = self.config.vocab_size
-        if not request.prompt:
-            return "empty prompt"
-        if n > self._max_model_len - 1:
-            return (f"prompt ({len(request.prompt)} tokens) + prefix ({len(prefix.tokens)} tokens) = {n} "
-                    f"tokens is longer than the context of {self._max_model_len - 1} (max_model_len "
-                    f"{self._max_model_len} minus one generated token)")
-        if any(not 0 <= t < vocab for t in [*request.prompt, *prefix.tokens, *p.stop_token_ids]):
-            return f"token ids must lie in [0, {vocab}) (the model's vocab)"
-        if not len(prefix.logprobs) == len(prefix.versions) == len(prefix.tokens):
-            return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
-                    f"{len(prefix.versions)} versions")
-        if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
-            return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
-                    f"max_tokens >= 1")
-        return None
+        return request_error(request, vocab_size=self.config.vocab_size, context=self._max_model_len,
+                             context_name="max_model_len")
 
     def _engine_error(self) -> EngineError:
         if self._error is None:
