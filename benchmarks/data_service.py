@@ -25,7 +25,8 @@ import time
 import numpy as np
 
 from jaxflow import rpc
-from jaxflow.param_service import RPC_METHODS, ParameterClient, ParameterService
+from jaxflow.param_client import ParameterClient
+from jaxflow.param_service import RPC_METHODS, ParameterService
 from jaxflow.prompt_source import PromptSource
 from jaxflow.rollout_types import Sample
 from jaxflow.trajectory_service import TrajectoryService

@@ -18,7 +18,7 @@ import signal
 import threading
 
 from jaxflow import rpc
-from jaxflow.param_service import ParameterClient
+from jaxflow.param_client import ParameterClient
 from rollout_bridge.engine import SamplingParams
 from rollout_bridge.worker import RolloutWorker, SyncPolicy
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxflow import rpc, wire
-from jaxflow.param_service import (ALIGNMENT, DTYPES, RPC_METHODS, ParameterClient, ParameterService,
-                                   UnknownVersionError, attach_shared)
+from jaxflow.param_client import ParameterClient, attach_shared
+from jaxflow.param_service import ALIGNMENT, DTYPES, RPC_METHODS, ParameterService, UnknownVersionError
 
 SHM = ["private", "shm"]
 
@@ -398,7 +398,8 @@ def test_wait_for_version():
 _READER_SCRIPT = textwrap.dedent('''
     import json, multiprocessing as mp, os, subprocess, sys, time
     import numpy as np
-    from jaxflow.param_service import ParameterService, attach_shared
+    from jaxflow.param_client import attach_shared
+    from jaxflow.param_service import ParameterService
 
     def tensors(v):
         rng = np.random.default_rng(v)
@@ -437,7 +438,7 @@ _READER_SCRIPT = textwrap.dedent('''
         child.join(30)
         assert child.exitcode == 0, child.exitcode
         # An unrelated process (its own resource tracker) attaches and exits: the segment must survive.
-        code = ("import json, sys; from jaxflow.param_service import attach_shared; "
+        code = ("import json, sys; from jaxflow.param_client import attach_shared; "
                 "print(float(attach_shared(json.loads(sys.argv[1]))['a'].sum()))")
         out = subprocess.run([sys.executable, "-c", code, json.dumps(svc.manifest(3))], check=True,
                              capture_output=True, text=True)
