@@ -93,7 +93,9 @@ def main(argv=None) -> int:
     results: dict[str, dict] = {}
     from rollout_bridge.jax_engine import JaxEngine
 
+    t0 = time.perf_counter()
     engine = JaxEngine(model_dir, max_slots=args.slots, max_len=max_len)
+    startup_s = {"jax": time.perf_counter() - t0}
     try:
         results["jax"] = {name: run_engine(engine, reqs, tensors, args.repeats) for name, reqs in loads.items()}
     finally:
@@ -110,7 +112,9 @@ def main(argv=None) -> int:
     if vllm_ok:
         from rollout_bridge.vllm_engine import VllmEngine
 
+        t0 = time.perf_counter()
         engine = VllmEngine(model_dir, max_model_len=max_len, max_num_seqs=args.slots)
+        startup_s["vllm"] = time.perf_counter() - t0
         try:
             results["vllm"] = {name: run_engine(engine, reqs, tensors, args.repeats)
                                for name, reqs in loads.items()}
@@ -124,6 +128,8 @@ def main(argv=None) -> int:
     for eng, per in results.items():
         for name, r in per.items():
             print(f"{eng:<8}{name:<11}{r['tokens']:>8}{r['tokens_per_s']:>11,.0f}{1e3 * r['weight_sync_s']:>18.1f}")
+    print("engine start-up (load, compile, warm-up): "
+          + ", ".join(f"{eng} {seconds:.1f} s" for eng, seconds in startup_s.items()))
     jax_tps = results["jax"]["long_tail"]["tokens_per_s"]
     vllm_tps = results["vllm"]["long_tail"]["tokens_per_s"] if "vllm" in results else None
     ratio = jax_tps / vllm_tps if vllm_tps else None
@@ -132,7 +138,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
-                       "results": results, "args": vars(args)}, f, indent=2)
+                       "results": results, "startup_s": startup_s, "args": vars(args)}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 

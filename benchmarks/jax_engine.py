@@ -44,8 +44,8 @@ def bench(directory, slots: int, args) -> dict:
     engine = JaxEngine(directory, max_slots=slots, max_len=args.max_len, decode_chunk=args.decode_chunk)
     vocab = engine.config.vocab_size
     try:
-        # The warm-up pass is the timed workload with other lengths: it compiles the decode programs of
-        # every attention window and the prefill programs of every (batch, length) bucket it meets.
+        # The engine compiles its decode programs at construction; the warm-up pass (the timed workload
+        # with other lengths) compiles the prefill programs of the longer (batch, length) buckets.
         t0 = time.perf_counter()
         engine.generate(long_tail_requests(args.requests_per_slot * slots, args.max_len, args.median,
                                            vocab, seed=1))

@@ -1,22 +1,24 @@
 """The jitted half of the JAX rollout engine: KV cache, prefill, chunked decode and per-slot sampling.
 
 Everything here has fixed shapes so that a running engine compiles a handful of programs once: the
-cache holds `num_slots` sequences of up to `max_len` positions, one decode call runs `num_steps` steps
-for all slots at once, and prefill lengths come from a few buckets. The layer math is
+cache holds `num_slots` sequences of up to `max_len` positions; one decode call runs `num_steps` steps
+for a fixed number of rows (cache slots named by the caller), attending over windows picked at run time
+from a static list; and prefill lengths come from a few buckets. The layer math is
 `jaxflow.models.transformer.decoder_layer`, the same function the trainer's forward pass scans.
 
 A slot's sequence is prompt + generated tokens. The cache holds keys/values of all but its last token;
 that last token is the slot's pending input, fed by the next decode step, which writes its keys/values
 and samples the following token. So prefill needs no LM head, and sampling lives in one place.
 
-Shapes: L layers, B slots, S cache positions (max_len, or the attention window), G kv heads, K head_dim,
-D hidden, V vocab, C decode steps per call, P sequences per prefill call, T prefill bucket length, N stop
-ids per slot.
+Shapes: L layers, B slots (in the cache) or rows (of a decode call), S cache positions (max_len, or the
+attention window), G kv heads, R query heads per kv head, K head_dim, D hidden, V vocab, C decode steps
+per call, P sequences per prefill call, T prefill bucket length, N stop ids per slot.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -25,7 +27,8 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.models.config import ModelConfig
-from jaxflow.models.transformer import attention_mask, decoder_layer, rms_norm, rope_inv_freq
+from jaxflow.models.transformer import (MASK_VALUE, attention_mask, decoder_layer, rms_norm,
+                                        rope_inv_freq)
 
 # SlotState.finish_b codes.
 RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -115,35 +118,69 @@ def prefill(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, l
     return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
 
 
-def _forward_step(model, cache: KVCache, tokens_b: jax.Array, lengths_b: jax.Array, window: int):
-    """One token per slot at position lengths_b: writes its keys/values, returns (logits_bv, cache).
+def _cached_attention(q_bgrk: jax.Array, keys_bgsk: jax.Array, values_bgsk: jax.Array,
+                      visible_bs: jax.Array) -> jax.Array:
+    """One query token per slot against its cached keys/values; returns [B, G, R, K].
 
-    Attention reads only the first `window` cache positions (every active slot's sequence fits in them).
+    The same math as `transformer.attention` (float32 scores and softmax, probabilities cast to the
+    value dtype), arranged for the cache layout: scores come out [B, G, S, R], so each (slot, head)
+    reads its [S, K] key block once as a matrix-vector product; scores as [.., R, S] make XLA's CPU dot
+    several times slower on these shapes.
+    """
+    scale = 1.0 / math.sqrt(q_bgrk.shape[-1])
+    scores_bgsr = jnp.einsum("bgsk,bgrk->bgsr", keys_bgsk, q_bgrk, preferred_element_type=jnp.float32)
+    scores_bgsr = jnp.where(visible_bs[:, None, :, None], scores_bgsr * scale, MASK_VALUE)
+    probs_bgsr = jax.nn.softmax(scores_bgsr, axis=2).astype(values_bgsk.dtype)
+    return jnp.einsum("bgsr,bgsk->bgrk", probs_bgsr, values_bgsk)
+
+
+def _forward_step(model, cache: KVCache, rows_b: jax.Array | None, tokens_b: jax.Array,
+                  lengths_b: jax.Array, windows: tuple[int, ...], window_g: jax.Array):
+    """One token per row at position lengths_b: writes its keys/values, returns (logits_bv, cache).
+
+    rows_b: the cache slot of each row (None: row i is slot i). The rows come in len(window_g) equal
+    consecutive groups; group g attends over the first windows[window_g[g]] cache positions, which hold
+    all of its active sequences.
     """
     cfg = model.config
+    b, num_groups = tokens_b.shape[0], window_g.shape[0]
+    if b % num_groups or (rows_b is None and num_groups != 1):
+        raise ValueError(f"{b} rows do not split into {num_groups} groups (all slots in order: one group)")
     positions_b1 = lengths_b[:, None]
-    rows_b = jnp.arange(tokens_b.shape[0])
-    # Each slot sees its own cached positions and the token being written; the rest of the window
-    # (junk from earlier occupants or prefill padding) stays hidden.
-    mask_b1111w = (jnp.arange(window)[None, :] <= positions_b1)[:, None, None, None, :]
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    slots_b = jnp.arange(b) if rows_b is None else rows_b
+
+    def windowed(window, layer, k_lbgsk, v_lbgsk, q_mgrk, slots_m, lengths_m):
+        """Attention of the m rows of one group over the first `window` positions of their slots."""
+        # Each row sees its own cached positions and the token being written; the rest of the window
+        # (junk from earlier occupants or prefill padding) stays hidden.
+        visible_ms = jnp.arange(window)[None, :] <= lengths_m[:, None]
+        if rows_b is None:  # all slots in order: a slice, no gather (a slot-sharded cache stays local)
+            keys, values = (jax.lax.dynamic_index_in_dim(c, layer, 0, False)[:, :, :window]
+                            for c in (k_lbgsk, v_lbgsk))
+        else:
+            keys, values = (c[layer, slots_m, :, :window] for c in (k_lbgsk, v_lbgsk))
+        return _cached_attention(q_mgrk, keys, values, visible_ms)
+
+    branches = [functools.partial(windowed, w) for w in windows]
 
     def body(carry, xs):
         x_b1d, k_lbgsk, v_lbgsk = carry
         p, layer = xs
 
-        def store(k_b1gk, v_b1gk):
+        def attend(q_b1grk, k_b1gk, v_b1gk):
             # The cache is the loop carry and is written with a scatter, which XLA does in place; a
             # per-layer cache passed as scan xs/ys would be copied whole at every step.
-            k = k_lbgsk.at[layer, rows_b, :, lengths_b].set(k_b1gk[:, 0].astype(k_lbgsk.dtype))
-            v = v_lbgsk.at[layer, rows_b, :, lengths_b].set(v_b1gk[:, 0].astype(v_lbgsk.dtype))
-            # decoder_layer attends over [B, S, G, K]; XLA folds this transpose into the dot.
-            keys, values = (jnp.swapaxes(jax.lax.dynamic_index_in_dim(c, layer, 0, False)[:, :, :window],
-                                         1, 2) for c in (k, v))
-            return keys, values, (k, v)
+            k = k_lbgsk.at[layer, slots_b, :, lengths_b].set(k_b1gk[:, 0].astype(k_lbgsk.dtype))
+            v = v_lbgsk.at[layer, slots_b, :, lengths_b].set(v_b1gk[:, 0].astype(v_lbgsk.dtype))
+            # A loop over the groups rather than one switch per group: the window branches compile once.
+            per_group = (window_g, *(a.reshape(num_groups, b // num_groups, *a.shape[1:])
+                                     for a in (q_b1grk[:, 0], slots_b, lengths_b)))
+            out_gmgrk = jax.lax.map(lambda xs: jax.lax.switch(xs[0], branches, layer, k, v, *xs[1:]),
+                                    per_group)
+            return out_gmgrk.reshape(b, 1, *out_gmgrk.shape[2:]), (k, v)
 
-        x_b1d, (k_lbgsk, v_lbgsk) = decoder_layer(cfg, p, x_b1d, positions_b1, inv_freq, mask_b1111w,
-                                                  store)
+        x_b1d, (k_lbgsk, v_lbgsk) = decoder_layer(cfg, p, x_b1d, positions_b1, inv_freq, None, attend)
         return (x_b1d, k_lbgsk, v_lbgsk), None
 
     x_b1d = jnp.take(model.embed[...], tokens_b[:, None], axis=0)
@@ -171,6 +208,15 @@ def _filter_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.A
     return jnp.where(scaled_bv >= threshold_b[:, None], scaled_bv, -jnp.inf)
 
 
+def _argmax(x_bv: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first maximal index), int32, as a max and a min: XLA's CPU
+    backend runs these two plain reductions several times faster than its arg-max reduction."""
+    v = x_bv.shape[-1]
+    max_b1 = jnp.max(x_bv, axis=-1, keepdims=True)
+    first_b = jnp.min(jnp.where(x_bv == max_b1, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+    return jnp.minimum(first_b, v - 1)  # no maximal index only with NaNs in the row
+
+
 def sample_tokens(logits_bv: jax.Array, state: SlotState, logprobs_mode: str = "raw"):
     """Samples one token per slot with that slot's parameters; returns (tokens_b int32, logprobs_b f32).
 
@@ -194,27 +240,38 @@ def sample_tokens(logits_bv: jax.Array, state: SlotState, logprobs_mode: str = "
                                 state.top_k_b, state.top_p_b)
     keys_b = jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(state.seeds_b,
                                                                              state.generated_b)
-    sampled_b = jax.vmap(jax.random.categorical)(keys_b, processed_bv)
-    tokens_b = jnp.where(sampling_b, sampled_b, jnp.argmax(logits_bv, axis=-1)).astype(jnp.int32)
+    # jax.random.categorical(key, processed) spelled out (the Gumbel-max trick, the same noise and sum),
+    # so that sampled and greedy rows share one argmax: a greedy row's processed logits are its logits
+    # with at most some non-maximal ones filtered out, which leaves the argmax as it is.
+    noise_bv = jax.vmap(lambda k: jax.random.gumbel(k, processed_bv.shape[-1:], processed_bv.dtype))(
+        keys_b)
+    perturbed_bv = jnp.where(sampling_b[:, None], noise_bv + processed_bv, processed_bv)
+    tokens_b = _argmax(perturbed_bv)
     reported_bv = logits_bv if logprobs_mode == "raw" else processed_bv
     logprobs_b = jnp.take_along_axis(jax.nn.log_softmax(reported_bv, axis=-1), tokens_b[:, None],
                                      axis=-1)[:, 0]
     return tokens_b, logprobs_b
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "window", "logprobs_mode",
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "windows", "logprobs_mode",
                                              "out_sharding"), donate_argnames=("cache",))
-def decode(graphdef, params: nnx.State, cache: KVCache, state: SlotState, *, num_steps: int, window: int,
-           logprobs_mode: str, out_sharding):
-    """Up to `num_steps` decode steps for every slot in one call; stops early once no slot is active.
+def decode(graphdef, params: nnx.State, cache: KVCache, state: SlotState, rows_b: jax.Array | None,
+           window_g: jax.Array, *, num_steps: int, windows: tuple[int, ...], logprobs_mode: str,
+           out_sharding):
+    """Up to `num_steps` decode steps for B rows in one call; stops early once no row is active.
 
-    window: attention reads cache positions [0, window) only; the caller picks it (from a few buckets) so
-    that every active slot's lengths_b + num_steps fits, which saves reading the whole cache while
-    sequences are short.
+    state: the rows' SlotState ([B]). rows_b: int32 [B], the cache slot of each row, distinct (None: all
+    slots, row i = slot i). Padding rows are inactive slots: they run (fixed shapes) but their state and
+    outputs are frozen, and the keys/values they write land in free slots that a prefill rewrites before
+    use.
 
-    A slot stops after sampling a stop id (FINISH_STOP; the stop token is kept), reaching max_tokens
-    generated, or filling the cache (FINISH_LENGTH: prompt + generated = S). Inactive slots still run
-    (fixed shapes) but their state and outputs are frozen.
+    Attention windows: the rows come in len(window_g) equal consecutive groups (one when rows_b is None);
+    group g attends over cache positions [0, windows[window_g[g]]) only. The caller picks each group's
+    window so that all its active rows' lengths_b + num_steps fit, which saves reading the whole cache
+    while sequences are short; window_g is traced, so one program serves every choice.
+
+    A row stops after sampling a stop id (FINISH_STOP; the stop token is kept), reaching max_tokens
+    generated, or filling the cache (FINISH_LENGTH: prompt + generated = S).
     Returns (cache, state, tokens_bc int32 with -1 where nothing was generated, logprobs_bc float32).
     """
     model = nnx.merge(graphdef, params)
@@ -223,7 +280,8 @@ def decode(graphdef, params: nnx.State, cache: KVCache, state: SlotState, *, num
 
     def step(carry):
         i, cache, s, tokens_bc, logprobs_bc = carry
-        logits_bv, cache = _forward_step(model, cache, s.tokens_b, s.lengths_b, window)
+        logits_bv, cache = _forward_step(model, cache, rows_b, s.tokens_b, s.lengths_b, windows,
+                                          window_g)
         token_b, logprob_b = sample_tokens(logits_bv, s, logprobs_mode)
         active_b = s.active_b
         stop_b = jnp.any(token_b[:, None] == s.stop_ids_bn, axis=-1)

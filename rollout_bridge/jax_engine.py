@@ -5,12 +5,18 @@ A background thread runs the loop:
 
 1. apply commands from other threads (weight swaps, aborts) — only ever between decode calls;
 2. admit waiting requests into free slots: prefill prompt (+ resumed prefix) into the slot's cache rows;
-3. run `decode_chunk` decode steps for all slots in one jitted call;
+3. run `decode_chunk` decode steps for the active slots in one jitted call;
 4. hand finished samples to `poll`, freeing their slots for the next admission.
 
-Shapes never depend on the requests: the cache is [layers, max_slots, kv_heads, max_len, head_dim], a
-decode call always covers every slot (empty and finished ones masked), and prefill lengths are rounded
-up to `prefill_buckets`, so a long-running engine compiles one decode program and a few prefill ones.
+A decode call's cost follows the work left rather than the engine's size (`jax_slots`): it runs only the
+active slots, padded to a slot bucket (8, 16, ... max_slots), and each group of similar-length sequences
+attends over the smallest of a few window sizes that holds it, so the draining tail of a rollout round
+and a mix of short and long sequences stay cheap.
+
+Shapes never depend on the requests: the cache is [layers, max_slots, kv_heads, max_len, head_dim],
+windows are traced indices into a static list, and prefill lengths are rounded up to `prefill_buckets`,
+so the engine compiles one decode program per slot bucket (all at construction, see `warmup`) and a few
+prefill ones.
 
 Log-probabilities: by default each token's log-probability under the model's unmodified distribution
 (temperature 1, no top-k/top-p) — the quantity the trainer recomputes for the behaviour policy, so
@@ -41,7 +47,7 @@ from jaxflow import sharding
 from jaxflow.models import hf_io
 from jaxflow.models.transformer import Transformer
 from jaxflow.rollout_types import Sample
-from rollout_bridge import jax_decode
+from rollout_bridge import jax_decode, jax_slots
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
                                    WeightsRejected)
 
@@ -76,18 +82,23 @@ class JaxEngine(Engine):
     decode_chunk: decode steps per jitted call (the granularity of admission, aborts and weight swaps).
     mesh: default one device; params follow their logical axes, the cache is split by slots over
     data/fsdp and by kv heads over tensor (each where it divides). version: the weights' policy version.
-    prefill_buckets: prefill lengths (capped at max_len; max_len is always one). seed: draws per-request
+    prefill_buckets: prefill lengths (capped at max_len; max_len is always one); the shortest is also the
+    smallest decode attention window (`jax_slots.attention_windows`). seed: draws per-request
     seeds for requests without one. param_dtype: the serving dtype (default the checkpoint's).
     cast_weights: let `update_weights` cast tensors of another dtype; by default that is refused.
     logprobs_mode: "raw" or "processed" (module docstring). prefill_batch: most sequences per prefill
     call (calls are padded to a power of two). max_stop_ids: most stop token ids per request.
+    warmup: compile at construction every decode program (one per slot bucket) and the prefill programs
+    of the shortest prefill bucket, so that no compile lands mid-run when the number of active
+    sequences first drops to a new bucket.
     """
 
     def __init__(self, model: str | os.PathLike | Transformer, *, max_slots: int = 32,
                  max_len: int = 1024, decode_chunk: int = 16, mesh: jax.sharding.Mesh | None = None,
                  version: int = 0, prefill_buckets: Iterable[int] = (64, 128, 256, 512, 1024),
                  seed: int = 0, param_dtype=None, cast_weights: bool = False,
-                 logprobs_mode: str = "raw", prefill_batch: int = 8, max_stop_ids: int = 8, rules=None):
+                 logprobs_mode: str = "raw", prefill_batch: int = 8, max_stop_ids: int = 8, rules=None,
+                 warmup: bool = True):
         if logprobs_mode not in jax_decode.LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode!r} is not one of {jax_decode.LOGPROBS_MODES}")
         if max_slots < 1 or max_len < 2 or decode_chunk < 1 or prefill_batch < 1:
@@ -111,7 +122,7 @@ class JaxEngine(Engine):
         self._cast_weights = cast_weights
         self._version = version
         self.max_slots, self.max_len, self.decode_chunk = max_slots, max_len, decode_chunk
-        self._buckets = sorted({min(int(b), max_len) for b in prefill_buckets} | {max_len})
+        self._buckets = tuple(sorted({min(int(b), max_len) for b in prefill_buckets} | {max_len}))
         self._prefill_batch = prefill_batch
         self._logprobs_mode = logprobs_mode
         self._max_stop_ids = max_stop_ids
@@ -119,7 +130,13 @@ class JaxEngine(Engine):
         self._cache_sharding = jax_decode.cache_sharding(cfg, max_slots, max_len, self._mesh, rules)
         self._cache = jax_decode.init_cache(cfg, max_slots, max_len, self._param_dtype,
                                             self._cache_sharding)
-        self._slots = self._empty_slots()
+        # Decoding only the active rows gathers them from the cache: with slots sharded over devices that
+        # would move cache rows between devices at every step, so a slot-sharded engine runs all slots.
+        cache_shape = self._cache.k_lbgsk.shape
+        slots_sharded = self._cache_sharding.shard_shape(cache_shape)[1] != max_slots
+        self._windows = jax_slots.attention_windows(self._buckets[0], max_len)
+        self._slots = jax_slots.SlotTable(max_slots, max_stop_ids, self._windows,
+                                          select_rows=not slots_sharded)
         self._running: dict[int, _Running] = {}  # slot -> request; only the loop thread touches it
         self._rates: collections.deque[tuple[float, float, int]] = collections.deque()
         # Shared with the API threads, under _lock.
@@ -133,6 +150,8 @@ class JaxEngine(Engine):
         self._snapshot = EngineLoad(0, 0, 0.0, 0.0, version)
         self._error: BaseException | None = None
         self._closing = False
+        if warmup:
+            self._warmup()
         self._thread = threading.Thread(target=self._loop, name="jax-engine", daemon=True)
         self._thread.start()
 
@@ -298,16 +317,6 @@ class JaxEngine(Engine):
                 self._commands = []
                 self._finished.notify_all()
 
-    def _empty_slots(self) -> dict[str, np.ndarray]:
-        b = self.max_slots
-        return dict(tokens_b=np.zeros(b, np.int32), lengths_b=np.zeros(b, np.int32),
-                    active_b=np.zeros(b, bool), generated_b=np.zeros(b, np.int32),
-                    max_tokens_b=np.zeros(b, np.int32), temperature_b=np.zeros(b, np.float32),
-                    top_k_b=np.zeros(b, np.int32), top_p_b=np.ones(b, np.float32),
-                    seeds_b=np.zeros(b, np.uint32),
-                    stop_ids_bn=np.full((b, self._max_stop_ids), -1, np.int32),
-                    finish_b=np.zeros(b, np.int32))
-
     def _admit(self) -> None:
         """Moves waiting requests into free slots and prefills them."""
         free = [s for s in range(self.max_slots) if s not in self._running]
@@ -333,22 +342,13 @@ class JaxEngine(Engine):
 
     def _fill_slot(self, slot: int) -> None:
         run = self._running[slot]
-        p, seq = run.request.params, run.sequence
+        p = run.request.params
         seed = p.seed if p.seed is not None else int(self._seeds.integers(2**32))
-        s = self._slots
-        s["tokens_b"][slot], s["lengths_b"][slot] = seq[-1], len(seq) - 1
-        s["active_b"][slot], s["generated_b"][slot] = True, len(run.sample.tokens)
-        s["max_tokens_b"][slot], s["temperature_b"][slot] = p.max_tokens, p.temperature
-        s["top_k_b"][slot], s["top_p_b"][slot] = p.top_k, p.top_p
-        s["seeds_b"][slot] = seed % 2**32
-        s["stop_ids_bn"][slot] = -1
-        s["stop_ids_bn"][slot, :len(p.stop_token_ids)] = p.stop_token_ids
+        self._slots.fill(slot, run.sequence, len(run.sample.tokens), p.max_tokens, p.temperature, p.top_k,
+                         p.top_p, seed, p.stop_token_ids)
 
     def _free_slot(self, slot: int) -> _Running:
-        # Neutral sampling params on empty slots keep the top-k/top-p sort off when nobody needs it.
-        s = self._slots
-        s["active_b"][slot], s["temperature_b"][slot] = False, 0.0
-        s["top_k_b"][slot], s["top_p_b"][slot] = 0, 1.0
+        self._slots.free(slot)
         return self._running.pop(slot)
 
     def _prefill(self, slots: list[int]) -> None:
@@ -372,30 +372,58 @@ class JaxEngine(Engine):
                 for row, (slot, context) in enumerate(group):
                     tokens_pt[row, :len(context)] = context
                     lengths_p[row], slots_p[row] = len(context), slot
-                self._cache = jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
-                                                 lengths_p, slots_p, out_sharding=self._cache_sharding)
+                self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
+                                                    lengths_p, slots_p, out_sharding=self._cache_sharding))
+
+    def _warmup(self) -> None:
+        """Compiles the programs `warmup` promises by running them on free slots, which changes nothing:
+        a decode call whose rows are all inactive stops before its first step, and a prefill call of
+        padding rows only drops all its writes."""
+        for plan in self._slots.idle_plans():
+            self._decode_call(plan)
+        p, t = 1, self._buckets[0]
+        while p < 2 * min(self._prefill_batch, self.max_slots):
+            self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache,
+                                                np.zeros((p, t), np.int32), np.zeros(p, np.int32),
+                                                np.full(p, self.max_slots, np.int32),
+                                                out_sharding=self._cache_sharding))
+            p *= 2
+        jax.block_until_ready(self._cache)
+
+    def _keep_cache(self, cache: jax_decode.KVCache) -> None:
+        """Takes the cache a program returned. Programs label its sharding with an equivalent but
+        normalised spec; relabelling it with the engine's own (same buffers, no copy) keeps every call's
+        input signature the same, so that the programs `_warmup` compiled are the ones the loop hits."""
+        self._cache = jax.device_put(cache, self._cache_sharding)
+
+    def _decode_call(self, plan: jax_slots.DecodePlan):
+        """Dispatches one decode call over the plan's rows, replacing the cache (donated); returns the
+        rows' (state, tokens_bc, logprobs_bc), still on device."""
+        cache, state, tokens_bc, logprobs_bc = jax_decode.decode(
+            self._graphdef, self._params, self._cache, self._slots.state(plan), plan.rows_b, plan.window_g,
+            num_steps=self.decode_chunk, windows=self._windows, logprobs_mode=self._logprobs_mode,
+            out_sharding=self._cache_sharding)
+        self._keep_cache(cache)
+        return state, tokens_bc, logprobs_bc
 
     def _decode(self) -> None:
-        """One decode call over all slots; appends its tokens and completes finished requests."""
+        """One decode call over the active slots; appends its tokens and completes finished requests."""
         version, start = self._version, time.monotonic()
-        longest = int(self._slots["lengths_b"][self._slots["active_b"]].max()) + self.decode_chunk
-        window = next(b for b in self._buckets if b >= min(longest, self.max_len))
-        self._cache, state, tokens_bc, logprobs_bc = jax_decode.decode(
-            self._graphdef, self._params, self._cache, jax_decode.SlotState(**self._slots),
-            num_steps=self.decode_chunk, window=window, logprobs_mode=self._logprobs_mode,
-            out_sharding=self._cache_sharding)
-        state, tokens_bc, logprobs_bc = jax.device_get((state, tokens_bc, logprobs_bc))
-        self._slots = {k: np.array(v) for k, v in state._asdict().items()}
+        plan = self._slots.plan(self.decode_chunk)
+        state, tokens_bc, logprobs_bc = jax.device_get(self._decode_call(plan))
+        self._slots.update(plan, state)
         generated, finished = 0, []
-        for slot in list(self._running):
-            n = int((tokens_bc[slot] >= 0).sum())
+        for row, slot in enumerate(self._slots.slots(plan).tolist()):
+            if slot not in self._running:  # a padding row
+                continue
+            n = int((tokens_bc[row] >= 0).sum())
             sample = self._running[slot].sample
-            sample.tokens.extend(tokens_bc[slot, :n].tolist())
-            sample.logprobs.extend(logprobs_bc[slot, :n].tolist())
+            sample.tokens.extend(tokens_bc[row, :n].tolist())
+            sample.logprobs.extend(logprobs_bc[row, :n].tolist())
             sample.versions.extend([version] * n)
             generated += n
-            if not self._slots["active_b"][slot]:
-                sample.finish_reason = _FINISH_NAMES[int(self._slots["finish_b"][slot])]
+            if not state.active_b[row]:
+                sample.finish_reason = _FINISH_NAMES[int(state.finish_b[row])]
                 finished.append(self._free_slot(slot))
         now = time.monotonic()
         self._rates.append((start, now, generated))
@@ -439,8 +467,7 @@ class JaxEngine(Engine):
         now = time.monotonic()
         rates = [r for r in self._rates if r[1] >= now - _RATE_WINDOW_S]
         tokens_per_s = sum(r[2] for r in rates) / max(now - rates[0][0], 1e-9) if rates else 0.0
-        active = self._slots["active_b"]
-        used = int((self._slots["lengths_b"][active] + 1).sum())
+        used = self._slots.used_positions()
         with self._lock:
             self._snapshot = EngineLoad(running=len(self._running), waiting=len(self._waiting),
                                         kv_used=used / (self.max_slots * self.max_len),

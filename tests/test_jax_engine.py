@@ -360,3 +360,41 @@ def test_load_reports_progress(engine):
     load = engine.load()
     assert load.running == 0 and load.waiting == 0 and load.kv_used == 0.0
     assert load.tokens_per_s > 0 and all(c.sample.done for c in out)
+
+
+def test_long_tail_mix_is_exact_in_every_bucket_and_window(qwen3_dir, qwen3_model, engine, monkeypatch):
+    """16 slots: decode calls of 16 and then 8 rows as a long-tailed mix of requests drains, with short
+    sequences in calls with long ones (grouped windows). Greedy tokens are the teacher-forced argmax and
+    log-probs the teacher-forced ones, seeded samples equal the 4-slot engine's, and nothing compiles
+    after the engine's warm-up."""
+    eng = JaxEngine(qwen3_dir, **{**ENGINE_KW, "max_slots": 16})
+    compiled = jax_decode.decode._cache_size()
+    real, calls = jax_decode.decode, []
+
+    def recording(*args, **kwargs):
+        calls.append((len(args[4]), tuple(np.asarray(args[5]).tolist())))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax_decode, "decode", recording)
+    ps = prompts(7, lens=(1, 3, 11, 30, 50, 7, 2, 20, 40, 5, 9, 13, 25, 35, 4, 8, 16, 60, 6, 10))
+    lengths = [60 if i % 7 == 0 else 3 + i for i in range(len(ps))]
+
+    def requests(tag, **kw):
+        return [Request(f"{tag}{i}", p, SamplingParams(max_tokens=n, **kw))
+                for i, (p, n) in enumerate(zip(ps, lengths))]
+
+    try:
+        greedy = eng.generate(requests("g", temperature=0.0))
+        seeded = eng.generate(requests("s", temperature=1.0, seed=5))
+        assert real._cache_size() == compiled
+    finally:
+        eng.close()
+    assert {rows for rows, _ in calls} == {8, 16}
+    assert any(len(set(windows)) > 1 for _, windows in calls)
+    for p, c in zip(ps, greedy):
+        logprobs, argmax = teacher_forced(qwen3_model, p, c.sample.tokens)
+        assert c.sample.tokens == argmax.tolist()
+        np.testing.assert_allclose(c.sample.logprobs, logprobs, atol=1e-4, rtol=0)
+    monkeypatch.undo()
+    assert ([c.sample.tokens for c in engine.generate(requests("s4-", temperature=1.0, seed=5))]
+            == [c.sample.tokens for c in seeded])

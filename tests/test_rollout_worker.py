@@ -5,6 +5,7 @@ runs as its own process against served services."""
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ from jaxflow.models.tiny import write_tiny_model
 from jaxflow.param_service import RPC_METHODS, ParameterService
 from jaxflow.prompt_source import PromptSource
 from jaxflow.trajectory_service import TrajectoryService
+from rollout_bridge import jax_decode
 from rollout_bridge.engine import SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
 from rollout_bridge.worker import RolloutWorker, SyncPolicy
@@ -129,10 +131,19 @@ def test_sync_policies(engine, weights, when, lag, syncs_at):
         assert engine.version == (v if v >= syncs_at else 0), (when, v)
 
 
-def test_idle_policy_waits_for_an_empty_engine(engine, weights):
+def test_idle_policy_waits_for_an_empty_engine(engine, weights, monkeypatch):
     reset(engine, weights)
     traj, params = services(eta=2)
     params.publish(0, weights[0])
+    # The engine's decode calls wait for `release`, so that the group is still in flight at the second
+    # step however fast the engine generates its 60 tokens.
+    release, decode = threading.Event(), jax_decode.decode
+
+    def held(*args, **kwargs):
+        release.wait(30)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(jax_decode, "decode", held)
     worker = RolloutWorker("w0", engine, traj, params, sampling=SamplingParams(max_tokens=60),
                            sync=SyncPolicy("idle"), max_groups=1, reward_fn=length_reward)
     worker.step()  # a long group in flight
@@ -142,6 +153,7 @@ def test_idle_policy_waits_for_an_empty_engine(engine, weights):
     params.publish(1, weights[1])
     worker.step()
     assert engine.version == 0  # busy: no sync yet
+    release.set()
     run_until(worker, lambda: worker.counts["syncs"] > 0)
     assert engine.version == 1
 

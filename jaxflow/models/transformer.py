@@ -21,7 +21,7 @@ from jaxflow.models.config import ModelConfig
 
 # Large negative instead of -inf: a query with no visible key (a padding row) gets a uniform softmax
 # instead of NaN, and its output is never used.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -82,7 +82,7 @@ def attention(q_btgrk, k_bsgk, v_bsgk, mask_b11ts) -> jax.Array:
     """Grouped-query attention with softmax in float32; returns [B, T, G, R, K]."""
     scale = 1.0 / math.sqrt(q_btgrk.shape[-1])
     scores = jnp.einsum("btgrk,bsgk->bgrts", q_btgrk, k_bsgk, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask_b11ts, scores * scale, _MASK_VALUE)
+    scores = jnp.where(mask_b11ts, scores * scale, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bsgk.dtype)
     return jnp.einsum("bgrts,bsgk->btgrk", probs, v_bsgk)
 
@@ -141,16 +141,16 @@ class DecoderLayers(nnx.Module):
 
 
 def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt,
-                  inv_freq_k, mask_b11ts, store_kv=None):
+                  inv_freq_k, mask_b11ts, cached_attention=None):
     """One pre-norm decoder block on the per-layer params `p`.
 
-    store_kv says where keys/values live. None: the chunk attends within itself (training, prefill;
-    `mask_b11ts` is [B, 1, 1, T, T]) and its own (k_btgk, v_btgk) are returned. Otherwise a function
-    `store_kv(k_btgk, v_btgk) -> (keys_bsgk, values_bsgk, cache)` that stores the chunk's keys/values
-    in a cache (the rollout engine's) and returns the S keys/values to attend over (`mask_b11ts` is
-    [B, 1, 1, T, S]) and the updated cache, which is returned in their place. The cache layout stays
-    the caller's business, so the engine can update a buffer in place while this body stays the one
-    the trainer runs.
+    cached_attention says where keys/values live. None: the chunk attends within itself (training,
+    prefill; `mask_b11ts` is [B, 1, 1, T, T]) and its own (k_btgk, v_btgk) are returned. Otherwise a
+    function `cached_attention(q_btgrk, k_btgk, v_btgk) -> (out_btgrk, cache)` that stores the chunk's
+    keys/values in a cache (the rollout engine's), attends over it (`mask_b11ts` is unused) and returns
+    the attention output and the updated cache, which is returned in their place. The cache layout and
+    the attention kernel stay the caller's business, so the engine can update a buffer in place and
+    read it in the order its hardware likes while this body stays the one the trainer runs.
     Returns (x_btd, (k_btgk, v_btgk) or cache).
     """
     b, t, _ = x_btd.shape
@@ -166,11 +166,12 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions_bt, inv_freq_k)
     k = apply_rope(k, positions_bt, inv_freq_k)
-    if store_kv is None:
-        keys, values, kv_out = k, v, (k, v)
+    q = q.reshape(b, t, g, r, -1)
+    if cached_attention is None:
+        out, kv_out = attention(q, k, v, mask_b11ts), (k, v)
     else:
-        keys, values, kv_out = store_kv(k, v)
-    out = attention(q.reshape(b, t, g, r, -1), keys, values, mask_b11ts).reshape(b, t, g * r, -1)
+        out, kv_out = cached_attention(q, k, v)
+    out = out.reshape(b, t, g * r, -1)
     attn = jnp.einsum("bthk,hkd->btd", out, p["o_proj"])
     if cfg.o_bias:
         attn = attn + p["o_bias"]
