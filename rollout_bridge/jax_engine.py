@@ -49,7 +49,7 @@ from jaxflow.models.transformer import Transformer
 from jaxflow.rollout_types import Sample
 from rollout_bridge import jax_decode, jax_slots
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
-                                   WeightsRejected)
+                                   WeightsRejected, request_error)
 
 # Window of recent decode calls that `load().tokens_per_s` averages over.
 _RATE_WINDOW_S = 5.0
@@ -250,24 +250,11 @@ class JaxEngine(Engine):
 
     def _invalid(self, request: Request) -> str | None:
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
+        error = request_error(request, vocab_size=self.config.vocab_size, context=self.max_len,
+                              context_name="max_len")
+        if error is not None:
+            return error
         p: SamplingParams = request.params
-        prefix = request.prefix or Sample()
-        n = len(request.prompt) + len(prefix.tokens)
-        vocab = self.config.vocab_size
-        if len(request.prompt) == 0:
-            return "empty prompt"
-        if n > self.max_len - 1:
-            return (f"prompt ({len(request.prompt)} tokens) + prefix ({len(prefix.tokens)} tokens) = {n} "
-                    f"tokens is longer than the context of {self.max_len - 1} (max_len {self.max_len} "
-                    f"minus one generated token)")
-        if any(not 0 <= t < vocab for t in [*request.prompt, *prefix.tokens, *p.stop_token_ids]):
-            return f"token ids must lie in [0, {vocab}) (the model's vocab)"
-        if not len(prefix.logprobs) == len(prefix.versions) == len(prefix.tokens):
-            return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
-                    f"{len(prefix.versions)} versions")
-        if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
-            return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
-                    f"max_tokens >= 1")
         if len(p.stop_token_ids) > self._max_stop_ids:
             return (f"{len(p.stop_token_ids)} stop token ids, more than this engine's max_stop_ids="
                     f"{self._max_stop_ids}")
