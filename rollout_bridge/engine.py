@@ -3,6 +3,16 @@
 An engine owns a background loop. Requests go in with `submit`; finished completions come out of
 `poll`. Weights change with `update_weights(version, tensors)` while requests are in flight: in-flight
 sequences are kept, and every token records the version that produced it.
+
+`pause(mode)` / `resume()` stop and restart generation around work the caller does in between (the
+two ways rollout systems take new weights):
+
+- "keep" (PipelineRL-style): requests stay in flight, frozen; after `resume` they continue where they
+  were, their KV recomputed if weights changed meanwhile.
+- "abort" (AReaL-style): requests in flight are stopped and handed back as partial samples, to be
+  resubmitted later with `Request(prefix=...)`, possibly under new weights.
+
+While paused, `submit` queues, `abort` and `update_weights` work, and nothing is generated.
 """
 
 from __future__ import annotations
@@ -97,6 +107,14 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
     return None
 
 
+PAUSE_MODES = ("keep", "abort")
+
+
+def check_pause_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+
+
 class Engine(abc.ABC):
     """A rollout engine; see the module docstring."""
 
@@ -122,6 +140,21 @@ class Engine(abc.ABC):
         """Swaps in HF-named weights of `version` with requests kept in flight (their KV is recomputed
         under the new weights). Raises WeightsRejected, changing nothing, on a wrong name/shape/dtype.
         """
+
+    @abc.abstractmethod
+    def pause(self, mode: str = "keep") -> list[Completion]:
+        """Stops generating after the step in progress; returns once nothing runs. mode "keep" returns
+        []; "abort" returns the partial samples (finish_reason "abort") of every request in flight,
+        waiting ones included. Pausing a paused engine only applies `mode` again."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Generates again: kept requests continue, queued ones start. A no-op when not paused."""
+
+    @property
+    @abc.abstractmethod
+    def paused(self) -> bool:
+        """Whether the engine is paused."""
 
     @abc.abstractmethod
     def load(self) -> EngineLoad:

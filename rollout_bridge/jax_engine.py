@@ -3,7 +3,8 @@
 It is the embedded default engine (trainer and rollout in one process, one machine) and the TPU path.
 A background thread runs the loop:
 
-1. apply commands from other threads (weight swaps, aborts) — only ever between decode calls;
+1. apply commands from other threads (weight swaps, aborts, pauses) — only ever between decode calls;
+   while paused, it stops here until `resume`;
 2. admit waiting requests into free slots: prefill prompt (+ resumed prefix) into the slot's cache rows;
 3. run `decode_chunk` decode steps for the active slots in one jitted call;
 4. hand finished samples to `poll`, freeing their slots for the next admission.
@@ -49,7 +50,7 @@ from jaxflow.models.transformer import Transformer
 from jaxflow.rollout_types import Sample
 from rollout_bridge import jax_decode, jax_slots
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
-                                   WeightsRejected, request_error)
+                                   WeightsRejected, check_pause_mode, request_error)
 
 # Window of recent decode calls that `load().tokens_per_s` averages over.
 _RATE_WINDOW_S = 5.0
@@ -150,6 +151,7 @@ class JaxEngine(Engine):
         self._snapshot = EngineLoad(0, 0, 0.0, 0.0, version)
         self._error: BaseException | None = None
         self._closing = False
+        self._paused = False
         if warmup:
             self._warmup()
         self._thread = threading.Thread(target=self._loop, name="jax-engine", daemon=True)
@@ -228,6 +230,27 @@ class JaxEngine(Engine):
             self._wake.notify()
         future.result()
 
+    def pause(self, mode: str = "keep") -> list[Completion]:
+        """Stops generating at the next decode-call boundary (see `Engine.pause`). Kept sequences keep
+        their slots and cache rows; a weight update while paused recomputes those rows, as in flight."""
+        check_pause_mode(mode)
+        future = concurrent.futures.Future()
+        with self._lock:
+            self._raise_if_down()
+            self._commands.append(("pause", mode, future))
+            self._wake.notify()
+        return future.result()
+
+    def resume(self) -> None:
+        with self._lock:
+            self._raise_if_down()
+            self._paused = False
+            self._wake.notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def load(self) -> EngineLoad:
         with self._lock:
             return dataclasses.replace(self._snapshot, waiting=len(self._waiting), version=self._version)
@@ -276,8 +299,8 @@ class JaxEngine(Engine):
         try:
             while True:
                 with self._lock:
-                    self._wake.wait_for(lambda: self._closing or self._commands or self._waiting
-                                        or self._running)
+                    self._wake.wait_for(lambda: self._closing or self._commands or (
+                        not self._paused and (self._waiting or self._running)))
                     if self._closing:
                         for _, _, future in self._commands:
                             future.set_exception(self._engine_error())
@@ -286,11 +309,14 @@ class JaxEngine(Engine):
                     commands, self._commands = self._commands, []
                 for kind, arg, future in commands:
                     try:
-                        result = self._abort(arg) if kind == "abort" else self._swap_weights(*arg)
+                        result = self._run_command(kind, arg)
                     except BaseException as e:
                         future.set_exception(e)
                         raise
                     future.set_result(result)
+                if self._paused:
+                    self._publish_load()
+                    continue
                 self._admit()
                 if self._running:
                     self._decode()
@@ -303,6 +329,17 @@ class JaxEngine(Engine):
                     future.set_exception(self._engine_error())
                 self._commands = []
                 self._finished.notify_all()
+
+    def _run_command(self, kind: str, arg):
+        if kind == "abort":
+            return self._abort(arg)
+        if kind == "weights":
+            return self._swap_weights(*arg)
+        assert kind == "pause", kind
+        with self._lock:
+            self._paused = True
+            in_flight = set(self._active_ids)
+        return self._abort(in_flight) if arg == "abort" else []
 
     def _admit(self) -> None:
         """Moves waiting requests into free slots and prefills them."""

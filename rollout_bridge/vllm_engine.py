@@ -24,6 +24,11 @@ the model's config.json before anything changes, then pauses generation with req
 `rollout_bridge.vllm_worker_ext`), reloads them in place, drops every KV block so in-flight requests are
 recomputed from prompt + tokens so far under the new weights, labels the new version, and resumes.
 
+`pause("keep")` is vLLM's `pause_generation(mode="keep")` with the KV kept (nothing changed, nothing
+to recompute); `pause("abort")` pauses the same way, then aborts every request in flight through
+`abort`, so their partial samples come back with exact versions. A weight update while paused leaves
+the engine paused.
+
 Load: `running` counts requests that have produced a token, `waiting` those submitted that have not
 (queued in vLLM, or prefilling); `kv_used` is vLLM's KV-cache usage after its latest step, read through
 a stat logger (0.0 when nothing is in flight).
@@ -48,7 +53,7 @@ from jaxflow.models import hf_io, names
 from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config
 from jaxflow.rollout_types import Sample
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
-                                   WeightsRejected, request_error)
+                                   WeightsRejected, check_pause_mode, request_error)
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +210,8 @@ class VllmEngine(Engine):
         self._submitted = 0
         self._error: BaseException | None = None
         self._closing = False
-        self._update_lock = threading.Lock()  # one weight update at a time
+        self._update_lock = threading.Lock()  # one weight update / pause / resume at a time
+        self._paused = False
         self.last_update_s: float | None = None  # wall time of the latest update_weights
         self._loop = asyncio.new_event_loop()
         started: concurrent.futures.Future = concurrent.futures.Future()
@@ -313,6 +319,29 @@ class VllmEngine(Engine):
             start = time.perf_counter()
             self._call(self._swap_weights(int(version), chunks))
             self.last_update_s = time.perf_counter() - start
+
+    def pause(self, mode: str = "keep", timeout: float = 60.0) -> list[Completion]:
+        check_pause_mode(mode)
+        with self._update_lock:
+            self._raise_if_down()
+            self._call(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
+            self._paused = True
+        if mode == "keep":
+            return []
+        with self._lock:
+            in_flight = list(self._live)
+        return self.abort(in_flight, timeout)
+
+    def resume(self, timeout: float = 60.0) -> None:
+        with self._update_lock:
+            self._raise_if_down()
+            if self._paused:
+                self._call(self._llm.resume_generation(), timeout)
+                self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def load(self) -> EngineLoad:
         with self._lock:
@@ -541,4 +570,5 @@ class VllmEngine(Engine):
                 raise error from e
             self._version = version
         finally:
-            await llm.resume_generation()
+            if not self._paused:  # a pause of the caller's outlives the update
+                await llm.resume_generation()

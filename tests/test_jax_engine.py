@@ -9,49 +9,27 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
 
 from jaxflow import sharding
-from jaxflow.models.hf_io import export_model, iter_hf_tensors, load_model, params_from_hf
-from jaxflow.models.tiny import write_tiny_model
+from jaxflow.models.hf_io import iter_hf_tensors, load_model
 from jaxflow.rollout_types import Sample
 from rollout_bridge import jax_decode
 from rollout_bridge.engine import EngineError, Request, SamplingParams, WeightsRejected
 from rollout_bridge.jax_engine import JaxEngine
 
+import engine_helpers
+from engine_helpers import GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run
+
 # Small enough to compile fast, with more prompts than slots and prompts in several prefill buckets.
 ENGINE_KW = dict(max_slots=4, max_len=128, decode_chunk=8, prefill_buckets=(16, 32, 64))
-PROMPT_LENS = (1, 3, 11, 30, 50, 7)
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
-
-
-def prompts(seed=0, lens=PROMPT_LENS, vocab=500):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, n).tolist() for n in lens]
-
-
-def run(engine, token_lists, params=GREEDY, tag="r"):
-    reqs = [Request(f"{tag}{i}", p, params) for i, p in enumerate(token_lists)]
-    return engine.generate(reqs, timeout=120)
-
-
-@nnx.jit
-def _logits(model, tokens):
-    return model(tokens)
 
 
 def forward_logits(model, prompt, completion):
-    """Teacher-forced logits [len(completion), V] that predict each completion token under `model`."""
-    seq = np.zeros((1, ENGINE_KW["max_len"]), np.int32)  # one shape, one compile; causal: the tail is inert
-    seq[0, :len(prompt) + len(completion)] = prompt + completion
-    return np.asarray(_logits(model, seq))[0, len(prompt) - 1:len(prompt) + len(completion) - 1]
+    return engine_helpers.forward_logits(model, prompt, completion, pad_to=ENGINE_KW["max_len"])
 
 
 def teacher_forced(model, prompt, completion):
-    """(log-probs of `completion` given prompt, argmax tokens at the same positions) under `model`."""
-    logits = forward_logits(model, prompt, completion)
-    logp = np.asarray(jax.nn.log_softmax(logits, -1))
-    return logp[np.arange(len(completion)), completion], logits.argmax(-1)
+    return engine_helpers.teacher_forced(model, prompt, completion, pad_to=ENGINE_KW["max_len"])
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +75,6 @@ def _pause_after_decode(monkeypatch, engine, call: int) -> threading.Event:
 
     monkeypatch.setattr(jax_decode, "decode", wrapped)
     return held
-
-
-def lively_tiny_model(directory, architecture, **kw):
-    """`write_tiny_model` with weights ~10x its initializer's (norm scales around 1): a model whose greedy
-    output is not one token repeated, so that comparisons of token sequences mean something."""
-    directory = write_tiny_model(directory, architecture=architecture, **kw)
-    model = load_model(directory)
-    rng = np.random.default_rng(1)
-    tensors = {name: (1 + 0.2 * rng.standard_normal(t.shape) if name.endswith("norm.weight")
-                      else 0.2 * rng.standard_normal(t.shape)).astype(t.dtype)
-               for name, t in iter_hf_tensors(model)}
-    model = nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors))
-    return export_model(model, directory, overwrite=True)
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
@@ -185,10 +150,7 @@ def test_refill_does_not_recompile(engine, greedy_reference):
 
 def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
     eng = JaxEngine(qwen3_dir, **ENGINE_KW)
-    rng = np.random.default_rng(0)
-    new = {name: (t + 0.05 * rng.standard_normal(t.shape)).astype(t.dtype)
-           for name, t in iter_hf_tensors(qwen3_model)}
-    new_model = nnx.merge(nnx.graphdef(qwen3_model), params_from_hf(qwen3_model.config, new))
+    new_model, new = perturbed(qwen3_model, seed=0)
     # Swap after the second decode call (16 tokens in), with every request still running.
     held = _pause_after_decode(monkeypatch, eng, 2)
     reqs = [Request(f"w{i}", p, SamplingParams(max_tokens=60, temperature=0.0))
@@ -198,7 +160,7 @@ def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
     assert held.wait(30)
     eng.update_weights(1, new)
     assert eng.version == 1
-    done = {c.request_id: c for c in _poll_all(eng, len(reqs))}
+    done = poll_all(eng, len(reqs))
     eng.close()
     for r in reqs:
         s = done[r.request_id].sample
@@ -212,14 +174,6 @@ def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
         assert s.tokens[:swap] == old_argmax[:swap].tolist()
         # The new weights' greedy continuation of the pre-swap prefix, token by token.
         assert s.tokens[swap:] == new_argmax[swap:].tolist()
-
-
-def _poll_all(engine, n, timeout=60.0):
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        out += engine.poll(timeout=1.0)
-    assert len(out) == n
-    return out
 
 
 def test_abort_and_resume_equals_uninterrupted(engine, greedy_reference, monkeypatch):
@@ -237,7 +191,7 @@ def test_abort_and_resume_equals_uninterrupted(engine, greedy_reference, monkeyp
     assert aborted["a0"].finish_reason == "abort" and len(aborted["a0"].tokens) == 8
     assert aborted["a5"].tokens == [] and aborted["a5"].finish_reason == "abort"
     monkeypatch.undo()
-    rest = {c.request_id: c.sample for c in _poll_all(engine, 4)}
+    rest = {i: c.sample for i, c in poll_all(engine, 4).items()}
     for i in (1, 2, 3, 4):
         assert rest[f"a{i}"].tokens == greedy_reference[i]
     resumed = engine.generate([Request("a0", ps[0], params, prefix=aborted["a0"]),
@@ -398,3 +352,73 @@ def test_long_tail_mix_is_exact_in_every_bucket_and_window(qwen3_dir, qwen3_mode
     monkeypatch.undo()
     assert ([c.sample.tokens for c in engine.generate(requests("s4-", temperature=1.0, seed=5))]
             == [c.sample.tokens for c in seeded])
+
+
+def _token_counts(engine):
+    return {run.request.request_id: len(run.sample.tokens) for run in list(engine._running.values())}
+
+
+def test_pause_keep_then_update_weights_then_resume(qwen3_dir, qwen3_model, monkeypatch):
+    """PipelineRL's update: pause with requests kept, swap weights, resume. Nothing is generated while
+    paused, requests submitted meanwhile wait, and the version boundary sits exactly at the pause."""
+    eng = JaxEngine(qwen3_dir, **ENGINE_KW)
+    new_model, new = perturbed(qwen3_model, seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    ps = prompts(2, lens=(5, 20, 9))
+    held = _pause_after_decode(monkeypatch, eng, 2)
+    for i, p in enumerate(ps):
+        eng.submit(Request(f"k{i}", p, params))
+    assert held.wait(30)
+    assert eng.pause("keep") == [] and eng.paused
+    before = _token_counts(eng)
+    assert sorted(before.values()) == [16, 16, 16]
+    eng.submit(Request("late", prompts()[1], GREEDY))
+    time.sleep(0.3)
+    assert _token_counts(eng) == before and eng.poll(timeout=0.2) == []
+    assert eng.load().waiting == 1
+    eng.update_weights(1, new)
+    time.sleep(0.2)
+    assert eng.paused and _token_counts(eng) == before  # the update did not resume it
+    eng.resume()
+    done = poll_all(eng, 4)
+    eng.close()
+    assert not eng.paused
+    for i, p in enumerate(ps):
+        s = done[f"k{i}"].sample
+        assert s.versions == [0] * 16 + [1] * 24
+        _, old_argmax = teacher_forced(qwen3_model, p, s.tokens)
+        new_lp, new_argmax = teacher_forced(new_model, p, s.tokens)
+        assert s.tokens[:16] == old_argmax[:16].tolist() and s.tokens[16:] == new_argmax[16:].tolist()
+        np.testing.assert_allclose(s.logprobs[16:], new_lp[16:], atol=1e-4, rtol=0)
+    assert done["late"].sample.versions == [1] * 24
+
+
+def test_pause_abort_hands_back_everything_and_resume_continues(engine, greedy_reference, monkeypatch):
+    """AReaL's update: pause aborting everything in flight (running and waiting), resubmit from the
+    prefixes while paused, resume: the same tokens as an uninterrupted run."""
+    ps = prompts()
+    held = _pause_after_decode(monkeypatch, engine, 1)
+    for i, p in enumerate(ps):
+        engine.submit(Request(f"p{i}", p, GREEDY))
+    assert held.wait(30)
+    partial = {c.request_id: c.sample for c in engine.pause("abort")}
+    monkeypatch.undo()
+    assert set(partial) == {f"p{i}" for i in range(6)} and engine.paused
+    assert all(s.finish_reason == "abort" for s in partial.values())
+    assert sorted(len(s.tokens) for s in partial.values()) == [0, 0, 8, 8, 8, 8]  # 4 slots ran, 2 waited
+    assert engine.load().running == 0 and engine.poll(timeout=0.2) == []
+    for i, p in enumerate(ps):
+        engine.submit(Request(f"p{i}", p, GREEDY, prefix=partial[f"p{i}"]))
+    assert engine.poll(timeout=0.3) == [] and engine.load().waiting == 6
+    engine.resume()
+    done = poll_all(engine, 6)
+    for i in range(6):
+        assert done[f"p{i}"].sample.tokens == greedy_reference[i]
+    assert not engine.paused and engine.pause("keep") == [] and engine.pause("abort") == []
+    engine.resume()
+
+
+def test_pause_mode_is_checked(engine):
+    with pytest.raises(ValueError, match="'wait'.*keep.*abort"):
+        engine.pause("wait")
+    assert not engine.paused

@@ -11,10 +11,8 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 try:
     import vllm  # noqa: F401
@@ -26,61 +24,16 @@ except ImportError as e:
 
 import psutil  # noqa: E402  (a vLLM dependency)
 
-from jaxflow.models.hf_io import export_model, iter_hf_tensors, load_model, params_from_hf  # noqa: E402
-from jaxflow.models.tiny import write_tiny_model  # noqa: E402
+from engine_helpers import (GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run,  # noqa: E402
+                            teacher_forced)
+from jaxflow.models.hf_io import iter_hf_tensors, load_model  # noqa: E402
 from jaxflow.rollout_types import Sample  # noqa: E402
 from rollout_bridge.engine import EngineError, Request, SamplingParams, WeightsRejected  # noqa: E402
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
 
 MAX_MODEL_LEN = 256
-PROMPT_LENS = (1, 3, 11, 30, 50, 7)
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order.
 ATOL = 1e-4
-
-
-def prompts(seed=0, lens=PROMPT_LENS, vocab=500):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, n).tolist() for n in lens]
-
-
-def run(engine, token_lists, params=GREEDY, tag="r"):
-    reqs = [Request(f"{tag}{i}", p, params) for i, p in enumerate(token_lists)]
-    return engine.generate(reqs, timeout=120)
-
-
-@nnx.jit
-def _logits(model, tokens):
-    return model(tokens)
-
-
-def teacher_forced(model, prompt, completion):
-    """(log-probs of `completion` given prompt, argmax tokens at the same positions) under `model`."""
-    seq = np.asarray([prompt + completion], np.int32)
-    logits = np.asarray(_logits(model, seq))[0, len(prompt) - 1:-1]
-    logp = np.asarray(jax.nn.log_softmax(logits, -1))
-    return logp[np.arange(len(completion)), completion], logits.argmax(-1)
-
-
-def perturbed(model, seed, scale=0.05):
-    """(model with every weight moved by scale * N(0, 1), its HF tensors): the weights a trainer pushes."""
-    rng = np.random.default_rng(seed)
-    tensors = {name: (t + scale * rng.standard_normal(t.shape)).astype(t.dtype)
-               for name, t in iter_hf_tensors(model)}
-    return nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors)), tensors
-
-
-def lively_tiny_model(directory, **kw):
-    """`write_tiny_model` (Qwen3, hidden 64, head_dim 32) with weights ~10x its initializer's: greedy
-    output that is not one token repeated, so comparisons of token sequences mean something."""
-    directory = write_tiny_model(directory, architecture="Qwen3ForCausalLM", head_dim=32, **kw)
-    model = load_model(directory)
-    rng = np.random.default_rng(1)
-    tensors = {name: (1 + 0.2 * rng.standard_normal(t.shape) if name.endswith("norm.weight")
-                      else 0.2 * rng.standard_normal(t.shape)).astype(t.dtype)
-               for name, t in iter_hf_tensors(model)}
-    model = nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors))
-    return export_model(model, directory, overwrite=True)
 
 
 def wait_running(engine, n, timeout=60.0):
@@ -91,17 +44,9 @@ def wait_running(engine, n, timeout=60.0):
         time.sleep(0.002)
 
 
-def poll_all(engine, n, timeout=120.0):
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        out += engine.poll(timeout=1.0)
-    assert len(out) == n
-    return {c.request_id: c for c in out}
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return lively_tiny_model(tmp_path_factory.mktemp("qwen3"))
+    return lively_tiny_model(tmp_path_factory.mktemp("qwen3"), head_dim=32)
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +196,76 @@ def test_abort_and_resume_equals_uninterrupted(engine, caplog):
         assert c.sample.logprobs[:len(prefix.tokens)] == prefix.logprobs
         assert c.sample.versions == [engine.version] * n
         np.testing.assert_allclose(c.sample.logprobs, ref.logprobs, atol=ATOL, rtol=0)
+    assert "labelled no weight versions" not in caplog.text
+
+
+def _token_counts(engine):
+    with engine._lock:
+        return {rid: len(live.sample.tokens) for rid, live in engine._live.items()}
+
+
+def test_pause_keep_then_update_weights_then_resume(engine, base_model, restore, caplog):
+    """PipelineRL's update done by hand: pause with requests kept, swap weights, resume. Nothing is
+    generated while paused (a request submitted meanwhile waits), the update leaves the engine paused,
+    and every token carries the version that produced it."""
+    new_model, new_tensors = perturbed(base_model, seed=2)
+    old_version, new_version = engine.version, engine.version + 1
+    n = 200
+    params = SamplingParams(max_tokens=n, temperature=0.0)
+    ps = prompts(4, lens=(6, 15))
+    for i, p in enumerate(ps):
+        engine.submit(Request(f"k{i}", p, params))
+    wait_running(engine, len(ps))
+    assert engine.pause("keep") == [] and engine.paused
+    engine.submit(Request("late", prompts()[1], GREEDY))
+    time.sleep(0.3)  # outputs already on their way arrive
+    before = _token_counts(engine)
+    assert all(0 < before[f"k{i}"] < n for i in range(len(ps))), before
+    time.sleep(0.5)
+    assert _token_counts(engine) == before and engine.poll(timeout=0.1) == []
+    engine.update_weights(new_version, new_tensors)
+    time.sleep(0.5)
+    assert engine.paused and _token_counts(engine) == before
+    engine.resume()
+    assert not engine.paused
+    done = poll_all(engine, len(ps) + 1)
+    for i, p in enumerate(ps):
+        s, swap = done[f"k{i}"].sample, before[f"k{i}"]
+        assert s.versions == [old_version] * swap + [new_version] * (n - swap)
+        _, old_argmax = teacher_forced(base_model, p, s.tokens)
+        new_lp, new_argmax = teacher_forced(new_model, p, s.tokens)
+        assert s.tokens[:swap] == old_argmax[:swap].tolist() and s.tokens[swap:] == new_argmax[swap:].tolist()
+        np.testing.assert_allclose(s.logprobs[swap:], new_lp[swap:], atol=ATOL, rtol=0)
+    assert done["late"].sample.versions == [new_version] * GREEDY.max_tokens
+    assert "labelled no weight versions" not in caplog.text
+
+
+def test_pause_abort_hands_back_everything_and_resume_continues(engine, caplog):
+    """AReaL's update: pause aborting everything in flight, resubmit from the prefixes while paused,
+    resume: the same tokens as an uninterrupted run."""
+    n = 200
+    params = SamplingParams(max_tokens=n, temperature=0.0)
+    ps = prompts(5, lens=(3, 12, 7))
+    reference = run(engine, ps, params, tag="pu")
+    for i, p in enumerate(ps):
+        engine.submit(Request(f"pa{i}", p, params))
+    wait_running(engine, len(ps))
+    partial = {c.request_id: c.sample for c in engine.pause("abort")}
+    assert set(partial) == {f"pa{i}" for i in range(len(ps))} and engine.paused
+    for s in partial.values():
+        assert s.finish_reason == "abort" and 0 < len(s.tokens) < n
+        assert len(s.logprobs) == len(s.versions) == len(s.tokens)
+    for i, p in enumerate(ps):
+        engine.submit(Request(f"pa{i}", p, params, prefix=partial[f"pa{i}"]))
+    time.sleep(0.5)
+    assert engine.poll(timeout=0.1) == [] and engine.load().running == 0
+    engine.resume()
+    done = poll_all(engine, len(ps))
+    for i in range(len(ps)):
+        assert done[f"pa{i}"].sample.tokens == reference[i].sample.tokens
+    with pytest.raises(ValueError, match="'wait'.*keep.*abort"):
+        engine.pause("wait")
+    assert not engine.paused
     assert "labelled no weight versions" not in caplog.text
 
 

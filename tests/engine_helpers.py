@@ -1,0 +1,76 @@
+"""Helpers shared by the engine tests (JAX engine, vLLM): prompts, runs, a model with lively weights, and
+jaxflow's own teacher-forced forward, the reference every engine's tokens and log-probs are checked on."""
+
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxflow.models.hf_io import export_model, iter_hf_tensors, load_model, params_from_hf
+from jaxflow.models.tiny import write_tiny_model
+from rollout_bridge.engine import Request, SamplingParams
+
+PROMPT_LENS = (1, 3, 11, 30, 50, 7)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def prompts(seed=0, lens=PROMPT_LENS, vocab=500):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lens]
+
+
+def run(engine, token_lists, params=GREEDY, tag="r"):
+    reqs = [Request(f"{tag}{i}", p, params) for i, p in enumerate(token_lists)]
+    return engine.generate(reqs, timeout=120)
+
+
+def poll_all(engine, n, timeout=120.0):
+    """Polls until `n` completions came out; {request id: completion}."""
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += engine.poll(timeout=1.0)
+    assert len(out) == n, [c.request_id for c in out]
+    return {c.request_id: c for c in out}
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens)
+
+
+def forward_logits(model, prompt, completion, pad_to=None):
+    """Teacher-forced logits [len(completion), V] that predict each completion token under `model`.
+    pad_to: run every sequence at that length (one shape, one compile; causal, so the tail is inert)."""
+    n = len(prompt) + len(completion)
+    seq = np.zeros((1, pad_to or n), np.int32)
+    seq[0, :n] = prompt + completion
+    return np.asarray(_logits(model, seq))[0, len(prompt) - 1:n - 1]
+
+
+def teacher_forced(model, prompt, completion, pad_to=None):
+    """(log-probs of `completion` given prompt, argmax tokens at the same positions) under `model`."""
+    logits = forward_logits(model, prompt, completion, pad_to)
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))
+    return logp[np.arange(len(completion)), completion], logits.argmax(-1)
+
+
+def perturbed(model, seed, scale=0.05):
+    """(model with every weight moved by scale * N(0, 1), its HF tensors): the weights a trainer pushes."""
+    rng = np.random.default_rng(seed)
+    tensors = {name: (t + scale * rng.standard_normal(t.shape)).astype(t.dtype)
+               for name, t in iter_hf_tensors(model)}
+    return nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors)), tensors
+
+
+def lively_tiny_model(directory, architecture="Qwen3ForCausalLM", **kw):
+    """`write_tiny_model` with weights ~10x its initializer's (norm scales around 1): a model whose greedy
+    output is not one token repeated, so that comparisons of token sequences mean something."""
+    directory = write_tiny_model(directory, architecture=architecture, **kw)
+    model = load_model(directory)
+    rng = np.random.default_rng(1)
+    tensors = {name: (1 + 0.2 * rng.standard_normal(t.shape) if name.endswith("norm.weight")
+                      else 0.2 * rng.standard_normal(t.shape)).astype(t.dtype)
+               for name, t in iter_hf_tensors(model)}
+    model = nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors))
+    return export_model(model, directory, overwrite=True)
