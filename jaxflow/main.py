@@ -18,6 +18,8 @@ from jaxflow.config import ConfigError, load_config
 # config.job -> module whose `run(config) -> int` does the work.
 JOBS = {
     "model_check": "jaxflow.model_check",
+    "rl": "jaxflow.rl_job",
+    "warm_start": "jaxflow.sft",
 }
 
 USAGE = "usage: python -m jaxflow.main --config=PATH[:VARIANT] [--config.KEY=VALUE ...]"
