@@ -46,10 +46,11 @@ def trajectories_of(consumed: ConsumedBatch) -> list[Trajectory]:
 
 
 def _rows_for(trajectories: list[Trajectory], seq_len: int, multiple: int) -> int:
-    """Packed rows for these sequences: a power of two (few compiled shapes), a multiple of `multiple`."""
-    need = -(-sum(len(t.prompt) + len(t.completion) for t in trajectories) // seq_len)
-    rows = 1 << max(0, need - 1).bit_length()
-    return max(rows, multiple)
+    """Packed rows for these sequences, with ~10% room for first-fit packing, rounded up to a multiple of
+    8 (and of `multiple`, the batch shards): few compiled shapes, little padding."""
+    need = -(-sum(len(t.prompt) + len(t.completion) for t in trajectories) * 11 // (10 * seq_len))
+    step = max(8, multiple) if max(8, multiple) % multiple == 0 else 8 * multiple
+    return -(-need // step) * step
 
 
 class RLTrainer:
@@ -93,9 +94,17 @@ class RLTrainer:
         if not trajs:
             raise ValueError(f"buffer {v} holds no groups: the prompt source is exhausted")
         start = time.perf_counter()
-        batch, adv_stats = make_batch(trajs, num_rows=_rows_for(trajs, self.seq_len, self._row_multiple),
-                                      seq_len=self.seq_len, pack=self.cfg.pack,
-                                      advantage_estimator=self.cfg.advantage)
+        rows = (_rows_for(trajs, self.seq_len, self._row_multiple) if self.cfg.pack
+                else -(-len(trajs) // self._row_multiple) * self._row_multiple)
+        while True:
+            try:
+                batch, adv_stats = make_batch(trajs, num_rows=rows, seq_len=self.seq_len, pack=self.cfg.pack,
+                                              advantage_estimator=self.cfg.advantage)
+                break
+            except ValueError as e:  # first-fit packing needed more rows than estimated
+                if not self.cfg.pack or "do not fit" not in str(e):
+                    raise
+                rows += max(8, self._row_multiple)
         self.state, step_metrics = self._step(self.state, batch)
         step_metrics = {k: float(x) for k, x in jax.device_get(step_metrics).items()}
         step_s = time.perf_counter() - start
