@@ -62,7 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.base.steps = 600
     config.base.batch_size = 32
     config.base.lr = 3e-3
-    config.base.num_examples = 4000
+    config.base.num_examples = 20000
     config.base.seed = 0
 
     config.rollout = ml_collections.ConfigDict()
