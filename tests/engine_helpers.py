@@ -74,3 +74,25 @@ def lively_tiny_model(directory, architecture="Qwen3ForCausalLM", **kw):
                for name, t in iter_hf_tensors(model)}
     model = nnx.merge(nnx.graphdef(model), params_from_hf(model.config, tensors))
     return export_model(model, directory, overwrite=True)
+
+
+def check_bad_weights_are_rejected(engine, good, greedy_reference):
+    """Weights with a missing, extra, wrong-shape or wrong-dtype tensor are refused, naming it; the engine
+    keeps its version and serves exactly what it served before."""
+    import pytest
+
+    from rollout_bridge.engine import WeightsRejected
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    cases = {
+        "missing": ({k: v for k, v in good.items() if k != name}, name),
+        "extra": ({**good, "model.layers.9.mlp.up_proj.weight": good[name]}, "layers.9"),
+        "shape": ({**good, name: good[name][:, :10]}, name + ".*shape"),
+        "dtype": ({**good, name: good[name].astype(np.float16)}, name + ".*float16"),
+    }
+    version = engine.version
+    for what, (tensors, pattern) in cases.items():
+        with pytest.raises(WeightsRejected, match=pattern):
+            engine.update_weights(version + 1, tensors)
+        assert engine.version == version, what
+    assert [c.sample.tokens for c in run(engine, prompts(), tag="after")] == greedy_reference

@@ -14,7 +14,7 @@ from jaxflow import sharding
 from jaxflow.models.hf_io import iter_hf_tensors, load_model
 from jaxflow.rollout_types import Sample
 from rollout_bridge import jax_decode
-from rollout_bridge.engine import EngineError, Request, SamplingParams, WeightsRejected
+from rollout_bridge.engine import EngineError, Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
 
 import engine_helpers
@@ -258,20 +258,7 @@ def test_too_long_prompt_is_a_per_request_error(engine, greedy_reference):
 
 
 def test_bad_weights_are_rejected_and_nothing_changes(engine, qwen3_model, greedy_reference):
-    good = dict(iter_hf_tensors(qwen3_model))
-    name = "model.layers.1.mlp.up_proj.weight"
-    cases = {
-        "missing": ({k: v for k, v in good.items() if k != name}, name),
-        "extra": ({**good, "model.layers.9.mlp.up_proj.weight": good[name]}, "layers.9"),
-        "shape": ({**good, name: good[name][:, :10]}, name + ".*shape"),
-        "dtype": ({**good, name: good[name].astype(np.float16)}, name + ".*float16"),
-    }
-    version = engine.version
-    for what, (tensors, pattern) in cases.items():
-        with pytest.raises(WeightsRejected, match=pattern):
-            engine.update_weights(version + 1, tensors)
-        assert engine.version == version, what
-    assert [c.sample.tokens for c in run(engine, prompts(), tag="after")] == greedy_reference
+    engine_helpers.check_bad_weights_are_rejected(engine, dict(iter_hf_tensors(qwen3_model)), greedy_reference)
 
 
 def test_loop_failure_surfaces_as_engine_error(qwen3_dir, monkeypatch):

@@ -24,11 +24,12 @@ except ImportError as e:
 
 import psutil  # noqa: E402  (a vLLM dependency)
 
+import engine_helpers  # noqa: E402
 from engine_helpers import (GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run,  # noqa: E402
                             teacher_forced)
 from jaxflow.models.hf_io import iter_hf_tensors, load_model  # noqa: E402
 from jaxflow.rollout_types import Sample  # noqa: E402
-from rollout_bridge.engine import EngineError, Request, SamplingParams, WeightsRejected  # noqa: E402
+from rollout_bridge.engine import EngineError, Request, SamplingParams  # noqa: E402
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
 
 MAX_MODEL_LEN = 256
@@ -287,20 +288,7 @@ def test_stop_tokens_and_max_tokens_count_the_prefix(engine, greedy_reference):
 
 
 def test_bad_weights_are_rejected_and_nothing_changes(engine, base_tensors, greedy_reference):
-    name = "model.layers.1.mlp.up_proj.weight"
-    good = base_tensors
-    cases = {
-        "missing": ({k: v for k, v in good.items() if k != name}, name),
-        "extra": ({**good, "model.layers.9.mlp.up_proj.weight": good[name]}, "layers.9"),
-        "shape": ({**good, name: good[name][:, :10]}, name + ".*shape"),
-        "dtype": ({**good, name: good[name].astype(np.float16)}, name + ".*float16"),
-    }
-    version = engine.version
-    for what, (tensors, pattern) in cases.items():
-        with pytest.raises(WeightsRejected, match=pattern):
-            engine.update_weights(version + 1, tensors)
-        assert engine.version == version, what
-    assert [c.sample.tokens for c in run(engine, prompts(), tag="after")] == greedy_reference
+    engine_helpers.check_bad_weights_are_rejected(engine, base_tensors, greedy_reference)
 
 
 def test_too_long_prompt_is_a_per_request_error(engine, greedy_reference):
