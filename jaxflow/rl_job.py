@@ -175,10 +175,10 @@ def _consume(service: TrajectoryService, version: int, stop: _Stop):
 
 def run(config: ml_collections.ConfigDict) -> int:
     """Runs (or resumes) the RL job; see the module docstring. Returns the process exit code."""
-    check_config(config)
     try:
+        check_config(config)
         base_dir = sft.ensure_base_model(config)
-    except sft.BaseModelMissing as e:
+    except (ValueError, sft.BaseModelMissing) as e:
         print(f"jaxflow: error: {e}", file=sys.stderr)
         return 2
     workdir = pathlib.Path(config.workdir)

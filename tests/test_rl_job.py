@@ -60,6 +60,13 @@ def test_base_model_cache_is_reused_only_for_the_same_settings(tmp_path, base_di
         sft.ensure_base_model(other)
 
 
+def test_bad_values_are_named(tmp_path, capsys):
+    assert main([f"--config={CONFIG}", "--config.rollout.engine=sglang", "--config.trainer.eta=-1",
+                 f"--config.workdir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.engine 'sglang' is not one of ('jax', 'vllm')" in err and "trainer.eta must be >= 0" in err
+
+
 def test_unknown_key_names_the_nearest():
     with pytest.raises(ConfigError, match=r"unknown config key 'trainer\.etaa'; nearest valid keys: .*trainer\.eta"):
         load_config(CONFIG, {"trainer.etaa": "1"})
