@@ -96,3 +96,24 @@ def check_bad_weights_are_rejected(engine, good, greedy_reference):
             engine.update_weights(version + 1, tensors)
         assert engine.version == version, what
     assert [c.sample.tokens for c in run(engine, prompts(), tag="after")] == greedy_reference
+
+
+def check_stop_tokens_and_max_tokens(engine, greedy_reference):
+    """Stop tokens end a sample (kept as its last token); max_tokens counts a resumed prefix, which keeps
+    its own versions, and a prefix that already reaches it generates nothing."""
+    from jaxflow.rollout_types import Sample
+
+    p, ref = prompts()[2], greedy_reference[2]
+    stops = (ref[5], ref[9])
+    first = min(ref.index(t) for t in stops)
+    c = engine.generate([Request("s", p, SamplingParams(max_tokens=24, temperature=0.0,
+                                                        stop_token_ids=stops))])[0]
+    assert c.sample.tokens == ref[:first + 1] and c.sample.finish_reason == "stop"
+    c = engine.generate([Request("m", p, SamplingParams(max_tokens=5, temperature=0.0))])[0]
+    assert c.sample.tokens == ref[:5] and c.sample.finish_reason == "length"
+    prefix = Sample(ref[:3], [0.0] * 3, [0] * 3, "abort")
+    c = engine.generate([Request("p", p, SamplingParams(max_tokens=5, temperature=0.0), prefix)])[0]
+    assert c.sample.tokens == ref[:5] and c.sample.finish_reason == "length"
+    assert c.sample.versions == [0] * 3 + [engine.version] * 2
+    c = engine.generate([Request("q", p, SamplingParams(max_tokens=3, temperature=0.0), prefix)])[0]
+    assert c.sample.tokens == ref[:3] and c.sample.finish_reason == "length"

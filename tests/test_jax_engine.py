@@ -12,7 +12,6 @@ import transformers
 
 from jaxflow import sharding
 from jaxflow.models.hf_io import iter_hf_tensors, load_model
-from jaxflow.rollout_types import Sample
 from rollout_bridge import jax_decode
 from rollout_bridge.engine import EngineError, Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
@@ -221,21 +220,7 @@ def test_sampling(engine, greedy_reference):
 
 
 def test_stop_tokens_max_tokens_and_context(engine, greedy_reference):
-    p = prompts()[2]
-    ref = greedy_reference[2]
-    stops = (ref[5], ref[9])
-    first = min(ref.index(t) for t in stops)
-    c = engine.generate([Request("s", p, SamplingParams(max_tokens=24, temperature=0.0,
-                                                        stop_token_ids=stops))])[0]
-    assert c.sample.tokens == ref[:first + 1] and c.sample.finish_reason == "stop"
-    c = engine.generate([Request("m", p, SamplingParams(max_tokens=5, temperature=0.0))])[0]
-    assert c.sample.tokens == ref[:5] and c.sample.finish_reason == "length"
-    # max_tokens counts a resumed prefix; a prefix that already reaches it generates nothing.
-    prefix = Sample(ref[:3], [0.0] * 3, [0] * 3, "abort")
-    c = engine.generate([Request("p", p, SamplingParams(max_tokens=5, temperature=0.0), prefix)])[0]
-    assert c.sample.tokens == ref[:5] and c.sample.versions == [0] * 5
-    c = engine.generate([Request("q", p, SamplingParams(max_tokens=3, temperature=0.0), prefix)])[0]
-    assert c.sample.tokens == ref[:3] and c.sample.finish_reason == "length"
+    engine_helpers.check_stop_tokens_and_max_tokens(engine, greedy_reference)
     # The cache holds max_len positions: prompt + completion stops there.
     long_prompt = prompts(4, lens=(124,))[0]
     c = engine.generate([Request("l", long_prompt, SamplingParams(max_tokens=24, temperature=0.0))])[0]

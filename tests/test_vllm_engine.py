@@ -28,7 +28,6 @@ import engine_helpers  # noqa: E402
 from engine_helpers import (GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run,  # noqa: E402
                             teacher_forced)
 from jaxflow.models.hf_io import iter_hf_tensors, load_model  # noqa: E402
-from jaxflow.rollout_types import Sample  # noqa: E402
 from rollout_bridge.engine import EngineError, Request, SamplingParams  # noqa: E402
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
 
@@ -271,20 +270,7 @@ def test_pause_abort_hands_back_everything_and_resume_continues(engine, caplog):
 
 
 def test_stop_tokens_and_max_tokens_count_the_prefix(engine, greedy_reference):
-    p, ref = prompts()[2], greedy_reference[2]
-    stops = (ref[5], ref[9])
-    first = min(ref.index(t) for t in stops)
-    c = engine.generate([Request("s", p, SamplingParams(max_tokens=24, temperature=0.0,
-                                                        stop_token_ids=stops))])[0]
-    assert c.sample.tokens == ref[:first + 1] and c.sample.finish_reason == "stop"
-    c = engine.generate([Request("m", p, SamplingParams(max_tokens=5, temperature=0.0))])[0]
-    assert c.sample.tokens == ref[:5] and c.sample.finish_reason == "length"
-    prefix = Sample(ref[:3], [0.0] * 3, [0] * 3, "abort")
-    c = engine.generate([Request("p", p, SamplingParams(max_tokens=5, temperature=0.0), prefix)])[0]
-    assert c.sample.tokens == ref[:5] and c.sample.finish_reason == "length"
-    assert c.sample.versions == [0] * 3 + [engine.version] * 2  # the prefix keeps its own versions
-    c = engine.generate([Request("q", p, SamplingParams(max_tokens=3, temperature=0.0), prefix)])[0]
-    assert c.sample.tokens == ref[:3] and c.sample.finish_reason == "length"
+    engine_helpers.check_stop_tokens_and_max_tokens(engine, greedy_reference)
 
 
 def test_bad_weights_are_rejected_and_nothing_changes(engine, base_tensors, greedy_reference):
