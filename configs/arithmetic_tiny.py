@@ -36,6 +36,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.max_ops = 4
     config.task.max_number = 9
     config.task.operators = "+-"
+    # No system turn: on a tiny model the instructions are dozens of tokens it never reads but pays for.
+    config.task.system_prompt = ""
 
     config.data = ml_collections.ConfigDict()
     # Distinct train prompts (drawn from the task's train split; repeated in new orders when used up).
@@ -44,12 +46,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model = ml_collections.ConfigDict()
     # The tiny architecture the warm start builds (HF layout; vLLM loads it too).
     config.model.architecture = "Qwen3ForCausalLM"
-    config.model.hidden_size = 128
-    config.model.intermediate_size = 256
-    config.model.num_layers = 4
+    config.model.hidden_size = 64
+    config.model.intermediate_size = 128
+    config.model.num_layers = 2
     config.model.num_heads = 4
     config.model.num_kv_heads = 2
-    config.model.head_dim = 32
+    config.model.head_dim = 16
     config.model.tie_word_embeddings = True
     # Tokenizer vocabulary to train (the model rounds it up to a multiple of 64).
     config.model.vocab_size = 512
@@ -59,7 +61,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.base.dir = "runs/base/arithmetic_tiny"
     config.base.build_if_missing = True
     # Supervised warm start: steps, demonstrations per step, peak learning rate, distinct examples.
-    config.base.steps = 600
+    config.base.steps = 800
     config.base.batch_size = 32
     config.base.lr = 3e-3
     config.base.num_examples = 20000
@@ -75,7 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.max_tokens = 128
     # Context (prompt + response) and concurrent sequences of each engine.
     config.rollout.max_len = 192
-    config.rollout.max_slots = 64
+    config.rollout.max_slots = 128
     config.rollout.decode_chunk = 16
     # Weight sync: "every" version, when "idle", or on a "lag" of sync_lag; "keep" requests in flight
     # across a sync (KV recomputed) or "abort" them back to the service (resumed from their prefix).
@@ -83,30 +85,30 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.sync_lag = 1
     config.rollout.sync_mode = "keep"
     # Groups each worker keeps in flight (the service's staleness bound may allow fewer).
-    config.rollout.max_groups = 16
+    config.rollout.max_groups = 48
     # Reward processes, and the seconds after which a reward call counts as failed.
     config.rollout.reward_workers = 1
     config.rollout.reward_timeout_s = 5.0
 
     config.trainer = ml_collections.ConfigDict()
-    config.trainer.steps = 200
+    config.trainer.steps = 400
     # Groups per train step (B) and the staleness bound (eta): a group admitted at version v is
     # trained at a version <= v + eta. eta = 0 is synchronous RL.
-    config.trainer.batch_groups = 8
+    config.trainer.batch_groups = 32
     config.trainer.eta = 0 if variant == "sync" else 4
     config.trainer.batch_rule = "full"
     config.trainer.loss = "decoupled_ppo"
     config.trainer.advantage = "grpo"
     # Cap on the behaviour importance weight pi_prox / mu (AReaL uses 5); None leaves it uncapped.
     config.trainer.behav_weight_cap = 5.0
-    config.trainer.lr = 3e-4
+    config.trainer.lr = 1e-4
     config.trainer.warmup_steps = 5
     config.trainer.max_grad_norm = 1.0
     config.trainer.pack = True
 
     config.eval = ml_collections.ConfigDict()
     # Held-out greedy accuracy every `every` steps (and at the start and the end).
-    config.eval.every = 25
+    config.eval.every = 50
     config.eval.num_prompts = 256
 
     config.checkpoint = ml_collections.ConfigDict()
