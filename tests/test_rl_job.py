@@ -4,6 +4,7 @@ resume after Ctrl-C with no group lost or trained twice, and its bad-input error
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -124,3 +125,35 @@ def test_ctrl_c_then_resume_loses_no_group_and_trains_none_twice(tmp_path, base_
     assert len(ledger) == 6 * 2 and len(set(ledger)) == len(ledger)
     a = json.loads((workdir / "result.json").read_text())["accounting"]
     assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] and a["consumed"] == 12
+
+
+def test_sigkill_then_resume_redoes_the_steps_after_the_checkpoint_once(tmp_path, base_dir):
+    """A run killed outright (no chance to checkpoint) resumes from its newest checkpoint: the steps after
+    it are trained again, and the metrics, the ledger and the service's accounting hold each step once."""
+    workdir = tmp_path / "run"
+    args = [f"--config.{k}={v}" for k, v in {**SMALL, "base.dir": base_dir, "workdir": workdir,
+                                              "trainer.steps": 8, "eval.every": 100,
+                                              "checkpoint.every": 2}.items()]
+    cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = workdir / "metrics.jsonl"
+        if metrics.exists() and sum('"loss"' in ln for ln in metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait(timeout=60)
+    killed_at = len([r for r in records(workdir) if "loss" in r])
+    assert 5 <= killed_at < 8, "the run finished before it could be killed"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = re.search(r"resuming \S+ from step (\d+)", done.stdout)
+    assert resumed, done.stdout
+    assert 2 <= int(resumed.group(1)) <= killed_at
+    assert [r["step"] for r in records(workdir) if "loss" in r] == list(range(8))
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
+    assert len(ledger) == 8 * 2 and len(set(ledger)) == len(ledger)
+    a = json.loads((workdir / "result.json").read_text())["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] and a["consumed"] == 16
