@@ -51,7 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.num_layers = 2
     config.model.num_heads = 4
     config.model.num_kv_heads = 2
-    config.model.head_dim = 16
+    config.model.head_dim = 32  # vLLM's CPU attention kernels reject 16
     config.model.tie_word_embeddings = True
     # Tokenizer vocabulary to train (the model rounds it up to a multiple of 64).
     config.model.vocab_size = 512

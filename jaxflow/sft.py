@@ -95,11 +95,14 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
 
     start = time.monotonic()
     directory = pathlib.Path(directory)
+    if (directory / "config.json").exists() and read_info(directory) is None:
+        raise FileExistsError(f"{directory} holds a model that no warm start built (it has no {INFO_FILE}); "
+                              f"set config.base.dir to another directory, or remove this one")
     m, b = config.model, config.base
     write_tiny_model(directory, architecture=m.architecture, hidden_size=m.hidden_size,
                      intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                     tie_word_embeddings=m.tie_word_embeddings, vocab_size=m.vocab_size, seed=b.seed)
+                     tie_word_embeddings=m.tie_word_embeddings, vocab_size=m.vocab_size, seed=b.seed, overwrite=True)
     tokenizer = Tokenizer.from_dir(directory)
     task = make_task(config)
     records = task.to_sft_records(task.examples("train", b.num_examples, seed=b.seed), tokenizer)

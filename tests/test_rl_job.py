@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,22 @@ def test_base_model_cache_is_reused_only_for_the_same_settings(tmp_path, base_di
     other = small_config(tmp_path, base_dir, **{"base.build_if_missing": False, "base.lr": "0.001"})
     with pytest.raises(sft.BaseModelMissing, match="built with other settings"):
         sft.ensure_base_model(other)
+
+
+def test_a_stale_base_is_rebuilt_in_place_but_a_foreign_model_is_kept(tmp_path, base_dir):
+    stale = tmp_path / "stale"
+    shutil.copytree(base_dir, stale)
+    config = small_config(tmp_path, stale, **{"base.steps": "2", "eval.num_prompts": "2"})
+    assert sft.read_info(stale)["fingerprint"] != sft.fingerprint(config)
+    assert sft.ensure_base_model(config, log=lambda *_: None) == stale
+    assert sft.read_info(stale)["fingerprint"] == sft.fingerprint(config)
+    foreign = tmp_path / "foreign"
+    shutil.copytree(base_dir, foreign)
+    (foreign / sft.INFO_FILE).unlink()
+    before = (foreign / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match=f"{foreign} holds a model that no warm start built"):
+        sft.ensure_base_model(small_config(tmp_path, foreign), log=lambda *_: None)
+    assert (foreign / "model.safetensors").read_bytes() == before
 
 
 def test_bad_values_are_named(tmp_path, capsys):

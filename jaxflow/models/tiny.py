@@ -153,12 +153,13 @@ def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3
                      hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
                      num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32,
                      tie_word_embeddings: bool = True, vocab_size: int = 512, seed: int = 0,
-                     dtype: str = "float32") -> pathlib.Path:
+                     dtype: str = "float32", overwrite: bool = False) -> pathlib.Path:
     """Writes a randomly initialised HF model plus the tiny tokenizer into `directory`.
 
     The model's vocab is the tokenizer's rounded up to a multiple of 64 (so it splits evenly over a
-    tensor axis). head_dim defaults to 32: vLLM's CPU attention kernels reject 16. Returns the directory, which `jaxflow.models.hf_io.load_model`, transformers and
-    vLLM all load.
+    tensor axis). head_dim defaults to 32: vLLM's CPU attention kernels reject 16. Refuses to replace a model already
+    in `directory` unless `overwrite`. Returns the directory, which `jaxflow.models.hf_io.load_model`,
+    transformers and vLLM all load.
     """
     # Imported here: the tokenizer half of this module must not pull in JAX.
     from flax import nnx
@@ -177,4 +178,4 @@ def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3
         qk_norm=architecture == "Qwen3ForCausalLM", max_position_embeddings=2048,
         rope_theta=10000.0, dtype=dtype, eos_token_id=tokenizer.eos_id)
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
-    return export_model(model, directory)
+    return export_model(model, directory, overwrite=overwrite)
