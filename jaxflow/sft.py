@@ -102,7 +102,8 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
     write_tiny_model(directory, architecture=m.architecture, hidden_size=m.hidden_size,
                      intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                     tie_word_embeddings=m.tie_word_embeddings, vocab_size=m.vocab_size, seed=b.seed, overwrite=True)
+                     tie_word_embeddings=m.tie_word_embeddings, vocab_size=m.vocab_size, seed=b.seed,
+                     overwrite=True)
     tokenizer = Tokenizer.from_dir(directory)
     task = make_task(config)
     records = task.to_sft_records(task.examples("train", b.num_examples, seed=b.seed), tokenizer)

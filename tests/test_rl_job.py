@@ -114,19 +114,38 @@ def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
     assert rl_job.run(config) == 0 and "nothing to do" in capsys.readouterr().out
 
 
-def test_ctrl_c_then_resume_loses_no_group_and_trains_none_twice(tmp_path, base_dir):
-    args = [f"--config.{k}={v}" for k, v in {**SMALL, "base.dir": base_dir, "workdir": tmp_path / "run",
-                                              "trainer.steps": 6, "eval.every": 100}.items()]
-    cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    workdir = tmp_path / "run"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def job_command(base_dir, workdir, **more):
+    """The RL job's command line on the small config, and an environment with unbuffered output."""
+    args = {**SMALL, "base.dir": base_dir, "workdir": workdir, "eval.every": 100, **more}
+    cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}", *[f"--config.{k}={v}" for k, v in args.items()]]
+    return cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def start_until_step(cmd, env, workdir, steps, **popen):
+    """Starts the job and returns its process once metrics.jsonl holds `steps` train steps (or it ended)."""
+    proc = subprocess.Popen(cmd, env=env, **popen)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = workdir / "metrics.jsonl"
-        if metrics.exists() and sum('"loss"' in ln for ln in metrics.read_text().splitlines()) >= 2:
+        if metrics.exists() and sum('"loss"' in ln for ln in metrics.read_text().splitlines()) >= steps:
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
+    return proc
+
+
+def check_each_step_once(workdir, steps, groups_per_step):
+    """Every step once, in order, in the metrics; each trained group once in the ledger; accounting closes."""
+    assert [r["step"] for r in records(workdir) if "loss" in r] == list(range(steps))
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
+    assert len(ledger) == steps * groups_per_step and len(set(ledger)) == len(ledger)
+    a = json.loads((workdir / "result.json").read_text())["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] and a["consumed"] == len(ledger)
+
+
+def test_ctrl_c_then_resume_loses_no_group_and_trains_none_twice(tmp_path, base_dir):
+    workdir = tmp_path / "run"
+    cmd, env = job_command(base_dir, workdir, **{"trainer.steps": 6})
+    proc = start_until_step(cmd, env, workdir, 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out
@@ -137,29 +156,15 @@ def test_ctrl_c_then_resume_loses_no_group_and_trains_none_twice(tmp_path, base_
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resuming {workdir} from step {len(stopped)}" in done.stdout
     # The curve continues: every step once, in order; the earlier records are kept.
-    assert [r["step"] for r in records(workdir) if "loss" in r] == list(range(6))
-    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
-    assert len(ledger) == 6 * 2 and len(set(ledger)) == len(ledger)
-    a = json.loads((workdir / "result.json").read_text())["accounting"]
-    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] and a["consumed"] == 12
+    check_each_step_once(workdir, 6, 2)
 
 
 def test_sigkill_then_resume_redoes_the_steps_after_the_checkpoint_once(tmp_path, base_dir):
     """A run killed outright (no chance to checkpoint) resumes from its newest checkpoint: the steps after
     it are trained again, and the metrics, the ledger and the service's accounting hold each step once."""
     workdir = tmp_path / "run"
-    args = [f"--config.{k}={v}" for k, v in {**SMALL, "base.dir": base_dir, "workdir": workdir,
-                                              "trainer.steps": 8, "eval.every": 100,
-                                              "checkpoint.every": 2}.items()]
-    cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        metrics = workdir / "metrics.jsonl"
-        if metrics.exists() and sum('"loss"' in ln for ln in metrics.read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.1)
+    cmd, env = job_command(base_dir, workdir, **{"trainer.steps": 8, "checkpoint.every": 2})
+    proc = start_until_step(cmd, env, workdir, 5, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.kill()
     proc.wait(timeout=60)
     killed_at = len([r for r in records(workdir) if "loss" in r])
@@ -169,8 +174,4 @@ def test_sigkill_then_resume_redoes_the_steps_after_the_checkpoint_once(tmp_path
     resumed = re.search(r"resuming \S+ from step (\d+)", done.stdout)
     assert resumed, done.stdout
     assert 2 <= int(resumed.group(1)) <= killed_at
-    assert [r["step"] for r in records(workdir) if "loss" in r] == list(range(8))
-    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
-    assert len(ledger) == 8 * 2 and len(set(ledger)) == len(ledger)
-    a = json.loads((workdir / "result.json").read_text())["accounting"]
-    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] and a["consumed"] == 16
+    check_each_step_once(workdir, 8, 2)
