@@ -54,12 +54,16 @@ class StepConfig:
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """AdamW behind global-norm clipping, with linear warmup then constant or cosine decay.
+    """AdamW behind global-norm clipping, with a linear warmup (from lr / warmup_steps) then constant or
+    cosine decay.
 
     Norm scales and biases are not weight-decayed. Fields: lr, warmup_steps, schedule ("constant" or
     "cosine"), total_steps (cosine only), b1, b2, eps, weight_decay, max_grad_norm.
     """
-    warmup = optax.linear_schedule(0.0, config.lr, max(config.warmup_steps, 1))
+    # Update k (from 0) of the warmup gets lr * (k + 1) / warmup_steps: the first update is not a no-op.
+    def warmup(count):
+        return config.lr * jnp.minimum((count + 1) / max(config.warmup_steps, 1), 1.0)
+
     if config.schedule == "constant":
         after = optax.constant_schedule(config.lr)
     elif config.schedule == "cosine":
