@@ -34,6 +34,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.name = "arithmetic"
     # Operations per problem: mostly 1-2, rarely up to max_ops (response length ~ ops^2: a long tail).
     config.task.max_ops = 4
+    # P(k operations) ~ ops_decay ** (k - 1).
+    config.task.ops_decay = 0.6
     config.task.max_number = 9
     config.task.operators = "+-"
     # No system turn: on a tiny model the instructions are dozens of tokens it never reads but pays for.
@@ -91,12 +93,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.reward_timeout_s = 5.0
 
     config.trainer = ml_collections.ConfigDict()
-    config.trainer.steps = 400
+    config.trainer.steps = 1000
     # Groups per train step (B) and the staleness bound (eta): a group admitted at version v is
     # trained at a version <= v + eta. eta = 0 is synchronous RL.
     config.trainer.batch_groups = 32
     config.trainer.eta = 0 if variant == "sync" else 4
     config.trainer.batch_rule = "full"
+    # Optimizer updates per train step, each on 1/minibatches of the batch (PPO minibatches): more
+    # learning per generated sample at about the same compute. pi_prox is the step's starting policy.
+    config.trainer.minibatches = 1
+    # Leave groups whose samples all scored the same out of the update: their advantage is 0 on every token,
+    # so they cost trainer time and only dilute the token-mean loss. They are still consumed and accounted.
+    config.trainer.skip_zero_signal = True
     config.trainer.loss = "decoupled_ppo"
     config.trainer.advantage = "grpo"
     # Cap on the behaviour importance weight pi_prox / mu (AReaL uses 5); None leaves it uncapped.

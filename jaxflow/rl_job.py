@@ -111,7 +111,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         problems.append(f"rollout.engine {r.engine!r} is not one of {ENGINES}")
     for name, value, low in (("rollout.num_workers", r.num_workers, 1), ("rollout.group_size", r.group_size, 2),
                              ("trainer.batch_groups", t.batch_groups, 1), ("trainer.steps", t.steps, 1),
-                             ("trainer.eta", t.eta, 0), ("eval.num_prompts", config.eval.num_prompts, 1)):
+                             ("trainer.eta", t.eta, 0), ("trainer.minibatches", t.minibatches, 1),
+                             ("eval.num_prompts", config.eval.num_prompts, 1)):
         if value < low:
             problems.append(f"{name} must be >= {low}, got {value}")
     if r.max_tokens >= r.max_len:
