@@ -14,8 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxflow.param_service import (ALIGNMENT, DEFAULT_CHUNK_BYTES, _Buffer, _map_segment, _native,
-                                   _slots_of, _views)
+from jaxflow.param_buffers import (
+    ALIGNMENT,
+    _Buffer,
+    _map_segment,
+    _native,
+    _slots_of,
+    _views,
+)
+from jaxflow.param_service import DEFAULT_CHUNK_BYTES
 
 
 def attach_shared(manifest: Mapping[str, Any]) -> dict[str, np.ndarray]:
