@@ -7,9 +7,10 @@ through the same code), in a fresh workdir, sharing one base model. From each ru
 result.json it reports: effective throughput (trained tokens per second of the training loop), time
 to a reward target (the first step where the train reward, averaged over the last `--window` steps,
 reaches it: the first batches of an async run lean to the short problems that finish first, so a
-short window fires early), final held-out accuracy, the idle fractions of trainer and rollout, and the staleness histogram of trained tokens. It prints
-one table, writes one plot (reward vs time per eta, and the staleness histograms) and, with --json,
-the figures including `throughput_ratio_eta4_vs_eta0` and `final_accuracy_gap_points`.
+short window fires early), final held-out accuracy, the idle fractions of trainer and rollout, and
+the staleness histogram of trained tokens. It prints one table, writes one plot (reward vs time per
+eta, and the staleness histograms) and, with --json, the figures including
+`throughput_ratio_eta4_vs_eta0` and `final_accuracy_gap_points`.
 
 --quick uses a shorter warm start, fewer steps and fewer eval prompts (under 5 minutes here); its
 accuracies are not meaningful, its throughput ratio is.

@@ -2,8 +2,9 @@
 
 `RLTrainer.train(consumed)` turns the groups of buffer v (each sample with its tokens, behaviour log-probs
 and per-token versions) into a packed `TrajectoryBatch`, runs the jitted staleness-aware step from
-version v to v+1 (`trainer.minibatches` optimizer updates, each on an equal share of the rows), and `publish()` then makes v+1 available to the rollout fleet in the order the
-trajectory service's contract asks for: `mark_published(v+1)` first, then the weights.
+version v to v+1 (`trainer.minibatches` optimizer updates, each on an equal share of the rows), and
+`publish()` then makes v+1 available to the rollout fleet in the order the trajectory service's
+contract asks for: `mark_published(v+1)` first, then the weights.
 
 Metrics per step: the step's own (loss, grad norm, importance-weight stats...), the batch's rewards and
 response lengths, and the staleness histogram {v - token version: tokens} of the trained tokens. With
@@ -103,11 +104,12 @@ class RLTrainer:
             raise ValueError(f"buffer {consumed.step} handed to the trainer at version {v}")
         if not consumed.groups:
             raise ValueError(f"buffer {v} holds no groups: the prompt source is exhausted")
+        signal = [max(g.rewards) != min(g.rewards) for g in consumed.groups]
         groups = consumed.groups
         if self.cfg.skip_zero_signal:
             # A group whose samples all scored the same has advantage 0 on every token: it only costs compute
             # (and dilutes a token-mean loss). A buffer with no signal at all is trained as is.
-            groups = [g for g in consumed.groups if max(g.rewards) != min(g.rewards)] or consumed.groups
+            groups = [g for g, s in zip(consumed.groups, signal) if s] or consumed.groups
         trajs = trajectories_of(groups)
         start = time.perf_counter()
         rows = (_rows_for(trajs, self.seq_len, self._row_multiple) if self.cfg.pack
@@ -135,7 +137,7 @@ class RLTrainer:
             **step_metrics,
             "reward_mean": float(rewards.mean()),
             "solved_frac": float((rewards >= 1.0).mean()),
-            "zero_signal_groups_frac": float(np.mean([max(g.rewards) == min(g.rewards) for g in consumed.groups])),
+            "zero_signal_groups_frac": 1.0 - float(np.mean(signal)),
             "response_tokens_mean": float(lengths.mean()),
             "response_tokens_max": float(lengths.max()),
             "trained_tokens": float(sum(len(t.completion) for t in trajs)),
