@@ -158,8 +158,8 @@ def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3
 
     The model's vocab is the tokenizer's rounded up to a multiple of 64 (so it splits evenly over a
     tensor axis). head_dim defaults to 32: vLLM's CPU attention kernels reject 16. Refuses to replace a
-    model already in `directory` unless `overwrite`. Returns the directory, which `jaxflow.models.hf_io.load_model`,
-    transformers and vLLM all load.
+    model already in `directory` unless `overwrite`. Returns the directory, which
+    `jaxflow.models.hf_io.load_model`, transformers and vLLM all load.
     """
     # Imported here: the tokenizer half of this module must not pull in JAX.
     from flax import nnx
