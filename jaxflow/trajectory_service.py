@@ -15,6 +15,13 @@ that trains version s into s+1. A group goes through:
 Aborted groups (weight sync, migration, dead worker) keep their reservation, their v_start and their
 partial samples, and are dispatched again before new prompts. Every group is in exactly one state and
 the counters say how many passed through each transition.
+
+Redundant rollout (`reserve_groups` B' > B): each buffer takes B' reservations but still trains B groups,
+the first B to finish. A group that can no longer land (every buffer it may occupy is full) becomes
+SURPLUS: dropped, counted, never trained; its worker learns of it from `take_surplus` and stops it. This
+trades a bias toward fast-finishing groups for not waiting on the slowest ones. `release` does the same
+on demand for one buffer: it is handed to the trainer with what it holds, and the groups that could only
+land there become SURPLUS (the stuck-buffer strategy of `jaxflow.coordination`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class GroupState(str, enum.Enum):
     OCCUPIED = "occupied"  # rewarded, sitting in a buffer
     CONSUMED = "consumed"
     FAILED = "failed"
+    SURPLUS = "surplus"  # redundant: every buffer it could occupy filled first (or was released)
 
 
 class BufferState(str, enum.Enum):
@@ -81,15 +89,18 @@ class TrajectoryService:
     """Embedded (thread-safe) trajectory service; `jaxflow.rpc` serves the same object to other processes.
 
     batch_groups: groups per train step (B). group_size: samples per prompt (n). eta: staleness bound.
+    reserve_groups: reservations per buffer (B' >= B, default B); above B is redundant rollout.
     batch_rule: "full" waits for B groups; "ready_with_capacity" also releases a buffer holding at least
     ceil(min_fill * B) groups once no reservation points at it and either `patience_s` has passed since
     it reached that fill or nothing else can arrive. max_attempts: dispatches of one group before it
-    is failed. initial_version: the trainer's policy version at start.
+    is failed. initial_version: the trainer's policy version at start. clock: the time source (a
+    simulator passes its virtual clock).
     """
 
     def __init__(self, source: PromptSource, *, batch_groups: int, group_size: int, eta: int,
                  batch_rule: str = "full", min_fill: float = 1.0, patience_s: float | None = None,
-                 max_attempts: int = 3, initial_version: int = 0):
+                 max_attempts: int = 3, initial_version: int = 0, reserve_groups: int | None = None,
+                 clock=time.monotonic):
         if batch_rule not in BATCH_RULES:
             raise ValueError(f"unknown batch_rule {batch_rule!r}; valid: {', '.join(BATCH_RULES)}")
         if batch_groups < 1 or group_size < 1 or eta < 0:
@@ -97,6 +108,10 @@ class TrajectoryService:
                              f"{group_size}, {eta}")
         if not 0 < min_fill <= 1:
             raise ValueError(f"min_fill must be in (0, 1], got {min_fill}")
+        reserve_groups = batch_groups if reserve_groups is None else reserve_groups
+        if reserve_groups < batch_groups:
+            raise ValueError(f"reserve_groups ({reserve_groups}) must be >= batch_groups ({batch_groups})")
+        self.reserve_groups, self._clock = reserve_groups, clock
         self.source = source
         self.batch_groups, self.group_size, self.eta = batch_groups, group_size, eta
         self.batch_rule, self.min_fill, self.patience_s = batch_rule, min_fill, patience_s
@@ -107,11 +122,14 @@ class TrajectoryService:
         self._next_id = 0
         self._groups: dict[int, _Group] = {}
         self._counts = {k: 0 for k in ("created", "dispatched", "aborted", "requeued", "finished",
-                                       "rewarded", "consumed", "failed", "stale_rejected")}
+                                       "rewarded", "consumed", "failed", "surplus", "stale_rejected")}
         self._filled_at: dict[int, float] = {}  # step -> when it reached min fill
         # Slots per buffer step, kept in step with every transition (dispatch must stay O(1)).
         self._reserved: collections.Counter[int] = collections.Counter()
         self._occupied: collections.Counter[int] = collections.Counter()
+        self._released: set[int] = set()  # buffers `release`d: consumable with what they hold
+        self._surplus_news: dict[str, list[int]] = collections.defaultdict(list)  # worker -> ids
+        self._dropped: set[int] = set()  # SURPLUS ids (they leave the service; late calls are ignored)
 
     # ---- helpers (hold the lock) -------------------------------------------------------------
     def _slots(self, step: int) -> int:
@@ -138,7 +156,7 @@ class TrajectoryService:
         return g
 
     def _move(self, g: _Group, state: GroupState) -> None:
-        g.state, g.since = state, time.monotonic()
+        g.state, g.since = state, self._clock()
 
     def _task(self, g: _Group) -> GroupTask:
         # Copies: a worker extends these while the service keeps the snapshot it was given.
@@ -182,13 +200,14 @@ class TrajectoryService:
                 self._move(g, GroupState.RUNNING)
                 tasks.append(self._task(g))
             step = version + self.eta
-            while len(tasks) < max_groups and step >= self._v_train and self._slots(step) < self.batch_groups:
+            while (len(tasks) < max_groups and step >= self._v_train and self._room(step)
+                   and self._slots(step) < self.reserve_groups):
                 record = self.source.next()
                 if record is None:
                     break
                 g = _Group(group_id=self._next_id, prompt=record["prompt"], meta=record["meta"],
                            n=self.group_size, v_start=version, reserved=step, state=GroupState.RUNNING,
-                           worker=worker, attempt=1, since=time.monotonic())
+                           worker=worker, attempt=1, since=self._clock())
                 self._next_id += 1
                 self._groups[g.group_id] = g
                 self._reserved[step] += 1
@@ -204,6 +223,8 @@ class TrajectoryService:
         """All n samples of a running group are done. With rewards the group occupies a buffer at once
         (returns its step); without, it waits for `reward`. Validated before anything changes."""
         with self._lock:
+            if group_id in self._dropped:
+                return None
             g = self._group(group_id, GroupState.RUNNING, worker)
             self._check_samples(g, samples, "finish", finished=True)
             if rewards is not None:
@@ -224,17 +245,81 @@ class TrajectoryService:
             self._check_rewards(g, rewards)
             return self._occupy(g, rewards)
 
-    def _occupy(self, g: _Group, rewards: list[float]) -> int:
+    def _room(self, step: int) -> bool:
+        """Whether a finishing group may occupy buffer `step`. Without redundancy a group never takes a
+        slot another group reserved; with it, the first B to finish win."""
+        if step in self._released:
+            return False
+        if self.reserve_groups == self.batch_groups:
+            return self._slots(step) < self.batch_groups
+        return self._occupied[step] < self.batch_groups
+
+    def _occupy(self, g: _Group, rewards: list[float]) -> int | None:
         g.rewards = [float(r) for r in rewards]
         reserved, g.reserved = g.reserved, -1  # release our slot before looking for room
         self._reserved[reserved] -= 1
-        step = next(s for s in range(self._v_train, reserved + 1) if self._slots(s) < self.batch_groups)
+        step = next((s for s in range(self._v_train, reserved + 1) if self._room(s)), None)
+        self._counts["rewarded"] += 1
+        if step is None:  # only with redundancy (or a released buffer): the others were first
+            self._drop(g, notify=False)
+            self._lock.notify_all()
+            return None
         self._occupied[step] += 1
         g.step, g.worker = step, None
         self._move(g, GroupState.OCCUPIED)
-        self._counts["rewarded"] += 1
+        if self._occupied[step] >= self.batch_groups and self.reserve_groups > self.batch_groups:
+            self._drop_unlandable()
         self._lock.notify_all()
         return step
+
+    def _drop(self, g: _Group, notify: bool = True) -> None:
+        """A group that can no longer land anywhere becomes SURPLUS and leaves the service (counted);
+        its worker hears of it through `take_surplus`."""
+        if g.reserved >= 0:
+            self._reserved[g.reserved] -= 1
+        if notify and g.state == GroupState.RUNNING and g.worker is not None:
+            self._surplus_news[g.worker].append(g.group_id)
+        self._move(g, GroupState.SURPLUS)
+        self._counts["surplus"] += 1
+        self._dropped.add(g.group_id)
+        del self._groups[g.group_id]
+
+    def _can_land(self, g: _Group) -> bool:
+        self._reserved[g.reserved] -= 1  # its own slot is its own to take
+        ok = any(self._room(s) for s in range(self._v_train, g.reserved + 1))
+        self._reserved[g.reserved] += 1
+        return ok
+
+    def _drop_unlandable(self) -> None:
+        for g in list(self._groups.values()):
+            if g.state in (GroupState.RUNNING, GroupState.REQUEUED) and g.reserved >= 0 \
+                    and not self._can_land(g):
+                self._drop(g)
+
+    def take_surplus(self, worker: str) -> list[int]:
+        """Ids of `worker`'s running groups dropped as SURPLUS since the last call: stop generating them.
+        A `finish` or `abort` of one of them is accepted and ignored."""
+        with self._lock:
+            return self._surplus_news.pop(worker, [])
+
+    def progress(self) -> tuple[int, int]:
+        """(the buffer the trainer consumes next, how many groups it holds), in O(1) for coordinators."""
+        with self._lock:
+            return self._v_train, self._occupied[self._v_train]
+
+    def release(self, step: int | None = None) -> int:
+        """Hands buffer `step` (default: the next one) to the trainer with what it holds, as
+        READY_WITH_CAPACITY: no group may occupy it any more, and groups that could land nowhere else
+        become SURPLUS. Returns how many were dropped."""
+        with self._lock:
+            step = self._v_train if step is None else step
+            if step < self._v_train:
+                raise ValueError(f"buffer {step} was already consumed (next is {self._v_train})")
+            before = self._counts["surplus"]
+            self._released.add(step)
+            self._drop_unlandable()
+            self._lock.notify_all()
+            return self._counts["surplus"] - before
 
     def abort(self, group_id: int, worker: str, partial: list[Sample] | None = None,
               reason: str = "") -> None:
@@ -242,6 +327,8 @@ class TrajectoryService:
         v_start and the tokens so far in `partial`, and is dispatched again (or failed after
         max_attempts dispatches)."""
         with self._lock:
+            if group_id in self._dropped:
+                return
             g = self._group(group_id, GroupState.RUNNING, worker)
             if partial is not None:
                 self._check_samples(g, partial, "abort", finished=False)
@@ -269,6 +356,8 @@ class TrajectoryService:
     def fail(self, group_id: int, reason: str) -> None:
         """Gives up on a running, requeued or finished group (its slot is freed); counted, never silent."""
         with self._lock:
+            if group_id in self._dropped:
+                return
             g = self._groups.get(group_id)
             if g is None:
                 raise KeyError(f"unknown group {group_id}")
@@ -317,11 +406,13 @@ class TrajectoryService:
         occupied = self._occupied[step]
         if occupied >= self.batch_groups:
             return BufferState.READY
+        if step in self._released:
+            return BufferState.READY_WITH_CAPACITY
         arriving = self._can_arrive(step)
         if self.batch_rule == "ready_with_capacity":
             reserved = self._slots(step) - occupied
             if occupied >= math.ceil(self.min_fill * self.batch_groups) and reserved == 0:
-                now = time.monotonic()
+                now = self._clock()
                 since = self._filled_at.setdefault(step, now)
                 if not arriving or (self.patience_s is not None and now - since >= self.patience_s):
                     return BufferState.READY_WITH_CAPACITY
@@ -360,6 +451,7 @@ class TrajectoryService:
             self._reserved.pop(version, None)
             self._v_train = version + 1
             self._filled_at.pop(version, None)
+            self._released.discard(version)
             self._lock.notify_all()
             return ConsumedBatch(version, [FinishedGroup(g.group_id, g.prompt, g.v_start, g.samples,
                                                          g.rewards, g.meta, g.step) for g in groups],
@@ -378,6 +470,7 @@ class TrajectoryService:
             for g in self._groups.values():
                 gauges[g.state.value] += 1
             gauges["consumed"] = self._counts["consumed"]
+            gauges["surplus"] = self._counts["surplus"]
             steps = sorted(k for k in set(self._reserved) | set(self._occupied) if self._slots(k))
             buffers = {s: {"reserved": self._reserved[s], "occupied": self._occupied[s]} for s in steps}
             return {"v_train": self._v_train, "published": self._published, "counts": dict(self._counts),
@@ -408,7 +501,7 @@ class TrajectoryService:
                 if d["samples"] is not None:
                     d["samples"] = [Sample(**s) if isinstance(s, dict) else s for s in d["samples"]]
                 g = _Group(**d)
-                g.since = time.monotonic()
+                g.since = self._clock()
                 self._groups[g.group_id] = g
                 if g.state == GroupState.RUNNING:
                     self._counts["aborted"] += 1
