@@ -5,7 +5,8 @@ it with staleness-bounded asynchronous GRPO (decoupled PPO) against the exact-an
 held-out greedy evals along the way.
 
 Variants: `:async` (default, eta=4), `:sync` (eta=0: the synchronous baseline through the same code),
-`:vllm` (rollouts on vLLM instead of jaxflow's JAX engine).
+`:vllm` (rollouts on vLLM instead of jaxflow's JAX engine), `:coordinated` (two JAX engines driven by one
+coordinator with the strategies of `jaxflow.coordination`).
 
 Commands:
   .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tiny.py
@@ -15,7 +16,9 @@ Commands:
 
 import ml_collections
 
-VARIANTS = ("async", "sync", "vllm")
+from jaxflow.coordination import config_section
+
+VARIANTS = ("async", "sync", "vllm", "coordinated")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -72,7 +75,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout = ml_collections.ConfigDict()
     # "jax" (jaxflow's engine, in this process) or "vllm" (vLLM's AsyncLLM, its own processes).
     config.rollout.engine = "vllm" if variant == "vllm" else "jax"
-    config.rollout.num_workers = 1
+    # Engines; with `coordinator` one coordinator drives them all (strategies in `coordination`), else
+    # each has its own rollout worker.
+    config.rollout.num_workers = 2 if variant == "coordinated" else 1
+    config.rollout.coordinator = variant == "coordinated"
+    config.rollout.coordination = config_section(max_running=64)
     # Samples per prompt (the GRPO group) and sampling.
     config.rollout.group_size = 8
     config.rollout.temperature = 1.0

@@ -11,6 +11,9 @@ Pieces, all in this process (vLLM engines run their own processes):
   process pool (a crashing or hanging reward scores the sample 0, counted, and never stops the run);
 - the trainer (`jaxflow.rl_trainer`): consume buffer v, one PPO step, publish v+1.
 
+With `rollout.coordinator` one coordinator (`jaxflow.coordination`) drives all the engines, placing
+every request by the strategies of `rollout.coordination`, instead of one rollout worker per engine.
+
 eta = 0 with the "full" batch rule is synchronous RL through the same code: workers only ever generate
 with the weights being trained.
 
@@ -37,6 +40,7 @@ import ml_collections
 
 from jaxflow import sft, sharding
 from jaxflow.checkpoint import Checkpointer
+from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.evaluation import evaluate
 from jaxflow.models import hf_io
 from jaxflow.param_service import ParameterService
@@ -115,6 +119,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                              ("eval.num_prompts", config.eval.num_prompts, 1)):
         if value < low:
             problems.append(f"{name} must be >= {low}, got {value}")
+    if r.get("coordinator"):
+        try:
+            Coordination.from_config(r.coordination)
+        except (TypeError, ValueError) as e:
+            problems.append(f"rollout.coordination: {e}")
     if r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
     if problems:
@@ -160,6 +169,27 @@ class _Evaluator:
         self.engine.close()
 
 
+class _CoordinatedFleet:
+    """A coordinator over all engines, with the face of one rollout worker per engine for the train loop
+    (start, stop, idle seconds and syncs summed over instances)."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+        self.engines = len(coordinator.instances)
+
+    @property
+    def counts(self) -> dict[str, float]:
+        c = self.coordinator
+        return {"idle_s": sum(i.idle_s for i in c.instances) / self.engines, "syncs": c.counts["syncs"]}
+
+    def start(self):
+        self.coordinator.start()
+        return self
+
+    def stop(self, abort_in_flight: bool = True) -> None:
+        self.coordinator.stop()
+
+
 def _consume(service: TrajectoryService, version: int, stop: _Stop):
     """Waits for buffer `version`; None if a stop was requested meanwhile."""
     waited = 0.0
@@ -193,9 +223,11 @@ def run(config: ml_collections.ConfigDict) -> int:
     trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh), config.trainer, mesh,
                         seq_len=config.rollout.max_len)
     t = config.trainer
+    strategy = Coordination.from_config(config.rollout.coordination) if config.rollout.get("coordinator") else None
     service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),
                                 batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
-                                batch_rule=t.batch_rule)
+                                batch_rule=t.batch_rule,
+                                reserve_groups=strategy.reserve_groups(t.batch_groups) if strategy else None)
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
     start_step, extra = 0, {}
     if ckpt.latest_step() is not None:
@@ -221,17 +253,24 @@ def run(config: ml_collections.ConfigDict) -> int:
     sync = SyncPolicy(when=r.sync_when, lag=r.sync_lag, mode=r.sync_mode)
     engines, workers = [], []
     result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy")}
+    reward_fn = group_reward_fn(pool, task.reward_ref, tokenizer.decode)
     try:
         if result["base_accuracy"] is None:
             result["base_accuracy"] = evaluator()
             run_log.log_eval(0, result["base_accuracy"])
         for i in range(r.num_workers):
             engines.append(_make_engine(config, trainer, base_dir))
-            workers.append(RolloutWorker(f"w{i}", engines[-1], service, params, sampling=sampling, sync=sync,
-                                         max_groups=r.max_groups,
-                                         reward_fn=group_reward_fn(pool, task.reward_ref, tokenizer.decode)))
+        if strategy is not None:
+            workers.append(_CoordinatedFleet(Coordinator("coord", engines, service, params, strategy=strategy,
+                                                         eta=t.eta, sampling=sampling, reward_fn=reward_fn)))
+        else:
+            workers.extend(RolloutWorker(f"w{i}", e, service, params, sampling=sampling, sync=sync,
+                                         max_groups=r.max_groups, reward_fn=reward_fn)
+                           for i, e in enumerate(engines))
         result.update(_train_loop(config, trainer, service, params, workers, ckpt, ledger, run_log,
                                   evaluator, start_step, result["base_accuracy"]))
+        if strategy is not None:
+            result["coordination"] = {k: v for k, v in workers[0].coordinator.stats().items() if k != "instances"}
     finally:
         for w in workers:
             w.stop(abort_in_flight=True)
@@ -250,8 +289,8 @@ def run(config: ml_collections.ConfigDict) -> int:
     ids = ledger.group_ids()
     result["accounting"] = {
         "created": stats["counts"]["created"], "consumed": stats["counts"]["consumed"],
-        "failed": stats["counts"]["failed"], "in_flight": sum(v for k, v in stats["groups"].items()
-                                                               if k not in ("consumed", "failed")),
+        "failed": stats["counts"]["failed"], "surplus": stats["counts"]["surplus"], "in_flight": sum(v for k, v in stats["groups"].items()
+                                                               if k not in ("consumed", "failed", "surplus")),
         "ledger_groups": len(ids), "ledger_duplicates": len(ids) - len(set(ids))}
     hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True)
     (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -259,7 +298,7 @@ def run(config: ml_collections.ConfigDict) -> int:
     print(f"jaxflow: done. held-out accuracy {result['base_accuracy']:.1%} (base) -> "
           f"{result['final_accuracy']:.1%} after {t.steps} steps; policy exported to {workdir / 'export'}\n"
           f"jaxflow: groups created {a['created']} = consumed {a['consumed']} + in flight {a['in_flight']} + "
-          f"failed {a['failed']}; the ledger holds {a['ledger_groups']} trained groups, "
+          f"failed {a['failed']} + surplus {a['surplus']}; the ledger holds {a['ledger_groups']} trained groups, "
           f"{a['ledger_duplicates']} trained twice", flush=True)
     return 0
 
@@ -270,7 +309,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledg
     for w in workers:
         w.start()
     out: dict[str, Any] = {}
-    loop_start, waited, trained_tokens = time.monotonic(), 0.0, 0.0
+    loop_start, waited, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0, 0.0
     accuracy = None
 
     saved = [start_step]
@@ -293,11 +332,14 @@ def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledg
             ledger.record(step, [g.group_id for g in consumed.groups])
             elapsed = time.monotonic() - loop_start
             trained_tokens += metrics["trained_tokens"]
+            consumed_tokens += metrics["consumed_tokens"]
             idle = sum(w.counts["idle_s"] for w in workers) / (elapsed * len(workers))
             counts = service.stats()["counts"]
             metrics.update(trainer_idle_frac=waited / elapsed, rollout_idle_frac=min(idle, 1.0),
                            trained_tokens_per_s=trained_tokens / elapsed,
+                           consumed_tokens_per_s=consumed_tokens / elapsed,
                            groups_aborted=float(counts["aborted"]), groups_failed=float(counts["failed"]),
+                           groups_surplus=float(counts["surplus"]),
                            weight_syncs=float(sum(w.counts["syncs"] for w in workers)))
             done = step + 1 == t.steps
             if (step + 1) % config.eval.every == 0 or done:

@@ -141,6 +141,7 @@ class RLTrainer:
             "response_tokens_mean": float(lengths.mean()),
             "response_tokens_max": float(lengths.max()),
             "trained_tokens": float(sum(len(t.completion) for t in trajs)),
+            "consumed_tokens": float(lengths.sum()),
             "groups": float(len(consumed.groups)),
             "groups_trained": float(len(groups)),
             "step_s": step_s,

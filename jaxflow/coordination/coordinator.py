@@ -1,0 +1,374 @@
+"""The coordinator: one control loop that drives a fleet of engines for the trajectory service.
+
+Where a `RolloutWorker` drives one engine and pulls groups for it, the coordinator sees every instance
+and places each *request* (one sample of a group) itself. Every `step()`:
+
+1. collects completions from every engine; a group whose first N samples are done is rewarded and
+   handed to the service (`finish`); its extra samples, if any, are stopped;
+2. stops the groups the service dropped as surplus (redundant rollout);
+3. syncs weights where the sync policy says so (`jaxflow.coordination.sync`);
+4. acts on a stuck buffer (`jaxflow.coordination.stuck`);
+5. migrates requests off overloaded instances (`jaxflow.coordination.migration`);
+6. fills every instance up to `max_running` from the request queue, admitting new groups from the
+   service (Reserve, at the instance's version) when the queue has nothing the instance may run,
+   placing each request where the router says (`jaxflow.coordination.routing`).
+
+A request may run on any instance whose weights are at least its group's v_start, so migration, retry
+and abort-mode syncs move it with its tokens so far (abort + resubmit with the prefix); the service
+sees one worker, this coordinator, and every group keeps its v_start and reservation throughout.
+The same code runs in real time over real engines (`jaxflow.rl_job`) and in virtual time over
+simulated ones (`jaxflow.sim`): pass the clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+from jaxflow.coordination import migration
+from jaxflow.coordination.config import Coordination
+from jaxflow.coordination.queue import PendingRequest, RequestQueue
+from jaxflow.coordination.routing import Instance, Router
+from jaxflow.coordination.stuck import stragglers
+from jaxflow.coordination.sync import should_sync
+from jaxflow.rollout_types import GroupTask, Sample
+from rollout_bridge.engine import Completion, Engine, Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[GroupTask, list[Sample]], list[float]]
+
+
+@dataclasses.dataclass
+class _Group:
+    task: GroupTask
+    launched: int  # samples launched (N' >= N)
+    started: float
+    finished: list[Sample] = dataclasses.field(default_factory=list)
+    live: dict[int, str] = dataclasses.field(default_factory=dict)  # sample -> request id on an instance
+    retried: bool = False
+
+
+class Coordinator:
+    """Drives `engines` for `trajectories` (a TrajectoryService or an RPC client of one); `params` is a
+    ParameterService or client (`latest()`, `pull(version)`). `eta` is the service's staleness bound.
+    Call `step()` repeatedly, or `start()` a background thread."""
+
+    def __init__(self, name: str, engines: list[Engine], trajectories, params, *, strategy: Coordination,
+                 eta: int, sampling: SamplingParams, reward_fn: RewardFn | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if not engines:
+            raise ValueError("a coordinator needs at least one engine")
+        self.name, self.trajectories, self.params, self.strategy = name, trajectories, params, strategy
+        self.eta, self.sampling, self.reward_fn, self.clock = eta, sampling, reward_fn, clock
+        self.instances = [Instance(i, f"{name}/{i}", e) for i, e in enumerate(engines)]
+        self.router = Router(strategy.routing, strategy.cost)
+        self.queue = RequestQueue(strategy.queue)
+        self._groups: dict[int, _Group] = {}
+        self._where: dict[str, tuple[int, int, int]] = {}  # request id -> (instance, group, sample)
+        self._seq = 0
+        self._group_size = getattr(trajectories, "group_size", 1)
+        self._batch_groups = getattr(trajectories, "batch_groups", None)
+        self._latencies: collections.deque[float] = collections.deque(maxlen=256)
+        self._last_tick = clock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counts = collections.Counter({k: 0 for k in (
+            "groups_finished", "groups_failed", "groups_surplus", "requests_submitted", "requests_migrated",
+            "requests_retried", "samples_redundant", "syncs", "buffers_released")})
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    def _request_id(self, gid: int, sample: int) -> str:
+        self._seq += 1  # unique per engine across moves and retries; the sample index comes last
+        return f"{self.name}:{gid}:{self._seq}:{sample}"
+
+    def _register(self, task: GroupTask) -> None:
+        n = task.n
+        launched = n + self.strategy.extra_samples
+        g = _Group(task, launched, self.clock())
+        self._groups[task.group_id] = g
+        partial = task.partial or [None] * n
+        for i in range(launched):
+            prev = partial[i] if i < n else None
+            if prev is not None and prev.done:
+                g.finished.append(prev)
+                continue
+            self.queue.push(PendingRequest(task.group_id, i, task.v_start,
+                                           prev if prev is not None and prev.tokens else None))
+
+    def _place(self, req: PendingRequest, inst: Instance) -> None:
+        g = self._groups[req.group_id]
+        rid = self._request_id(req.group_id, req.sample)
+        inst.engine.submit(Request(rid, list(g.task.prompt), self.sampling, prefix=req.prefix))
+        inst.requests.add(rid)
+        g.live[req.sample] = rid
+        self._where[rid] = (inst.index, req.group_id, req.sample)
+        self.counts["requests_submitted"] += 1
+
+    def _stop_request(self, rid: str) -> Sample | None:
+        """Aborts a placed request; its partial sample, or None if it already finished (its completion
+        then arrives through poll and is handled there)."""
+        idx, gid, sample = self._where[rid]
+        inst = self.instances[idx]
+        out = [c for c in inst.engine.abort([rid]) if c.request_id == rid]
+        if not out:
+            return None
+        del self._where[rid]
+        inst.requests.discard(rid)
+        self._groups[gid].live.pop(sample, None)
+        return out[0].sample
+
+    def _move(self, rid: str, dst: Instance | None) -> bool:
+        """Stops `rid` and resubmits it with its tokens so far, on `dst` or through the queue."""
+        _, gid, sample = self._where[rid]
+        partial = self._stop_request(rid)
+        if partial is None:
+            return False
+        req = PendingRequest(gid, sample, self._groups[gid].task.v_start, partial if partial.tokens else None)
+        if dst is not None and dst.version >= req.v_start:
+            self._place(req, dst)
+        else:
+            self.queue.push(req, front=True)
+        return True
+
+    def _drop_group(self, gid: int) -> int:
+        """Forgets a group, stopping its requests; returns how many requests were stopped or unqueued."""
+        g = self._groups.pop(gid, None)
+        if g is None:
+            return 0
+        stopped = 0
+        for rid in list(g.live.values()):
+            if rid in self._where:
+                idx = self._where.pop(rid)[0]
+                self.instances[idx].requests.discard(rid)
+                self.instances[idx].engine.abort([rid])
+                stopped += 1
+        return stopped + len(self.queue.take_group(gid))
+
+    # ---- 1. completions ------------------------------------------------------------------------
+    def _collect(self) -> None:
+        now = self.clock()
+        dt, self._last_tick = now - self._last_tick, now
+        cost = self.strategy.cost
+        for inst in self.instances:
+            if not inst.requests:
+                inst.idle_s += dt
+            for c in inst.engine.poll(timeout=0):
+                self._completed(c)
+            load = inst.engine.load()
+            inst.kv_used = load.kv_used
+            inst.observe(load.tokens_per_s, load.running, cost)
+
+    def _completed(self, c: Completion) -> None:
+        where = self._where.pop(c.request_id, None)
+        if where is None:
+            return  # a request stopped meanwhile
+        idx, gid, sample = where
+        self.instances[idx].requests.discard(c.request_id)
+        g = self._groups.get(gid)
+        if g is None:
+            return
+        g.live.pop(sample, None)
+        if c.sample.finish_reason == "error":
+            self._drop_group(gid)
+            self.trajectories.fail(gid, f"engine error: {c.error}")
+            self.counts["groups_failed"] += 1
+            return
+        if c.sample.finish_reason == "abort":  # an engine handed it back (closing): run it again
+            self.queue.push(PendingRequest(gid, sample, g.task.v_start, c.sample if c.sample.tokens else None),
+                            front=True)
+            return
+        g.finished.append(c.sample)
+        if len(g.finished) == g.task.n:
+            self._finish(gid)
+
+    def _finish(self, gid: int) -> None:
+        g = self._groups[gid]
+        self.counts["samples_redundant"] += self._drop_group(gid)
+        samples = g.finished[:g.task.n]
+        rewards = self.reward_fn(g.task, samples) if self.reward_fn is not None else None
+        self.trajectories.finish(gid, self.name, samples, rewards)
+        self._latencies.append(self.clock() - g.started)
+        self.counts["groups_finished"] += 1
+
+    # ---- 2-5. surplus, sync, stuck, migration ---------------------------------------------------
+    def _surplus(self) -> None:
+        for gid in self.trajectories.take_surplus(self.name):
+            if gid in self._groups:
+                self._drop_group(gid)
+                self.counts["groups_surplus"] += 1
+
+    def _sync(self) -> None:
+        s = self.strategy
+        latest = self.params.latest()
+        if latest is None:
+            return
+        for inst in self.instances:
+            if not should_sync(s.sync, version=inst.version, latest=latest, running=inst.running,
+                               must=self.trajectories.needs_sync(inst.version), idle_below=s.sync_idle_below,
+                               max_lag=s.sync_max_lag):
+                continue
+            if s.sync_mode == "abort":
+                for rid in list(inst.requests):
+                    self._move(rid, None)
+            version, tensors = self.params.pull(latest)
+            inst.engine.update_weights(version, tensors)
+            inst.syncs += 1
+            self.counts["syncs"] += 1
+
+    def _least_loaded(self, v_start: int, exclude: int) -> Instance | None:
+        ok = [i for i in self.instances if i.index != exclude and i.version >= v_start
+              and i.running < self.strategy.max_running]
+        return min(ok, key=lambda i: (i.predicted_step_s(self.strategy.cost, 1), i.index), default=None)
+
+    def _stuck(self) -> None:
+        s = self.strategy
+        if s.stuck == "wait" or not self._latencies:
+            return
+        v_train, occupied = self.trajectories.progress()
+        batch = self._batch_groups
+        missing = (batch - occupied) if batch is not None else s.stuck_threshold
+        now = self.clock()
+        ages = {gid: now - g.started for gid, g in self._groups.items()
+                if g.task.v_start + self.eta <= v_train and not (s.stuck == "retry" and g.retried)}
+        patience = s.stuck_patience * statistics.median(self._latencies)
+        ids = stragglers(missing=missing, ages=ages, threshold=s.stuck_threshold, patience_s=patience)
+        if not ids:
+            return
+        if s.stuck == "release":
+            self.trajectories.release(v_train)
+            self.counts["buffers_released"] += 1
+            self._surplus()
+            return
+        for gid in ids:
+            g = self._groups[gid]
+            g.retried = True
+            for rid in list(g.live.values()):
+                src = self.instances[self._where[rid][0]]
+                dst = self._least_loaded(g.task.v_start, exclude=src.index)
+                if dst is not None and dst.predicted_step_s(s.cost, 1) < src.predicted_step_s(s.cost) \
+                        and self._move(rid, dst):
+                    self.counts["requests_retried"] += 1
+
+    def _migrate(self) -> None:
+        s = self.strategy
+        if not s.migrate or len(self.instances) < 2:
+            return
+        cost = s.cost
+        moves = migration.plan([i.load(cost) for i in self.instances], [i.slowness for i in self.instances],
+                               trigger=s.migrate_trigger, stop=s.migrate_stop, min_requests=s.migrate_min_requests,
+                               room=[s.max_running - i.running for i in self.instances])
+        for src, dst in moves:
+            src_inst, dst_inst = self.instances[src], self.instances[dst]
+            # The newest request on the source has the fewest tokens to recompute.
+            for rid in sorted(src_inst.requests, key=lambda r: -int(r.rsplit(":", 2)[1])):
+                gid = self._where[rid][1]
+                if dst_inst.version >= self._groups[gid].task.v_start:
+                    if self._move(rid, dst_inst):
+                        self.counts["requests_migrated"] += 1
+                    break
+
+    # ---- 6. admission and placement -------------------------------------------------------------
+    def _admit(self, version: int, room: int) -> bool:
+        per_group = self._group_size + self.strategy.extra_samples
+        tasks = self.trajectories.dispatch(self.name, version, max(1, math.ceil(room / per_group)))
+        for task in tasks:
+            self._group_size = task.n
+            self._register(task)
+            if len(self._groups[task.group_id].finished) >= task.n:  # restored complete
+                self._finish(task.group_id)
+        return bool(tasks)
+
+    def _fill(self) -> None:
+        cap = self.strategy.max_running
+        open_ = [i for i in self.instances if i.running < cap and not i.engine.paused]
+        heap = [(self.router.key(i), i.index) for i in open_]
+        heapq.heapify(heap)
+        refused: set[int] = set()  # versions the service admitted nothing for, this round
+        while heap:
+            _, idx = heapq.heappop(heap)
+            inst = self.instances[idx]
+            req = self.queue.pop(inst.version)
+            if req is None:
+                if inst.version in refused:
+                    continue
+                room = sum(cap - i.running for i in open_ if i.version >= inst.version)
+                if not self._admit(inst.version, room):
+                    refused.add(inst.version)
+                    continue
+                req = self.queue.pop(inst.version)
+                if req is None:
+                    continue
+            self._place(req, inst)
+            self.router.placed(inst)
+            if inst.running < cap:
+                heapq.heappush(heap, (self.router.key(inst), idx))
+
+    # ---- loop ----------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One round of the control loop (see the module docstring)."""
+        self._collect()
+        self._surplus()
+        self._sync()
+        self._stuck()
+        self._migrate()
+        self._fill()
+
+    def in_flight(self) -> int:
+        """Groups this coordinator holds (queued or on an instance)."""
+        return len(self._groups)
+
+    def stats(self) -> dict:
+        return {**self.counts, "groups_in_flight": len(self._groups), "queued_requests": len(self.queue),
+                "instances": [{"name": i.name, "running": i.running, "version": i.version, "syncs": i.syncs,
+                               "idle_s": i.idle_s, "slowness": i.slowness} for i in self.instances]}
+
+    def start(self, tick_s: float = 0.01) -> Coordinator:
+        """Runs `step` in a background thread every `tick_s` seconds until `stop`."""
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self.step()
+                except Exception:
+                    log.exception("coordinator %s failed; releasing its groups", self.name)
+                    self._release_all("coordinator error")
+                    time.sleep(0.5)
+                self._stop.wait(tick_s)
+
+        self._thread = threading.Thread(target=loop, name=f"coordinator-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _release_all(self, reason: str) -> None:
+        for gid in list(self._groups):
+            self._drop_group(gid)
+        self.queue = RequestQueue(self.strategy.queue)
+        self._where.clear()
+        for i in self.instances:
+            i.requests.clear()
+        self.trajectories.release_worker(self.name, reason)
+
+    def stop(self) -> None:
+        """Stops the loop; groups in flight go back to the service with their samples so far (the
+        finished ones, then the longest partial ones)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for gid, g in list(self._groups.items()):
+            partial = [r.prefix for r in self.queue.take_group(gid) if r.prefix is not None]
+            for rid in list(g.live.values()):
+                got = self._stop_request(rid) if rid in self._where else None
+                if got is not None and got.tokens:
+                    partial.append(got)
+            partial.sort(key=lambda x: -len(x.tokens))
+            n = g.task.n
+            samples = (g.finished[:n] + partial + [Sample() for _ in range(n)])[:n]
+            self._drop_group(gid)
+            self.trajectories.abort(gid, self.name, samples, "coordinator stopped")
