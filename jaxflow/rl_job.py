@@ -262,7 +262,8 @@ def run(config: ml_collections.ConfigDict) -> int:
             engines.append(_make_engine(config, trainer, base_dir))
         if strategy is not None:
             workers.append(_CoordinatedFleet(Coordinator("coord", engines, service, params, strategy=strategy,
-                                                         eta=t.eta, sampling=sampling, reward_fn=reward_fn)))
+                                                         eta=t.eta, sampling=sampling, reward_fn=reward_fn,
+                                                         trace_every_s=0.25)))
         else:
             workers.extend(RolloutWorker(f"w{i}", e, service, params, sampling=sampling, sync=sync,
                                          max_groups=r.max_groups, reward_fn=reward_fn)
@@ -270,7 +271,9 @@ def run(config: ml_collections.ConfigDict) -> int:
         result.update(_train_loop(config, trainer, service, params, workers, ckpt, ledger, run_log,
                                   evaluator, start_step, result["base_accuracy"]))
         if strategy is not None:
-            result["coordination"] = {k: v for k, v in workers[0].coordinator.stats().items() if k != "instances"}
+            coordinator = workers[0].coordinator
+            result["coordination"] = {k: v for k, v in coordinator.stats().items() if k != "instances"}
+            (workdir / "coordinator_trace.json").write_text(json.dumps(coordinator.trace))
     finally:
         for w in workers:
             w.stop(abort_in_flight=True)
@@ -327,8 +330,10 @@ def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledg
             if consumed is None:
                 break
             waited += time.monotonic() - before
+            busy_from = time.monotonic()
             metrics, staleness = trainer.train(consumed)
             trainer.publish(service, params)
+            metrics["trainer_busy_s"] = time.monotonic() - busy_from
             ledger.record(step, [g.group_id for g in consumed.groups])
             elapsed = time.monotonic() - loop_start
             trained_tokens += metrics["trained_tokens"]

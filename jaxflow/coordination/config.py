@@ -43,7 +43,8 @@ class Coordination:
     first B to finish are trained. extra_samples: N' = N + extra_samples samples launched per group,
     the first N to finish are kept. Both bias the batch toward short responses; off by default.
     migrate: move requests from an instance whose load is >= migrate_trigger x the mean to the least
-    loaded ones, until <= migrate_stop x the mean (abort + resubmit with the prefix).
+    loaded ones, until <= migrate_stop x the mean (abort + resubmit with the prefix), at most
+    migrate_max_moves requests per coordinator step.
     sync: "all" instances take each new version at once; "selective": an instance syncs when it runs
     at most sync_idle_below requests, when it lags by sync_max_lag versions, or when it must.
     sync_mode: "keep" requests across a sync (KV recomputed) or "abort" them back to the queue.
@@ -61,6 +62,7 @@ class Coordination:
     migrate_trigger: float = 2.0
     migrate_stop: float = 1.2
     migrate_min_requests: int = 2
+    migrate_max_moves: int = 16
     sync: str = "selective"
     sync_idle_below: int = 0
     sync_max_lag: int = 2
@@ -81,7 +83,8 @@ class Coordination:
                                  ("extra_samples", self.extra_samples, 0), ("sync_idle_below", self.sync_idle_below, 0),
                                  ("sync_max_lag", self.sync_max_lag, 1), ("stuck_threshold", self.stuck_threshold, 1),
                                  ("stuck_patience", self.stuck_patience, 0),
-                                 ("migrate_min_requests", self.migrate_min_requests, 1)):
+                                 ("migrate_min_requests", self.migrate_min_requests, 1),
+                                 ("migrate_max_moves", self.migrate_max_moves, 1)):
             if value < low:
                 problems.append(f"{name} must be >= {low}, got {value}")
         if not self.migrate_trigger > self.migrate_stop >= 1.0:

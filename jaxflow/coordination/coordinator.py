@@ -59,11 +59,13 @@ class _Group:
 class Coordinator:
     """Drives `engines` for `trajectories` (a TrajectoryService or an RPC client of one); `params` is a
     ParameterService or client (`latest()`, `pull(version)`). `eta` is the service's staleness bound.
-    Call `step()` repeatedly, or `start()` a background thread."""
+    Call `step()` repeatedly, or `start()` a background thread. With `trace_every_s`, `trace` records
+    each engine's load every that many seconds, every finished group's response lengths and every
+    weight sync's duration (what `jaxflow.sim` fits its models to)."""
 
     def __init__(self, name: str, engines: list[Engine], trajectories, params, *, strategy: Coordination,
                  eta: int, sampling: SamplingParams, reward_fn: RewardFn | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, trace_every_s: float | None = None):
         if not engines:
             raise ValueError("a coordinator needs at least one engine")
         self.name, self.trajectories, self.params, self.strategy = name, trajectories, params, strategy
@@ -80,6 +82,9 @@ class Coordinator:
         self._last_tick = clock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.trace_every_s = trace_every_s
+        self.trace: dict[str, list] = {"loads": [], "group_lengths": [], "sync_s": []}
+        self._traced_at = -math.inf
         self.counts = collections.Counter({k: 0 for k in (
             "groups_finished", "groups_failed", "groups_surplus", "requests_submitted", "requests_migrated",
             "requests_retried", "samples_redundant", "syncs", "buffers_released")})
@@ -157,6 +162,9 @@ class Coordinator:
         now = self.clock()
         dt, self._last_tick = now - self._last_tick, now
         cost = self.strategy.cost
+        record = self.trace_every_s is not None and now - self._traced_at >= self.trace_every_s
+        if record:
+            self._traced_at = now
         for inst in self.instances:
             if not inst.requests:
                 inst.idle_s += dt
@@ -165,6 +173,9 @@ class Coordinator:
             load = inst.engine.load()
             inst.kv_used = load.kv_used
             inst.observe(load.tokens_per_s, load.running, cost)
+            if record:
+                self.trace["loads"].append((round(now, 3), inst.index, load.running, load.waiting,
+                                            round(load.kv_used, 5), round(load.tokens_per_s, 1)))
 
     def _completed(self, c: Completion) -> None:
         where = self._where.pop(c.request_id, None)
@@ -196,6 +207,8 @@ class Coordinator:
         rewards = self.reward_fn(g.task, samples) if self.reward_fn is not None else None
         self.trajectories.finish(gid, self.name, samples, rewards)
         self._latencies.append(self.clock() - g.started)
+        if self.trace_every_s is not None:
+            self.trace["group_lengths"].append([len(x.tokens) for x in samples])
         self.counts["groups_finished"] += 1
 
     # ---- 2-5. surplus, sync, stuck, migration ---------------------------------------------------
@@ -215,11 +228,14 @@ class Coordinator:
                                must=self.trajectories.needs_sync(inst.version), idle_below=s.sync_idle_below,
                                max_lag=s.sync_max_lag):
                 continue
-            if s.sync_mode == "abort":
-                for rid in list(inst.requests):
+            if s.sync_mode == "abort":  # in placement order: set order varies with the hash seed
+                for rid in sorted(inst.requests, key=lambda r: int(r.rsplit(":", 2)[1])):
                     self._move(rid, None)
+            t0 = time.perf_counter()
             version, tensors = self.params.pull(latest)
             inst.engine.update_weights(version, tensors)
+            if self.trace_every_s is not None:
+                self.trace["sync_s"].append(time.perf_counter() - t0)
             inst.syncs += 1
             self.counts["syncs"] += 1
 
@@ -264,16 +280,13 @@ class Coordinator:
         cost = s.cost
         moves = migration.plan([i.load(cost) for i in self.instances], [i.slowness for i in self.instances],
                                trigger=s.migrate_trigger, stop=s.migrate_stop, min_requests=s.migrate_min_requests,
-                               room=[s.max_running - i.running for i in self.instances])
+                               room=[s.max_running - i.running for i in self.instances],
+                               versions=[i.version for i in self.instances], max_moves=s.migrate_max_moves)
         for src, dst in moves:
-            src_inst, dst_inst = self.instances[src], self.instances[dst]
             # The newest request on the source has the fewest tokens to recompute.
-            for rid in sorted(src_inst.requests, key=lambda r: -int(r.rsplit(":", 2)[1])):
-                gid = self._where[rid][1]
-                if dst_inst.version >= self._groups[gid].task.v_start:
-                    if self._move(rid, dst_inst):
-                        self.counts["requests_migrated"] += 1
-                    break
+            rid = max(self.instances[src].requests, key=lambda r: int(r.rsplit(":", 2)[1]))
+            if self._move(rid, self.instances[dst]):
+                self.counts["requests_migrated"] += 1
 
     # ---- 6. admission and placement -------------------------------------------------------------
     def _admit(self, version: int, room: int) -> bool:

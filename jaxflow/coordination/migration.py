@@ -9,13 +9,14 @@ from __future__ import annotations
 
 
 def plan(loads: list[float], unit: list[float], *, trigger: float, stop: float, min_requests: int,
-         room: list[int]) -> list[tuple[int, int]]:
-    """Moves as (from, to) instance indices, one request each.
+         room: list[int], versions: list[int], max_moves: int) -> list[tuple[int, int]]:
+    """Moves as (from, to) instance indices, one request each, at most `max_moves`.
 
     loads: per-instance load; unit: the load one request adds on that instance (its slowness);
-    room: requests each instance may still take. Starts only when the most loaded instance is at
-    >= trigger x the mean and holds >= min_requests requests; stops once it is <= stop x the mean, or
-    when a move would no longer lower the maximum.
+    room: requests each instance may still take; versions: each instance's weights version (a request
+    only moves to an instance at least as new as the one it is on). Starts only when the most loaded
+    instance is at >= trigger x the mean and holds >= min_requests requests; stops once it is <= stop x
+    the mean, or when a move would no longer lower the maximum.
     """
     loads, room = list(loads), list(room)
     n = len(loads)
@@ -24,11 +25,11 @@ def plan(loads: list[float], unit: list[float], *, trigger: float, stop: float, 
     if src is None or mean <= 0 or loads[src] < trigger * mean or loads[src] / unit[src] < min_requests:
         return []
     moves = []
-    while True:
+    while len(moves) < max_moves:
         src = max(range(n), key=lambda i: loads[i])
         if loads[src] <= stop * mean or loads[src] / unit[src] < 1:
             break
-        targets = [i for i in range(n) if i != src and room[i] > 0]
+        targets = [i for i in range(n) if i != src and room[i] > 0 and versions[i] >= versions[src]]
         if not targets:
             break
         dst = min(targets, key=lambda i: loads[i] + unit[i])

@@ -29,37 +29,55 @@ class RequestQueue:
         if order not in ("fifo", "oldest_first"):
             raise ValueError(f"unknown queue order {order!r}; valid: fifo, oldest_first")
         self.order = order
-        self._heap: list[tuple[tuple[int, ...], PendingRequest]] = []
+        self._heap: list[list] = []  # [key, seq, request, live]
+        self._by_group: dict[int, list[list]] = {}
         self._seq = itertools.count()
+        self._live = 0
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return self._live
 
     def push(self, request: PendingRequest, front: bool = False) -> None:
         """Queues `request`; `front` puts it ahead of everything of its rank (work already started)."""
-        seq = -next(self._seq) if front else next(self._seq)
-        key = (request.v_start, seq) if self.order == "oldest_first" else (seq,)
-        heapq.heappush(self._heap, (key, request))
+        seq = next(self._seq)
+        rank = -seq if front else seq
+        key = (request.v_start, rank) if self.order == "oldest_first" else (rank,)
+        entry = [key, seq, request, True]
+        heapq.heappush(self._heap, entry)
+        self._by_group.setdefault(request.group_id, []).append(entry)
+        self._live += 1
+
+    def _forget(self, entry: list) -> None:
+        entry[3] = False
+        self._live -= 1
+        group = self._by_group[entry[2].group_id]
+        group.remove(entry)
+        if not group:
+            del self._by_group[entry[2].group_id]
 
     def pop(self, max_version: int) -> PendingRequest | None:
         """The first request in order with v_start <= max_version, or None."""
         skipped, found = [], None
         while self._heap:
-            item = heapq.heappop(self._heap)
-            if item[1].v_start <= max_version:
-                found = item[1]
+            entry = heapq.heappop(self._heap)
+            if not entry[3]:
+                continue  # taken with its group
+            if entry[2].v_start <= max_version:
+                found = entry
                 break
-            skipped.append(item)
+            skipped.append(entry)
             if self.order == "oldest_first":  # every later one is newer still
                 break
-        for item in skipped:
-            heapq.heappush(self._heap, item)
-        return found
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if found is None:
+            return None
+        self._forget(found)
+        return found[2]
 
     def take_group(self, group_id: int) -> list[PendingRequest]:
         """Removes and returns every queued request of a group."""
-        taken = [item[1] for item in self._heap if item[1].group_id == group_id]
-        if taken:
-            self._heap = [item for item in self._heap if item[1].group_id != group_id]
-            heapq.heapify(self._heap)
-        return taken
+        entries = list(self._by_group.get(group_id, ()))
+        for entry in entries:
+            self._forget(entry)
+        return [e[2] for e in entries]

@@ -130,7 +130,8 @@ def simulate(scenario: Scenario, strategy: Coordination, *, eta: int, seed: int 
     return {
         "scenario": sc.name, "instances": n, "eta": eta, "steps": sc.steps,
         "tokens_per_s": steady_tokens / span,
-        "step_s_median": _median([b - a for a, b in zip([0.0] + step_ends, step_ends)][w:]),
+        "step_s_mean": span / (sc.steps - w),
+        "step_ends_s": [round(x, 2) for x in step_ends], "step_tokens": step_tokens,
         "virtual_s": total,
         "trainer_idle_frac": 1.0 - busy_s / total,
         "rollout_idle_frac": stats["total"]["idle_s"] / (n * total),
@@ -142,8 +143,3 @@ def simulate(scenario: Scenario, strategy: Coordination, *, eta: int, seed: int 
         "coordinator": {k: v for k, v in coordinator.stats().items() if k != "instances"},
         "wall_s": time.perf_counter() - wall0,
     }
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")

@@ -1,0 +1,221 @@
+"""Rollout coordination at pod scale, simulated: synchronous vs AReaL-style vs jaxflow's strategies.
+
+    .venv/bin/python benchmarks/simulate.py [--quick] [--json PATH] [--plot PATH] [--eta 1,4]
+
+Two parts, one run:
+
+1. Calibration. Runs the real CPU job (configs/arithmetic_tiny.py:coordinated: two JAX engines, one
+   coordinator, the real trainer) for a few steps, fits the simulator's engine, trainer and length
+   models to that run's trace (`jaxflow.sim.presets.from_trace`), simulates the same config, and
+   compares steady-state consumed tokens/s: calibration_error = |simulated - measured| / measured.
+2. Scale. The reasoning preset (`jaxflow.sim.presets.reasoning`: ~8B model, H100-class instances,
+   lengths with median ~1.5k and a tail to 32k) at 8, 64 and 512 instances, the same eta for all:
+   - sync: eta = 0, every instance syncs each version;
+   - areal: eta-bounded admission (Reserve), least-loaded placement in arrival order, every instance
+     syncs each version, partial rollouts kept across syncs; no other coordination;
+   - jaxflow: `Coordination()` defaults (throughput routing, oldest-first queue, migration, selective
+     sync, stuck retry), which drop no data;
+   - jaxflow+release: the same with stuck buffers released (their slowest groups are dropped as
+     surplus, a bias toward short responses; the table says how many).
+   The simulator runs the real trajectory service and the real coordinator; only engines and trainer
+   are modelled.
+
+Prints a table; --json writes every figure, with ratio_vs_areal_64, ratio_vs_sync_64 (jaxflow at the
+first eta) and calibration_error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxflow.coordination import Coordination
+from jaxflow.sim import describe
+from jaxflow.sim.loop import simulate
+from jaxflow.sim.presets import from_trace, reasoning
+
+CONFIG = "configs/arithmetic_tiny.py:coordinated"
+
+
+def systems(max_running: int) -> dict[str, tuple[Coordination, bool]]:
+    """name -> (strategy, synchronous)."""
+    return {
+        "sync": (Coordination.areal_like(max_running=max_running), True),
+        "areal": (Coordination.areal_like(max_running=max_running), False),
+        "jaxflow": (Coordination(max_running=max_running), False),
+        "jaxflow+release": (Coordination(max_running=max_running, stuck="release"), False),
+    }
+
+
+def _load_config():
+    from jaxflow.config import load_config
+    return load_config(CONFIG)
+
+
+def _prompt_tokens(config) -> int:
+    """Mean prompt length of the task's train prompts, in tokens."""
+    from jaxflow import sft
+    from jaxflow.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(sft.ensure_base_model(config))
+    records = sft.make_task(config).to_prompt_records(
+        sft.make_task(config).examples("train", 200, seed=1), tokenizer)
+    return round(sum(len(r["prompt"]) for r in records) / len(records))
+
+
+def calibrate(steps: int, workdir: pathlib.Path, warmup: int) -> dict:
+    """Runs the real job, fits the simulator to it, simulates it; returns both throughputs."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}", f"--config.workdir={workdir}",
+           f"--config.trainer.steps={steps}", f"--config.eval.every={10 * steps}", "--config.eval.num_prompts=16",
+           f"--config.checkpoint.every={10 * steps}"]
+    print(f"calibration: running the real job for {steps} steps ({CONFIG}, two engines)", flush=True)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the real run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    print(f"calibration: real run took {time.perf_counter() - t0:.0f}s", flush=True)
+    metrics = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics = [m for m in metrics if "consumed_tokens" in m]
+    trace = json.loads((workdir / "coordinator_trace.json").read_text())
+    config = _load_config()
+    r, t = config.rollout, config.trainer
+    # The last step also runs the final eval; measure up to the step before it.
+    last = len(metrics) - 2
+    span = metrics[last]["time_s"] - metrics[warmup - 1]["time_s"]
+    measured = sum(m["consumed_tokens"] for m in metrics[warmup:last + 1]) / span
+    scenario, fitted = from_trace(trace, metrics, instances=r.num_workers,
+                                  max_running=r.coordination.max_running, kv_capacity=r.max_slots * r.max_len,
+                                  batch_groups=t.batch_groups, group_size=r.group_size, max_tokens=r.max_tokens,
+                                  prompt_tokens=_prompt_tokens(config), steps=last + 1, warmup_steps=warmup)
+    strategy = Coordination.from_config(r.coordination)
+    sim = simulate(scenario, strategy, eta=t.eta)
+    error = abs(sim["tokens_per_s"] - measured) / measured
+    return {"measured_tokens_per_s": measured, "simulated_tokens_per_s": sim["tokens_per_s"],
+            "calibration_error": error, "fitted": fitted, "steps": steps, "warmup_steps": warmup,
+            "measured_trainer_idle_frac": metrics[last]["trainer_idle_frac"],
+            "simulated_trainer_idle_frac": sim["trainer_idle_frac"],
+            "measured_rollout_idle_frac": metrics[last]["rollout_idle_frac"],
+            "simulated_rollout_idle_frac": sim["rollout_idle_frac"]}
+
+
+def scale(sizes: list[int], etas: list[int], steps: int) -> list[dict]:
+    rows = []
+    for n in sizes:
+        scenario = reasoning(n, steps=steps)
+        for eta in etas:
+            for name, (strategy, synchronous) in systems(max_running=128).items():
+                if synchronous and any(r["system"] == "sync" and r["instances"] == n for r in rows):
+                    continue  # one sync run per size (eta 0 whatever the eta being compared)
+                t0 = time.perf_counter()
+                r = simulate(scenario, strategy, eta=0 if synchronous else eta)
+                r.update(system=name, compared_eta=eta)
+                rows.append(r)
+                print(f"  {n:4d} instances  {name:16s} eta={r['eta']}  {r['tokens_per_s']:10.0f} tok/s  "
+                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    return rows
+
+
+def table(rows: list[dict], etas: list[int]) -> str:
+    head = (f"| instances | eta | system | tokens/s | vs areal | vs sync | step s | rollout idle | stall | "
+            f"trainer idle | max stale | mean stale | dropped groups |\n|{'---:|' * 13}")
+    lines = [head]
+    for eta in etas:
+        for r in rows:
+            if r["compared_eta"] != eta and r["system"] != "sync":
+                continue
+            n = r["instances"]
+            base = {x["system"]: x["tokens_per_s"] for x in rows if x["instances"] == n
+                    and (x["compared_eta"] == eta or x["system"] == "sync")}
+            st = r["group_staleness"]
+            mean_stale = sum(k * v for k, v in st.items()) / sum(st.values())
+            lines.append(f"| {n} | {r['eta']} | {r['system']} | {r['tokens_per_s']:.0f} | "
+                         f"{r['tokens_per_s'] / base['areal']:.2f}x | {r['tokens_per_s'] / base['sync']:.2f}x | "
+                         f"{r['step_s_mean']:.0f} | {r['rollout_idle_frac']:.0%} | {r['rollout_stall_frac']:.0%} | "
+                         f"{r['trainer_idle_frac']:.0%} | {r['max_staleness']} | {mean_stale:.2f} | "
+                         f"{r['groups_surplus']} of {r['groups_consumed'] + r['groups_surplus']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], etas: list[int], path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(etas), figsize=(6 * len(etas), 4), squeeze=False)
+    for ax, eta in zip(axes[0], etas):
+        for name in systems(1):
+            pts = sorted((r["instances"], r["tokens_per_s"] / r["instances"]) for r in rows
+                         if r["system"] == name and (r["compared_eta"] == eta or name == "sync"))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("instances")
+        ax.set_ylabel("trained tokens/s per instance")
+        ax.set_title(f"eta = {eta} (sync: eta = 0)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps (under 5 minutes)")
+    ap.add_argument("--json", type=pathlib.Path, help="write every figure here")
+    ap.add_argument("--plot", type=pathlib.Path, default=ROOT / "runs" / "simulate.png")
+    ap.add_argument("--eta", default="1", help="staleness bounds to compare at, e.g. 1,4 (default 1)")
+    ap.add_argument("--sizes", default="8,64,512")
+    ap.add_argument("--skip-calibration", action="store_true", help="only the simulated part")
+    args = ap.parse_args(argv)
+    etas = [int(x) for x in args.eta.split(",")]
+    sizes = [int(x) for x in args.sizes.split(",")]
+    steps = 8 if args.quick else 16
+    out: dict = {"quick": args.quick, "etas": etas, "sizes": sizes, "steps": steps,
+                 "lengths": describe(reasoning(8).lengths)}
+    started = time.perf_counter()
+    if not args.skip_calibration:
+        with tempfile.TemporaryDirectory() as tmp:
+            out["calibration"] = calibrate(steps=24 if args.quick else 60, workdir=pathlib.Path(tmp) / "run",
+                                           warmup=6)
+        out["calibration_error"] = out["calibration"]["calibration_error"]
+    print(f"scale: reasoning preset, {steps} train steps per run", flush=True)
+    rows = scale(sizes, etas, steps)
+    out["runs"] = rows
+    by = {(r["instances"], r["system"], r["compared_eta"] if r["system"] != "sync" else None): r["tokens_per_s"]
+          for r in rows}
+    if 64 in sizes:
+        e = etas[0]
+        out["ratio_vs_areal_64"] = by[(64, "jaxflow", e)] / by[(64, "areal", e)]
+        out["ratio_vs_sync_64"] = by[(64, "jaxflow", e)] / by[(64, "sync", None)]
+        out["ratio_vs_areal_64_release"] = by[(64, "jaxflow+release", e)] / by[(64, "areal", e)]
+        out["ratio_vs_sync_64_release"] = by[(64, "jaxflow+release", e)] / by[(64, "sync", None)]
+    print()
+    if "calibration" in out:
+        c = out["calibration"]
+        print(f"calibration ({c['steps']} real steps, two engines): measured {c['measured_tokens_per_s']:.0f} "
+              f"consumed tokens/s, simulated {c['simulated_tokens_per_s']:.0f}: error {c['calibration_error']:.1%}")
+    print(f"lengths (reasoning preset): {json.dumps({k: round(v) for k, v in out['lengths'].items()})}\n")
+    print(table(rows, etas))
+    if "ratio_vs_areal_64" in out:
+        print(f"\nat 64 instances, eta {etas[0]}: jaxflow {out['ratio_vs_areal_64']:.2f}x areal, "
+              f"{out['ratio_vs_sync_64']:.2f}x sync; with release {out['ratio_vs_areal_64_release']:.2f}x areal, "
+              f"{out['ratio_vs_sync_64_release']:.2f}x sync")
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, etas, args.plot)
+    out["wall_s"] = time.perf_counter() - started
+    print(f"plot: {args.plot}; {out['wall_s']:.0f}s in all")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1, default=float) + "\n")
+        print(f"figures: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
