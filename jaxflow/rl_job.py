@@ -19,7 +19,8 @@ with the weights being trained.
 
 Output in config.workdir: metrics.jsonl + TensorBoard + plots (`jaxflow.run_log`), orbax checkpoints
 (with the trajectory service's state), ledger.jsonl (the groups each step trained), export/ (the final
-policy as an HF model) and result.json. Ctrl-C stops after the step in progress and checkpoints (a
+policy as an HF model), result.json and, with a coordinator, coordinator_trace.json (engine loads, group
+lengths and weight-sync times: what benchmarks/simulate.py fits the simulator to). Ctrl-C stops after the step in progress and checkpoints (a
 second Ctrl-C stops at once); rerunning the same command resumes from the newest checkpoint, with no
 group lost or trained twice.
 """

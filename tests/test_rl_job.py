@@ -175,7 +175,8 @@ def check_each_step_once(workdir, steps, groups_per_step):
     ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
     assert len(ledger) == steps * groups_per_step and len(set(ledger)) == len(ledger)
     a = json.loads((workdir / "result.json").read_text())["accounting"]
-    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] and a["consumed"] == len(ledger)
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    assert a["consumed"] == len(ledger)
 
 
 def test_ctrl_c_then_resume_loses_no_group_and_trains_none_twice(tmp_path, base_dir):
@@ -234,3 +235,47 @@ def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, bas
         # pi_prox / mu stays near 1 (a version mix-up or a half-applied weight update would move it).
         assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
     check_each_step_once(workdir, 4, 2)
+
+
+# Every coordination strategy, in two mixes, on the real job with two JAX engines and one coordinator.
+STRATEGY_MIXES = {
+    "keep": {"routing": "throughput", "queue": "oldest_first", "sync": "selective", "sync_mode": "keep",
+             "migrate": True, "migrate_trigger": 1.5, "migrate_stop": 1.1, "migrate_min_requests": 1,
+             "extra_samples": 1, "stuck": "retry", "stuck_threshold": 2, "stuck_patience": 0.0},
+    "abort": {"routing": "round_robin", "queue": "fifo", "sync": "all", "sync_mode": "abort",
+              "migrate": False, "extra_groups": 0.5, "stuck": "release", "stuck_threshold": 1,
+              "stuck_patience": 0.0},
+}
+
+
+@pytest.mark.parametrize("mix", sorted(STRATEGY_MIXES))
+def test_coordinated_two_engine_run_keeps_the_staleness_bound_and_the_accounting(tmp_path, base_dir, mix):
+    from jaxflow import rl_job
+
+    strategy = {f"rollout.coordination.{k}": v for k, v in STRATEGY_MIXES[mix].items()}
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "6", "trainer.eta": "2", "rollout.coordinator": "true",
+                                                 "rollout.num_workers": "2", "trainer.batch_groups": "3",
+                                                 "rollout.coordination.max_running": "6", **strategy})
+    assert rl_job.run(config) == 0
+    workdir = pathlib.Path(config.workdir)
+    steps = [r for r in records(workdir) if "loss" in r]
+    for r in steps:
+        assert max(int(k) for k in r["staleness"]) <= 2  # token by token
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
+    assert len(set(ledger)) == len(ledger)
+    result = json.loads((workdir / "result.json").read_text())
+    a, c = result["accounting"], result["coordination"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    # The coordinator stops the surplus groups it still runs; the others finished before the news.
+    assert a["consumed"] == len(ledger) and a["surplus"] >= c["groups_surplus"]
+    assert c["requests_submitted"] > 0 and c["syncs"] >= 2  # both engines took new weights
+    if mix == "keep":
+        # Every group launched a sample more than it keeps: the extras were stopped and counted.
+        assert c["samples_redundant"] > 0 and a["surplus"] == 0
+    else:
+        # Released buffers hand the trainer what they hold: no more than B per step, and B' > B
+        # reservations per buffer leave surplus groups.
+        assert all(r["groups"] <= 3 for r in steps) and a["surplus"] > 0
+    trace = json.loads((workdir / "coordinator_trace.json").read_text())
+    assert trace["loads"] and {row[1] for row in trace["loads"]} == {0, 1}
+    assert all(len(g) == 4 for g in trace["group_lengths"])
