@@ -274,7 +274,8 @@ def run(config: ml_collections.ConfigDict) -> int:
         if strategy is not None:
             coordinator = workers[0].coordinator
             result["coordination"] = {k: v for k, v in coordinator.stats().items() if k != "instances"}
-            (workdir / "coordinator_trace.json").write_text(json.dumps(coordinator.trace))
+            (workdir / "coordinator_trace.json").write_text(
+                json.dumps({k: list(v) for k, v in coordinator.trace.items()}))
     finally:
         for w in workers:
             w.stop(abort_in_flight=True)

@@ -83,7 +83,8 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.trace_every_s = trace_every_s
-        self.trace: dict[str, list] = {"loads": [], "group_lengths": [], "sync_s": []}
+        # Bounded: the newest samples of a long run.
+        self.trace = {k: collections.deque(maxlen=200_000) for k in ("loads", "group_lengths", "sync_s")}
         self._traced_at = -math.inf
         self.counts = collections.Counter({k: 0 for k in (
             "groups_finished", "groups_failed", "groups_surplus", "requests_submitted", "requests_migrated",
