@@ -170,6 +170,9 @@ class _Evaluator:
         self.engine.close()
 
 
+_COORDINATION_METRICS = ("requests_migrated", "requests_retried", "samples_redundant", "buffers_released")
+
+
 class _CoordinatedFleet:
     """A coordinator over all engines, with the face of one rollout worker per engine for the train loop
     (start, stop, idle seconds and syncs summed over instances)."""
@@ -348,6 +351,9 @@ def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledg
                            groups_aborted=float(counts["aborted"]), groups_failed=float(counts["failed"]),
                            groups_surplus=float(counts["surplus"]),
                            weight_syncs=float(sum(w.counts["syncs"] for w in workers)))
+            for w in workers:
+                if isinstance(w, _CoordinatedFleet):  # what the strategies did, cumulative
+                    metrics.update({k: float(w.coordinator.counts[k]) for k in _COORDINATION_METRICS})
             done = step + 1 == t.steps
             if (step + 1) % config.eval.every == 0 or done:
                 accuracy = evaluator()
