@@ -73,8 +73,8 @@ def _prompt_tokens(config) -> int:
     from jaxflow import sft
     from jaxflow.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_dir(sft.ensure_base_model(config))
-    records = sft.make_task(config).to_prompt_records(
-        sft.make_task(config).examples("train", 200, seed=1), tokenizer)
+    task = sft.make_task(config)
+    records = task.to_prompt_records(task.examples("train", 200, seed=1), tokenizer)
     return round(sum(len(r["prompt"]) for r in records) / len(records))
 
 
@@ -108,7 +108,8 @@ def calibrate(steps: int, workdir: pathlib.Path, warmup: int, max_running: int) 
     strategy = dataclasses.replace(Coordination.from_config(r.coordination), max_running=max_running)
     sim = simulate(scenario, strategy, eta=t.eta)
     error = abs(sim["tokens_per_s"] - measured) / measured
-    return {"max_running": max_running, "measured_tokens_per_s": measured, "simulated_tokens_per_s": sim["tokens_per_s"],
+    return {"max_running": max_running, "measured_tokens_per_s": measured,
+            "simulated_tokens_per_s": sim["tokens_per_s"],
             "calibration_error": error, "fitted": fitted, "steps": steps, "warmup_steps": warmup,
             "measured_trainer_idle_frac": metrics[last]["trainer_idle_frac"],
             "simulated_trainer_idle_frac": sim["trainer_idle_frac"],
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
     print(table(rows, etas))
     for e, r in out.get("ratios_64", {}).items():
         print(f"at 64 instances, eta {e}: jaxflow {r['jaxflow_vs_areal']:.2f}x areal, {r['jaxflow_vs_sync']:.2f}x "
-              f"sync; with release {r['jaxflow+release_vs_areal']:.2f}x areal, {r['jaxflow+release_vs_sync']:.2f}x sync")
+              f"sync; with release {r['jaxflow+release_vs_areal']:.2f}x areal, "
+              f"{r['jaxflow+release_vs_sync']:.2f}x sync")
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, etas, args.plot)
     out["wall_s"] = time.perf_counter() - started

@@ -19,10 +19,10 @@ with the weights being trained.
 
 Output in config.workdir: metrics.jsonl + TensorBoard + plots (`jaxflow.run_log`), orbax checkpoints
 (with the trajectory service's state), ledger.jsonl (the groups each step trained), export/ (the final
-policy as an HF model), result.json and, with a coordinator, coordinator_trace.json (engine loads, group
-lengths and weight-sync times: what benchmarks/simulate.py fits the simulator to). Ctrl-C stops after the step in progress and checkpoints (a
-second Ctrl-C stops at once); rerunning the same command resumes from the newest checkpoint, with no
-group lost or trained twice.
+policy as an HF model), result.json and, with a coordinator, coordinator_trace.json (engine loads,
+group lengths and weight-sync times: what benchmarks/simulate.py fits the simulator to). Ctrl-C stops
+after the step in progress and checkpoints (a second Ctrl-C stops at once); rerunning the same command
+resumes from the newest checkpoint, with no group lost or trained twice.
 """
 
 from __future__ import annotations
@@ -295,10 +295,11 @@ def run(config: ml_collections.ConfigDict) -> int:
         return 130
     stats = service.stats()
     ids = ledger.group_ids()
+    counts = stats["counts"]
     result["accounting"] = {
-        "created": stats["counts"]["created"], "consumed": stats["counts"]["consumed"],
-        "failed": stats["counts"]["failed"], "surplus": stats["counts"]["surplus"], "in_flight": sum(v for k, v in stats["groups"].items()
-                                                               if k not in ("consumed", "failed", "surplus")),
+        "created": counts["created"], "consumed": counts["consumed"], "failed": counts["failed"],
+        "surplus": counts["surplus"],
+        "in_flight": sum(v for k, v in stats["groups"].items() if k not in ("consumed", "failed", "surplus")),
         "ledger_groups": len(ids), "ledger_duplicates": len(ids) - len(set(ids))}
     hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True)
     (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -39,6 +39,7 @@ from jaxflow.prompt_source import PromptSource
 from jaxflow.rollout_types import FinishedGroup, GroupTask, Sample
 
 BATCH_RULES = ("full", "ready_with_capacity")
+_DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them are ignored
 
 
 class GroupState(str, enum.Enum):
@@ -282,6 +283,9 @@ class TrajectoryService:
         self._move(g, GroupState.SURPLUS)
         self._counts["surplus"] += 1
         self._dropped.add(g.group_id)
+        if len(self._dropped) > _DROPPED_KEPT:  # forget the oldest half: nobody still calls about them
+            cutoff = sorted(self._dropped)[_DROPPED_KEPT // 2]
+            self._dropped = {i for i in self._dropped if i >= cutoff}
         del self._groups[g.group_id]
 
     def _can_land(self, g: _Group) -> bool:

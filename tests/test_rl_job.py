@@ -253,9 +253,9 @@ def test_coordinated_two_engine_run_keeps_the_staleness_bound_and_the_accounting
     from jaxflow import rl_job
 
     strategy = {f"rollout.coordination.{k}": v for k, v in STRATEGY_MIXES[mix].items()}
-    config = small_config(tmp_path, base_dir, **{"trainer.steps": "6", "trainer.eta": "2", "rollout.coordinator": "true",
-                                                 "rollout.num_workers": "2", "trainer.batch_groups": "3",
-                                                 "rollout.coordination.max_running": "6", **strategy})
+    config = small_config(tmp_path, base_dir, **{
+        "trainer.steps": "6", "trainer.eta": "2", "rollout.coordinator": "true", "rollout.num_workers": "2",
+        "trainer.batch_groups": "3", "rollout.coordination.max_running": "6", **strategy})
     assert rl_job.run(config) == 0
     workdir = pathlib.Path(config.workdir)
     steps = [r for r in records(workdir) if "loss" in r]

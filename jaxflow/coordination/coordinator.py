@@ -278,8 +278,7 @@ class Coordinator:
         s = self.strategy
         if not s.migrate or len(self.instances) < 2:
             return
-        cost = s.cost
-        moves = migration.plan([i.load(cost) for i in self.instances], [i.slowness for i in self.instances],
+        moves = migration.plan([i.load for i in self.instances], [i.slowness for i in self.instances],
                                trigger=s.migrate_trigger, stop=s.migrate_stop, min_requests=s.migrate_min_requests,
                                room=[s.max_running - i.running for i in self.instances],
                                versions=[i.version for i in self.instances], max_moves=s.migrate_max_moves)

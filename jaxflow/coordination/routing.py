@@ -39,7 +39,8 @@ class Instance:
     def predicted_step_s(self, cost: CostModel, extra: int = 0) -> float:
         return self.slowness * cost.step_time(self.running + extra, self.kv_used)
 
-    def load(self, cost: CostModel) -> float:
+    @property
+    def load(self) -> float:
         """Requests weighted by how slow this instance runs them (used by migration)."""
         return self.running * self.slowness
 

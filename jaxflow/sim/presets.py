@@ -11,9 +11,13 @@ trace (see benchmarks/simulate.py), to check the simulator against the real thin
 
 from __future__ import annotations
 
+import statistics
+
+import numpy as np
+
 from jaxflow.sim.fleet import InstanceSpec
 from jaxflow.sim.loop import Scenario, TrainerModel
-from jaxflow.sim.workload import reasoning_lengths
+from jaxflow.sim.workload import LengthModel, reasoning_lengths
 
 GROUP_SIZE = 16
 GROUPS_PER_INSTANCE = 4
@@ -30,7 +34,6 @@ def reasoning(instances: int, *, steps: int = 12, seed: int = 0, tick_s: float =
 
 def fit_linear(xs: list[list[float]], ys: list[float]) -> list[float]:
     """Least-squares coefficients (non-negative, by clipping and refitting) of y = sum_k c_k x_k."""
-    import numpy as np
     a, y = np.asarray(xs, float), np.asarray(ys, float)
     keep = list(range(a.shape[1]))
     while True:
@@ -57,10 +60,6 @@ def from_trace(trace: dict, metrics: list[dict], *, instances: int, max_running:
     - response lengths: the observed groups, resampled (`LengthModel.empirical`, 1-token blocks).
 
     Returns the scenario and the fitted figures."""
-    import statistics
-
-    from jaxflow.sim.workload import LengthModel
-
     rows = [r for r in trace["loads"] if r[2] > 0 and r[5] > 0]
     if len(rows) < 10:
         raise ValueError(f"the trace holds {len(rows)} load samples with requests running; need >= 10")
