@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/simulate.py [--quick] [--json PATH] [--plot PATH] [--eta 4,1]
 
---quick: 8 train steps per simulated run instead of 16, 20-step calibration runs instead of 60, and
+--quick: 10 train steps per simulated run instead of 16, 20-step calibration runs instead of 60, and
 eta 4 only.
 
 Two parts, one run:
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     etas = [int(x) for x in (args.eta or ("4" if args.quick else "4,1")).split(",")]
     sizes = [int(x) for x in args.sizes.split(",")]
-    steps = 8 if args.quick else 16
+    steps = 10 if args.quick else 16
     out: dict = {"quick": args.quick, "etas": etas, "sizes": sizes, "steps": steps,
                  "lengths": describe(reasoning(8).lengths)}
     started = time.perf_counter()

@@ -7,9 +7,10 @@ then the fleet advances to the next tick (or to the end of the train step, which
 a train step ends the trainer publishes the next version (service first, then the parameters), as the
 real trainer does.
 
-Figures: trained tokens/s in steady state (after `warmup_steps`, so that filling the pipeline does not
-count), the trainer's idle fraction, the fleet's decode/stall/idle fractions, and the staleness of
-every consumed group (v - v_start) and token block (v - the version that generated it).
+Figures: trained tokens/s in steady state (after max(`warmup_steps`, eta + 1) steps: the first eta + 1
+buffers are filled by the opening burst of admissions, which is not the steady state), the trainer's
+idle fraction, the fleet's decode/stall/idle fractions, and the staleness of every consumed group
+(v - v_start) and token block (v - the version that generated it).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def simulate(scenario: Scenario, strategy: Coordination, *, eta: int, seed: int 
         if time.perf_counter() - wall0 > max_wall_s:
             raise TimeoutError(f"{sc.name}: simulation ran past {max_wall_s}s of wall time at step "
                                f"{len(step_ends)} of {sc.steps}")
-    w = min(sc.warmup_steps, sc.steps - 1)
+    w = min(max(sc.warmup_steps, eta + 1), sc.steps - 1)
     span = step_ends[-1] - (step_ends[w - 1] if w > 0 else 0.0)
     steady_tokens = sum(step_tokens[w:])
     total = fleet.now
