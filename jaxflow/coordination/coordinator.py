@@ -49,7 +49,6 @@ RewardFn = Callable[[GroupTask, list[Sample]], list[float]]
 @dataclasses.dataclass
 class _Group:
     task: GroupTask
-    launched: int  # samples launched (N' >= N)
     started: float
     finished: list[Sample] = dataclasses.field(default_factory=list)
     live: dict[int, str] = dataclasses.field(default_factory=dict)  # sample -> request id on an instance
@@ -97,8 +96,8 @@ class Coordinator:
 
     def _register(self, task: GroupTask) -> None:
         n = task.n
-        launched = n + self.strategy.extra_samples
-        g = _Group(task, launched, self.clock())
+        launched = n + self.strategy.extra_samples  # N' >= N
+        g = _Group(task, self.clock())
         self._groups[task.group_id] = g
         partial = task.partial or [None] * n
         for i in range(launched):
@@ -360,12 +359,10 @@ class Coordinator:
         return self
 
     def _release_all(self, reason: str) -> None:
+        """After a failure: stops and forgets every group (requests and queue entries), and hands them
+        back to the service, which requeues them."""
         for gid in list(self._groups):
             self._drop_group(gid)
-        self.queue = RequestQueue(self.strategy.queue)
-        self._where.clear()
-        for i in self.instances:
-            i.requests.clear()
         self.trajectories.release_worker(self.name, reason)
 
     def stop(self) -> None:
