@@ -4,7 +4,8 @@
 
 Each eta is a separate `python -m jaxflow.main` run of the RL job (eta = 0 is the synchronous baseline
 through the same code), in a fresh workdir, sharing one base model. From each run's metrics.jsonl and
-result.json it reports: effective throughput (trained tokens per second of the training loop), time
+result.json it reports: effective throughput (trained tokens per second of the training loop, less the
+time the loop spent on held-out evals, which every eta pays alike and which is not training), time
 to a reward target (the first step where the train reward, averaged over the last `--window` steps,
 reaches it: the first batches of an async run lean to the short problems that finish first, so a
 short window fires early), final held-out accuracy, the idle fractions of trainer and rollout, and
@@ -50,8 +51,10 @@ def run_one(eta: int, steps: int, workdir: pathlib.Path, overrides: dict) -> dic
         for k, n in r.get("staleness", {}).items():
             staleness[k] = staleness.get(k, 0) + n
     tokens = sum(r["trained_tokens"] for r in steps_)
-    return {"eta": eta, "steps": len(steps_), "wall_s": result["wall_s"], "process_s": time.monotonic() - start,
-            "trained_tokens": tokens, "trained_tokens_per_s": tokens / result["wall_s"],
+    train_s = result["wall_s"] - result.get("eval_s", 0.0)
+    return {"eta": eta, "steps": len(steps_), "wall_s": result["wall_s"], "eval_s": result.get("eval_s", 0.0),
+            "train_s": train_s, "process_s": time.monotonic() - start,
+            "trained_tokens": tokens, "trained_tokens_per_s": tokens / train_s,
             "final_accuracy": result["final_accuracy"], "base_accuracy": result["base_accuracy"],
             "trainer_idle_frac": steps_[-1]["trainer_idle_frac"],
             "rollout_idle_frac": steps_[-1]["rollout_idle_frac"],
@@ -106,14 +109,14 @@ def main() -> None:
         r["time_to_target_s"] = time_to_target(r["curve"], args.reward_target, window)
     print(f"\nasync vs sync, {steps} steps each ({'quick' if args.quick else 'full'}), reward target "
           f"{args.reward_target} ({window}-step mean)")
-    print(f"{'eta':>4} {'tok/s':>9} {'loop s':>8} {'to target s':>12} {'final acc':>10} {'idle train':>11} "
+    print(f"{'eta':>4} {'tok/s':>9} {'loop s':>8} {'evals s':>8} {'to target s':>12} {'final acc':>10} {'idle train':>11} "
           f"{'idle roll':>10}  staleness (fraction of tokens)")
     for r in runs:
         hist = r["staleness_histogram"]
         total = max(sum(hist.values()), 1)
         target = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
         acc = "-" if r["final_accuracy"] is None else f"{r['final_accuracy']:.1%}"
-        print(f"{r['eta']:>4} {r['trained_tokens_per_s']:>9.0f} {r['wall_s']:>8.0f} {target:>12} {acc:>10} "
+        print(f"{r['eta']:>4} {r['trained_tokens_per_s']:>9.0f} {r['wall_s']:>8.0f} {r['eval_s']:>8.0f} {target:>12} {acc:>10} "
               f"{r['trainer_idle_frac']:>11.0%} {r['rollout_idle_frac']:>10.0%}  "
               + " ".join(f"{k}:{n / total:.0%}" for k, n in hist.items()))
     by_eta = {r["eta"]: r for r in runs}

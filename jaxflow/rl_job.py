@@ -319,6 +319,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledg
         w.start()
     out: dict[str, Any] = {}
     loop_start, waited, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0, 0.0
+    eval_s = 0.0  # held-out evals inside the loop (the trainer waits on them; rollouts go on)
     accuracy = None
 
     saved = [start_step]
@@ -357,8 +358,11 @@ def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledg
                     metrics.update({k: float(w.coordinator.counts[k]) for k in _COORDINATION_METRICS})
             done = step + 1 == t.steps
             if (step + 1) % config.eval.every == 0 or done:
+                eval_from = time.monotonic()
                 accuracy = evaluator()
                 metrics["eval_accuracy"] = accuracy
+                metrics["eval_s"] = time.monotonic() - eval_from
+                eval_s += metrics["eval_s"]
             run_log.log_step(step, metrics, staleness=staleness)
             if (step + 1) % config.checkpoint.every == 0 or done or stop.requested:
                 save()
@@ -369,4 +373,5 @@ def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledg
     out["interrupted"] = trainer.version < t.steps
     out["final_accuracy"] = accuracy
     out["wall_s"] = time.monotonic() - loop_start
+    out["eval_s"] = eval_s
     return out

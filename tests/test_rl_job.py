@@ -143,6 +143,10 @@ def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
     a = result["accounting"]
     assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"]
     assert a["consumed"] == a["ledger_groups"] == 4 * 2 and a["ledger_duplicates"] == 0
+    # eval.every=2: evals after steps 1 and 3, each timed; their sum is in the result, inside wall_s.
+    evals = [r["eval_s"] for r in steps if "eval_s" in r]
+    assert [r["step"] for r in steps if "eval_s" in r] == [1, 3] and min(evals) > 0
+    assert result["eval_s"] == pytest.approx(sum(evals), rel=1e-3) and result["eval_s"] < result["wall_s"]
     assert load_model(workdir / "export").config.num_layers == 2
     assert (workdir / "plots" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert list((workdir / "tensorboard").iterdir())
