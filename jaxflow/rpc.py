@@ -11,6 +11,9 @@ object, so callers and tests do not care which placement they got:
 Messages use `jaxflow.wire` (msgpack plus raw tensor bytes); nothing received is unpickled. Arguments and
 results must be wire-encodable; tuples arrive as lists.
 
+How exceptions cross the wire is in `jaxflow.rpc_errors` (its `RemoteError` and `register_remote_error` are
+re-exported here); serving an object from a process of its own is in `jaxflow.rpc_process`.
+
 Protocol, one frame per message:
 
 - A connection may open with a handshake {"token": str | None}; the server answers
@@ -28,150 +31,30 @@ be thread-safe, as it must be when embedded in a multi-threaded process.
 
 from __future__ import annotations
 
-import atexit
 import hmac
-import importlib
 import ipaddress
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.util  # registers its exit handler before ours: see _stop_children
-import os
 import select
-import signal
 import socket
 import threading
-import traceback
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 from jaxflow import wire
+from jaxflow.rpc_errors import (
+    RemoteError,
+    error_payload,
+    exception_from_payload,
+    register_remote_error,
+)
+
+__all__ = ["Client", "RemoteError", "Server", "check_bind", "is_loopback", "register_remote_error"]
 
 logger = logging.getLogger(__name__)
 
 # The handshake is tiny; before a connection has authenticated it may not make the server buffer more.
 _HANDSHAKE_MAX_BYTES = 1 << 16
-_TRACEBACK_CHARS = 8000
-
-# Builtin exceptions re-raised on the client as themselves. ConnectionError is left out on purpose: on the
-# client it means the transport failed, and a remote one must not be mistaken for that.
-_BUILTIN_ERRORS: dict[str, type[BaseException]] = {
-    cls.__name__: cls
-    for cls in (ValueError, KeyError, TypeError, TimeoutError, RuntimeError, IndexError, FileNotFoundError,
-                PermissionError, LookupError, AttributeError, NotImplementedError, AssertionError)
-}
-_REGISTERED_ERRORS: dict[str, type[BaseException]] = {}
-
-
-class RemoteError(RuntimeError):
-    """An exception raised by the served object whose type the client does not know.
-
-    remote_type: the remote exception's type ("module.QualName"). remote_message: its message.
-    remote_traceback: the server-side traceback, as text.
-    """
-
-    def __init__(self, remote_type: str, message: str):
-        super().__init__(f"{remote_type}: {message}")
-        self.remote_type = remote_type
-        self.remote_message = message
-
-
-def _type_name(cls: type) -> str:
-    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-
-
-def register_remote_error(cls: type[BaseException]) -> type[BaseException]:
-    """Lets the client re-raise exceptions of type `cls` as `cls` (usable as a decorator).
-
-    The exception is rebuilt without calling `__init__`: its `args` and wire-encodable attributes are
-    copied from the remote one, so `str()` and attributes match. Both ends must import the class.
-    """
-    if not (isinstance(cls, type) and issubclass(cls, BaseException)):
-        raise TypeError(f"register_remote_error: {cls!r} is not an exception class")
-    _REGISTERED_ERRORS[_type_name(cls)] = cls
-    return cls
-
-
-register_remote_error(wire.WireError)
-register_remote_error(wire.FrameTooLarge)
-
-
-def _is_encodable(value: Any) -> bool:
-    try:
-        wire.encode_parts(value)
-    except wire.WireError:
-        return False
-    return True
-
-
-def _error_payload(exc: BaseException) -> dict[str, Any]:
-    """An exception as the wire carries it."""
-    cls = type(exc)
-    args = list(exc.args)
-    if isinstance(exc, KeyError) and len(args) == 1 and isinstance(args[0], str):
-        message = args[0]  # str(KeyError) quotes its argument; the message is the text itself
-    else:
-        message = str(exc)
-    if not _is_encodable(args):
-        args = [message]
-    attrs = {k: v for k, v in vars(exc).items() if not k.startswith("__") and _is_encodable(v)}
-    if isinstance(exc, OSError):
-        attrs.update({k: getattr(exc, k) for k in ("filename", "filename2")
-                      if getattr(exc, k) is not None and _is_encodable(getattr(exc, k))})
-    return {
-        "type": _type_name(cls),
-        "message": message,
-        "args": args,
-        "mro": [_type_name(c) for c in cls.__mro__ if issubclass(c, BaseException)],
-        "attrs": attrs,
-        "traceback": "".join(traceback.format_exception(exc))[-_TRACEBACK_CHARS:],
-    }
-
-
-def _known_error(name: Any) -> type[BaseException] | None:
-    if not isinstance(name, str):
-        return None
-    return _BUILTIN_ERRORS.get(name) or _REGISTERED_ERRORS.get(name)
-
-
-def _exception_from_payload(error: Any) -> BaseException:
-    """Rebuilds the exception described by an error payload, by the rules in the `Client` docstring."""
-    if not isinstance(error, dict):
-        return RemoteError("unknown", f"malformed error payload {error!r}")
-    remote_type = str(error.get("type", "unknown"))
-    message = str(error.get("message", ""))
-    args = error.get("args") if isinstance(error.get("args"), list) else [message]
-    attrs = error.get("attrs") if isinstance(error.get("attrs"), dict) else {}
-    cls = _known_error(remote_type)
-    exc: BaseException
-    if cls is not None and cls.__module__ == "builtins":
-        try:
-            exc = cls(*args)
-        except Exception:
-            exc = cls(message)
-    elif cls is not None:
-        # Not cls(*args): a subclass's __init__ often takes other parameters than the args it passes up.
-        try:
-            exc = cls.__new__(cls, *args)
-        except Exception:
-            exc = cls.__new__(cls)
-        exc.args = tuple(args)
-    else:
-        # An unknown subclass of a known type (a service's ValueError subclass): raise the nearest known
-        # base so `except ValueError` works as it does against the embedded object.
-        mro = error.get("mro") if isinstance(error.get("mro"), list) else []
-        base = next((b for b in map(_known_error, mro[1:]) if b is not None), None)
-        exc = base(f"{remote_type}: {message}") if base is not None else RemoteError(remote_type, message)
-        attrs = {}
-    for key, value in attrs.items():
-        try:
-            setattr(exc, str(key), value)
-        except (AttributeError, TypeError):
-            pass
-    exc.remote_type = remote_type
-    exc.remote_traceback = str(error.get("traceback", ""))
-    return exc
 
 
 def is_loopback(host: str) -> bool:
@@ -184,7 +67,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _check_bind(host: str, token: str | None) -> None:
+def check_bind(host: str, token: str | None) -> None:
+    """Raises ValueError for a malformed token, or for a non-loopback `host` without a token."""
     if token is not None and (not isinstance(token, str) or not token):
         raise ValueError("token must be a non-empty string or None")
     if token is None and not is_loopback(host):
@@ -199,7 +83,7 @@ def _set_nodelay(sock: socket.socket) -> None:
 
 
 def _error_response(req_id: Any, exc: BaseException) -> dict[str, Any]:
-    return {"id": req_id, "ok": False, "error": _error_payload(exc)}
+    return {"id": req_id, "ok": False, "error": error_payload(exc)}
 
 
 class Server:
@@ -214,7 +98,7 @@ class Server:
                  token: str | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
         if isinstance(methods, str):
             raise TypeError("methods must be an iterable of method names, not a string")
-        _check_bind(host, token)
+        check_bind(host, token)
         self._methods: dict[str, Any] = {}
         for name in methods:
             if not isinstance(name, str) or not name or name.startswith("_"):
@@ -468,7 +352,7 @@ class Client:
             self._release(conn)
         if response.get("ok"):
             return response.get("result")
-        raise _exception_from_payload(response.get("error"))
+        raise exception_from_payload(response.get("error"))
 
     def close(self) -> None:
         """Closes idle connections; connections in use close when their call returns."""
@@ -512,7 +396,7 @@ class Client:
             reply = wire.recv_message(conn, self._max_frame_bytes)
             if not (isinstance(reply, dict) and reply.get("ok") and isinstance(reply.get("methods"), list)):
                 if isinstance(reply, dict) and "error" in reply:
-                    raise _exception_from_payload(reply["error"])
+                    raise exception_from_payload(reply["error"])
                 raise ConnectionError(f"rpc: unexpected handshake reply from {self._address}")
         except BaseException:
             conn.close()
@@ -555,122 +439,3 @@ def _looks_closed(conn: socket.socket) -> bool:
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
-
-
-# --- a server in its own process ---------------------------------------------------------------------
-
-_children: weakref.WeakSet = weakref.WeakSet()
-
-
-def _resolve_factory(factory: str) -> Any:
-    module_name, sep, attr_path = factory.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ValueError(f"factory {factory!r} must look like 'package.module:callable'")
-    target = importlib.import_module(module_name)
-    for attr in attr_path.split("."):
-        target = getattr(target, attr)
-    return target
-
-
-def _subprocess_main(factory: str, kwargs_message: bytes, methods: list[str], token: str | None,
-                     host: str, max_frame_bytes: int, report) -> None:
-    """The server process: builds the object, serves it, reports its address, waits for SIGTERM."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    parent = os.getppid()
-    try:
-        obj = _resolve_factory(factory)(**wire.decode(kwargs_message))
-        server = Server(obj, methods, host=host, token=token, max_frame_bytes=max_frame_bytes).start()
-    except BaseException as exc:
-        report.send_bytes(wire.encode({"ok": False, "error": _error_payload(exc)}))
-        report.close()
-        raise SystemExit(1)
-    report.send_bytes(wire.encode({"ok": True, "address": list(server.address)}))
-    report.close()
-    try:
-        # Also stop when the parent is gone, so a crashed trainer leaves no orphan servers.
-        while not stop.wait(0.5) and os.getppid() == parent:
-            pass
-    finally:
-        server.close()
-        close = getattr(obj, "close", None)
-        if callable(close):
-            close()
-
-
-def serve_in_subprocess(factory: str, kwargs: dict[str, Any], methods: Iterable[str], *,
-                        token: str | None = None, host: str = "127.0.0.1", start_timeout: float = 60,
-                        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES
-                        ) -> tuple[multiprocessing.process.BaseProcess, tuple[str, int]]:
-    """Serves `factory(**kwargs)` from a new Python process ("spawn", so no state is inherited).
-
-    factory: "package.module:callable", importable in the child. kwargs: wire-encodable, passed encoded.
-    Returns (process, (host, port)) once the server listens. If the factory or the server fails, raises
-    that error (mapped like a remote call's) with the child's traceback in `remote_traceback`; if the child
-    reports nothing within `start_timeout` seconds, TimeoutError. Stop it with `stop_subprocess`, which
-    closes the server and then calls the object's `close()` if it has one. Processes still running at
-    interpreter exit are stopped, and a server whose parent died stops by itself.
-
-    As with any "spawn" multiprocessing, a script calling this must guard its main code with
-    `if __name__ == "__main__":`.
-    """
-    if isinstance(methods, str):
-        raise TypeError("methods must be an iterable of method names, not a string")
-    _check_bind(host, token)
-    kwargs_message = wire.encode(dict(kwargs))
-    ctx = multiprocessing.get_context("spawn")
-    # duplex=False is a pipe, not a socket; the child's report is read as raw bytes and decoded by wire.
-    reader, writer = ctx.Pipe(duplex=False)
-    process = ctx.Process(
-        target=_subprocess_main, name=f"jaxflow-rpc:{factory}",
-        args=(factory, kwargs_message, list(methods), token, host, max_frame_bytes, writer))
-    process.start()
-    writer.close()  # the child holds the only write end now, so its death reads as EOF
-    try:
-        if not reader.poll(start_timeout):
-            stop_subprocess(process)
-            raise TimeoutError(f"the server for {factory} did not start within {start_timeout} s")
-        try:
-            report = wire.decode(reader.recv_bytes(1 << 20))
-        except EOFError:
-            process.join(5)
-            raise RuntimeError(f"the server process for {factory} exited with code {process.exitcode} "
-                               f"before reporting its address") from None
-    finally:
-        reader.close()
-    if not isinstance(report, dict) or not report.get("ok"):
-        process.join(5)
-        stop_subprocess(process)
-        exc = _exception_from_payload(report.get("error"))
-        exc.add_note(f"raised while starting the server process for {factory}")
-        raise exc
-    _children.add(process)
-    host_port = report["address"]
-    return process, (host_port[0], int(host_port[1]))
-
-
-def stop_subprocess(process: multiprocessing.process.BaseProcess, timeout: float = 10) -> int | None:
-    """Stops a process from `serve_in_subprocess` (SIGTERM, then SIGKILL after `timeout` s); returns its
-    exit code."""
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout)
-        if process.is_alive():
-            logger.warning("rpc: server process %s ignored SIGTERM; killing it", process.name)
-            process.kill()
-            process.join(timeout)
-    else:
-        process.join(0)
-    _children.discard(process)
-    return process.exitcode
-
-
-@atexit.register
-def _stop_children() -> None:
-    # atexit runs handlers last-registered first, and multiprocessing.util (imported above) registered its
-    # own already; so this runs before that one, which would otherwise wait forever for the server
-    # processes (not daemons: a daemon process may not start processes of its own).
-    for process in list(_children):
-        stop_subprocess(process)

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxflow import rpc, wire
+from jaxflow import rpc, rpc_process, wire
 from jaxflow.param_client import ParameterClient, attach_shared
 from jaxflow.param_service import ALIGNMENT, DTYPES, RPC_METHODS, ParameterService, UnknownVersionError
 
@@ -604,7 +604,7 @@ def test_client_over_loopback_rpc():
 
 
 def test_client_attaches_to_a_server_process_shared_memory():
-    process, address = rpc.serve_in_subprocess(
+    process, address = rpc_process.serve_in_subprocess(
         "jaxflow.param_service:ParameterService", {"keep": 2, "shared_memory": True}, RPC_METHODS)
     try:
         rpc_client = rpc.Client(address, timeout=60)
@@ -618,7 +618,7 @@ def test_client_attaches_to_a_server_process_shared_memory():
         segment = client.manifest(1)["segment"]
         rpc_client.close()
     finally:
-        rpc.stop_subprocess(process)
+        rpc_process.stop_subprocess(process)
     assert not os.path.exists(f"/dev/shm/{segment}")  # the server's close() unlinked it
     _assert_same(pulled, tensors)  # and our mapping is still good
 
