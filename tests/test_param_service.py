@@ -1,7 +1,9 @@
-"""ParameterService: exact round trips, commit-time visibility, eviction, rejected inputs that change nothing,
-shared memory across processes, and ParameterClient over a wire loopback and over real RPC."""
+"""ParameterService in process: exact round trips, commit-time visibility, eviction, rejected inputs that
+change nothing, waiting, shared memory across processes, and a sharded policy's tensors.
 
-import collections
+ParameterClient against the service (over a wire loopback and over real RPC) is in
+test_param_service_client.py."""
+
 import os
 import pathlib
 import subprocess
@@ -13,37 +15,11 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from param_helpers import SHM, W, WireLoopback, assert_same, sample_tensors
 
-from jaxflow import rpc, rpc_process, wire
+from jaxflow import wire
 from jaxflow.param_client import ParameterClient, attach_shared
-from jaxflow.param_service import ALIGNMENT, DTYPES, RPC_METHODS, ParameterService, UnknownVersionError
-
-SHM = ["private", "shm"]
-
-
-def _random(dtype: np.dtype, shape, rng: np.random.Generator) -> np.ndarray:
-    """Arbitrary bit patterns (NaNs and infinities included for floats) of `dtype`."""
-    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
-    if dtype == np.bool_:
-        raw = raw & 1
-    return raw.view(dtype).reshape(shape)
-
-
-def _tensors(seed: int = 0) -> dict[str, np.ndarray]:
-    """One tensor of every supported dtype, plus a 0-d, an empty and an odd-sized one."""
-    rng = np.random.default_rng(seed)
-    out = {f"model.{name}.weight": _random(dtype, (3, 5, 7), rng) for name, dtype in DTYPES.items()}
-    out["scalar"] = _random(np.dtype(np.float32), (), rng)
-    out["empty"] = np.zeros((0, 4), ml_dtypes.bfloat16)
-    out["odd"] = _random(np.dtype(np.uint8), (13,), rng)
-    return out
-
-
-def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
-    assert list(got) == list(want)
-    for name, arr in want.items():
-        assert got[name].dtype == arr.dtype and got[name].shape == arr.shape, name
-        assert got[name].tobytes() == np.ascontiguousarray(arr).tobytes(), name
+from jaxflow.param_service import ALIGNMENT, ParameterService, UnknownVersionError
 
 
 def _segment_files(prefix: str) -> list[str]:
@@ -60,11 +36,11 @@ def service(request):
 # --- round trips --------------------------------------------------------------------------------------------
 
 def test_publish_pull_is_bit_identical_for_every_dtype(service):
-    tensors = _tensors()
+    tensors = sample_tensors()
     service.publish(0, tensors)
     version, pulled = service.pull()
     assert version == 0 and service.latest() == 0 and service.versions() == [0]
-    _assert_same(pulled, tensors)
+    assert_same(pulled, tensors)
     for arr in pulled.values():
         assert not arr.flags.writeable
         assert arr.ctypes.data % ALIGNMENT == 0
@@ -89,11 +65,11 @@ def test_publish_copies_the_input_once_and_accepts_any_layout(service):
                 for name, arr in tensors.items()}
     service.publish(3, list(tensors.items()))
     base[:] = -1  # the trainer reuses its buffers at once
-    _assert_same(service.pull(3)[1], expected)
+    assert_same(service.pull(3)[1], expected)
 
 
 def test_streamed_chunked_publish_equals_one_shot(service):
-    tensors = _tensors(1)
+    tensors = sample_tensors(1)
     service.publish(0, tensors)
     manifest = service.manifest(0)
     # A manifest() entry is a valid begin() entry (extra keys ignored).
@@ -113,7 +89,7 @@ def test_streamed_chunked_publish_equals_one_shot(service):
         service.put(1, name, kinds[i % len(kinds)](data), offset)
     assert service.latest() == 0
     service.commit(1)
-    _assert_same(service.pull(1)[1], service.pull(0)[1])
+    assert_same(service.pull(1)[1], service.pull(0)[1])
     assert {k: v for k, v in service.manifest(1).items() if k != "version" and k != "segment"} == \
            {k: v for k, v in manifest.items() if k != "version" and k != "segment"}
 
@@ -126,19 +102,19 @@ def test_hf_tensors_of_a_tiny_model_round_trip(tmp_path):
     model = hf_io.load_model(tiny.write_tiny_model(tmp_path / "tiny"))
     with ParameterService(keep=1) as svc:
         svc.publish(1, hf_io.iter_hf_tensors(model))
-        _assert_same(svc.pull(1)[1], dict(hf_io.iter_hf_tensors(model)))
+        assert_same(svc.pull(1)[1], dict(hf_io.iter_hf_tensors(model)))
         # bf16 through the chunked client path, in small chunks.
         client = ParameterClient(WireLoopback(svc), chunk_bytes=1000)
         client.publish(2, hf_io.iter_hf_tensors(model, dtype=jnp.bfloat16))
         want = dict(hf_io.iter_hf_tensors(model, dtype=jnp.bfloat16))
-        _assert_same(client.pull(2)[1], want)
+        assert_same(client.pull(2)[1], want)
         assert {a.dtype.name for a in want.values()} == {"bfloat16"}
 
 
 # --- visibility ---------------------------------------------------------------------------------------------
 
 def test_a_version_is_invisible_until_committed(service):
-    tensors = _tensors()
+    tensors = sample_tensors()
     service.begin(0, {n: {"dtype": a.dtype.name, "shape": list(a.shape)} for n, a in tensors.items()})
     for name, arr in tensors.items():
         service.put(0, name, arr)
@@ -151,7 +127,7 @@ def test_a_version_is_invisible_until_committed(service):
         service.wait_for_version(0, timeout=0.01)
     service.commit(0)
     assert service.latest() == 0
-    _assert_same(service.pull(0)[1], tensors)
+    assert_same(service.pull(0)[1], tensors)
 
 
 def test_a_polling_reader_never_sees_an_uncommitted_version():
@@ -205,20 +181,20 @@ def test_a_polling_reader_never_sees_an_uncommitted_version():
 # --- eviction -----------------------------------------------------------------------------------------------
 
 def test_keeps_the_newest_versions_and_pulled_arrays_stay_valid(service):
-    first = _tensors(0)
+    first = sample_tensors(0)
     service.publish(0, first)
     _, held = service.pull(0)
     held_read = service.read(0, "odd", 0, 13)
     for v in range(1, 6):
-        service.publish(v, _tensors(v))
+        service.publish(v, sample_tensors(v))
     assert service.versions() == [4, 5] and service.latest() == 5
     for gone in (0, 3):
         with pytest.raises(UnknownVersionError, match=f"version {gone} is not published"):
             service.pull(gone)
     # Buffers of evicted versions are reused, but never one a pulled array still views.
-    _assert_same(held, first)
+    assert_same(held, first)
     assert held_read.tobytes() == first["odd"].tobytes()
-    _assert_same(service.pull(5)[1], _tensors(5))
+    assert_same(service.pull(5)[1], sample_tensors(5))
 
 
 def test_an_evicted_buffer_nobody_views_is_reused():
@@ -237,30 +213,29 @@ def test_an_evicted_buffer_nobody_views_is_reused():
 
 def test_shared_segments_are_unlinked_on_eviction_and_close():
     svc = ParameterService(keep=1, shared_memory=True)
-    svc.publish(0, _tensors(0))
+    svc.publish(0, sample_tensors(0))
     manifest = svc.manifest(0)
     prefix = manifest["segment"].rsplit("_", 1)[0] + "_"
     attached = attach_shared(manifest)
-    _assert_same(attached, _tensors(0))
+    assert_same(attached, sample_tensors(0))
     assert not any(a.flags.writeable for a in attached.values())
-    svc.publish(1, _tensors(1))
+    svc.publish(1, sample_tensors(1))
     deadline = time.monotonic() + 5
     while os.path.exists(f"/dev/shm/{manifest['segment']}") and time.monotonic() < deadline:
         time.sleep(0.01)  # evicted segments are unlinked on a background thread
     with pytest.raises(FileNotFoundError):
         attach_shared(manifest)
-    _assert_same(attached, _tensors(0))  # an existing mapping outlives the name
+    assert_same(attached, sample_tensors(0))  # an existing mapping outlives the name
     _, pulled = svc.pull(1)
     svc.close()
     assert _segment_files(prefix) == []
-    _assert_same(pulled, _tensors(1))
+    assert_same(pulled, sample_tensors(1))
     with pytest.raises(RuntimeError, match="closed"):
         svc.latest()
 
 
 # --- rejected inputs ----------------------------------------------------------------------------------------
 
-W = np.arange(12, dtype=np.float32).reshape(3, 4)
 MANIFEST = {"w": {"dtype": "float32", "shape": [3, 4]}, "b": {"dtype": "bfloat16", "shape": [2]}}
 
 BAD_CALLS = {
@@ -331,7 +306,7 @@ def test_every_rejected_call_leaves_the_service_unchanged(shm):
     svc.commit(6)
     svc.publish(7, {"w": W})
     assert svc.versions() == [6, 7]
-    _assert_same(svc.pull(6)[1], {"w": W, "b": np.array([1.5, -2], ml_dtypes.bfloat16)})
+    assert_same(svc.pull(6)[1], {"w": W, "b": np.array([1.5, -2], ml_dtypes.bfloat16)})
     svc.close()
 
 
@@ -362,7 +337,7 @@ def test_abort_and_stale_commit():
             svc.commit(2)
         assert svc.abort_publish(2) is False  # already dropped
         assert svc.versions() == [3]
-        _assert_same(svc.pull()[1], {"w": W + 3})
+        assert_same(svc.pull()[1], {"w": W + 3})
 
 
 # --- waiting ------------------------------------------------------------------------------------------------
@@ -466,162 +441,7 @@ def test_a_reader_process_attaches_without_resource_tracker_trouble(tmp_path):
     assert done.stderr == "", done.stderr
 
 
-# --- ParameterClient ----------------------------------------------------------------------------------------
-
-class WireLoopback:
-    """Stands in for a jaxflow.rpc.Client: arguments and results cross jaxflow.wire encoding, and the calls
-    of each method are counted."""
-
-    def __init__(self, service, on_call=None):
-        self.service = service
-        self.counts = collections.Counter()
-        self.on_call = on_call
-
-    def call(self, method, *args, **kwargs):
-        assert method in RPC_METHODS, method
-        self.counts[method] += 1
-        if self.on_call is not None:
-            self.on_call(method, args)
-        args, kwargs = wire.decode(wire.encode([list(args), kwargs]))
-        return wire.decode(wire.encode(getattr(self.service, method)(*args, **kwargs)))
-
-
-@pytest.mark.parametrize("mode", ["shm_attach", "shm_service_streamed", "private_streamed"])
-def test_client_pull_attaches_or_streams(mode):
-    with ParameterService(keep=2, shared_memory=mode != "private_streamed") as svc:
-        tensors = _tensors(2)
-        svc.publish(4, tensors)
-        rpc_client = WireLoopback(svc)
-        client = ParameterClient(rpc_client, chunk_bytes=300, shared_memory=mode == "shm_attach")
-        assert client.latest() == 4 and client.versions() == [4]
-        version, pulled = client.pull()
-        assert version == 4
-        _assert_same(pulled, tensors)
-        assert not any(a.flags.writeable for a in pulled.values())
-        total = svc.manifest(4)["total_bytes"]
-        expected_reads = 0 if mode == "shm_attach" else -(-total // 300)
-        assert rpc_client.counts["read"] == expected_reads
-
-
-def test_client_streams_when_the_segment_is_not_reachable():
-    class OtherHost(WireLoopback):
-        def call(self, method, *args, **kwargs):
-            result = super().call(method, *args, **kwargs)
-            if method == "manifest":
-                result["segment"] = "jxf_no_such_segment_here"
-            return result
-
-    with ParameterService(shared_memory=True) as svc:
-        svc.publish(0, _tensors(3))
-        rpc_client = OtherHost(svc)
-        _assert_same(ParameterClient(rpc_client).pull(0)[1], _tensors(3))
-        assert rpc_client.counts["read"] == 1
-
-
-def test_client_pull_of_latest_restarts_when_the_version_is_evicted_mid_stream():
-    svc = ParameterService(keep=1)
-    svc.publish(0, {"w": np.zeros(1000, np.float32)})
-
-    def publish_during_first_read(method, args):
-        if method == "read" and svc.latest() == 0:
-            svc.publish(1, {"w": np.ones(1000, np.float32)})
-
-    client = ParameterClient(WireLoopback(svc, publish_during_first_read), chunk_bytes=1024)
-    version, pulled = client.pull()
-    assert version == 1 and (pulled["w"] == 1).all()
-    with pytest.raises(UnknownVersionError):
-        client.pull(0)  # an explicit version is never swapped for another
-    svc.close()
-
-
-@pytest.mark.parametrize("shm", SHM)
-def test_client_publish_in_chunks(shm):
-    with ParameterService(shared_memory=shm == "shm") as svc:
-        tensors = _tensors(4)
-        rpc_client = WireLoopback(svc)
-        ParameterClient(rpc_client, chunk_bytes=64).publish(1, tensors)
-        _assert_same(svc.pull(1)[1], tensors)
-        assert rpc_client.counts["put"] == sum(-(-t.nbytes // 64) for t in tensors.values())
-
-        # A failure half-way aborts the version on the service: nothing visible, the number free again.
-        def fail_third_put(method, args):
-            if method == "put" and rpc_client.counts["put"] == 3:
-                raise ConnectionError("link down")
-
-        rpc_client = WireLoopback(svc, fail_third_put)
-        with pytest.raises(ConnectionError):
-            ParameterClient(rpc_client, chunk_bytes=64).publish(2, tensors)
-        assert rpc_client.counts["abort_publish"] == 1
-        assert svc.versions() == [1]
-        svc.publish(2, tensors)
-
-
-def test_client_wait_for_version_polls_in_slices():
-    with ParameterService() as svc:
-        rpc_client = WireLoopback(svc)
-        client = ParameterClient(rpc_client)
-        with pytest.raises(TimeoutError):
-            client.wait_for_version(0, timeout=0.1, poll_s=0.03)
-        assert rpc_client.counts["poll_version"] >= 3
-        threading.Timer(0.1, lambda: svc.publish(2, {"w": W})).start()
-        assert client.wait_for_version(1, timeout=10, poll_s=0.05) == 2
-
-
-class Counting:
-    """Passes calls on to an rpc.Client, counting them by method."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.counts = collections.Counter()
-
-    def call(self, method, *args, **kwargs):
-        self.counts[method] += 1
-        return self.inner.call(method, *args, **kwargs)
-
-
-# --- over real RPC ------------------------------------------------------------------------------------------
-
-def test_client_over_loopback_rpc():
-    svc = ParameterService(keep=2)
-    server = rpc.Server(svc, RPC_METHODS, token="t0k").start()
-    rpc_client = rpc.Client(server.address, token="t0k", timeout=30)
-    try:
-        client = ParameterClient(rpc_client, chunk_bytes=1 << 12)
-        tensors = _tensors(5) | {"big": np.arange(50_000, dtype=np.float32)}
-        client.publish(1, tensors)
-        _assert_same(client.pull(1)[1], tensors)
-        _assert_same(svc.pull(1)[1], tensors)
-        with pytest.raises(UnknownVersionError, match="version 0 is not published"):
-            client.pull(0)
-        with pytest.raises(ValueError, match="version 1 is not newer"):
-            client.publish(1, tensors)
-        with pytest.raises(TimeoutError):
-            client.wait_for_version(2, timeout=0.2, poll_s=0.1)
-    finally:
-        rpc_client.close()
-        server.close()
-        svc.close()
-
-
-def test_client_attaches_to_a_server_process_shared_memory():
-    process, address = rpc_process.serve_in_subprocess(
-        "jaxflow.param_service:ParameterService", {"keep": 2, "shared_memory": True}, RPC_METHODS)
-    try:
-        rpc_client = rpc.Client(address, timeout=60)
-        counting = Counting(rpc_client)
-        client = ParameterClient(counting, chunk_bytes=1 << 14)
-        tensors = _tensors(6) | {"big": np.arange(100_000, dtype=np.float32)}
-        client.publish(1, tensors)  # the server copies the chunks into its segment
-        version, pulled = client.pull()
-        assert version == 1 and counting.counts["read"] == 0  # attached, not streamed
-        _assert_same(pulled, tensors)
-        segment = client.manifest(1)["segment"]
-        rpc_client.close()
-    finally:
-        rpc_process.stop_subprocess(process)
-    assert not os.path.exists(f"/dev/shm/{segment}")  # the server's close() unlinked it
-    _assert_same(pulled, tensors)  # and our mapping is still good
-
+# --- a sharded policy ---------------------------------------------------------------------------------------
 
 def test_sharded_policy_publishes_the_same_hf_tensors(tmp_path):
     # The trainer's state lives sharded on a mesh; what it publishes must be the plain HF tensors.
