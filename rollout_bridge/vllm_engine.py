@@ -37,6 +37,7 @@ a stat logger (0.0 when nothing is in flight).
 from __future__ import annotations
 
 import asyncio
+import gc
 import collections
 import concurrent.futures
 import dataclasses
@@ -370,6 +371,10 @@ class VllmEngine(Engine):
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=60)
+        # Let go of vLLM's engine now, while the interpreter is whole: AsyncLLM.__del__ shuts it down once
+        # more, which is harmless here but prints a TypeError traceback when it runs at interpreter exit.
+        self._llm = None
+        gc.collect()
         with self._lock:
             self._finished.notify_all()
 
@@ -440,6 +445,9 @@ class VllmEngine(Engine):
             llm.shutdown()
             raise
         self._llm = llm
+        # vLLM's lazy `from vllm import ...` keeps a frame chain alive that reaches this frame; without its
+        # local the engine is freed on close(), not at interpreter exit (see close()).
+        del llm
 
     async def _shutdown(self) -> None:
         tasks = [live.task for live in list(self._live.values()) if live.task is not None]

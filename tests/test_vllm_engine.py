@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -70,7 +71,10 @@ def engine(model_dir):
                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
     assert len(spawned) >= 2, [p.cmdline() for p in spawned]
     yield eng
+    llm = weakref.ref(eng._llm)
     eng.close()
+    # close() frees vLLM's AsyncLLM: left for interpreter exit, its __del__ prints a TypeError traceback.
+    assert llm() is None
     # close() leaves no orphan: the engine core and worker processes are gone.
     _, alive = psutil.wait_procs(spawned, timeout=30)
     assert not alive, [p.name() for p in alive]
