@@ -37,7 +37,6 @@ a stat logger (0.0 when nothing is in flight).
 from __future__ import annotations
 
 import asyncio
-import gc
 import collections
 import concurrent.futures
 import dataclasses
@@ -371,10 +370,9 @@ class VllmEngine(Engine):
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=60)
-        # Let go of vLLM's engine now, while the interpreter is whole: AsyncLLM.__del__ shuts it down once
-        # more, which is harmless here but prints a TypeError traceback when it runs at interpreter exit.
+        # Drop the last reference to vLLM's engine now, while the interpreter is whole: AsyncLLM.__del__ shuts
+        # it down once more, harmless here but a TypeError traceback when it runs at interpreter exit.
         self._llm = None
-        gc.collect()
         with self._lock:
             self._finished.notify_all()
 
