@@ -5,7 +5,7 @@
 --quick: 10 train steps per simulated run instead of 16, 20-step calibration runs instead of 60, eta 4
 only and one workload seed (a smoke check: its ratios vary by about 10%).
 
-Two parts, one run:
+Three parts, one run:
 
 1. Calibration. Runs the real CPU job (configs/arithmetic_tiny.py:coordinated: two JAX engines, one
    coordinator, the real trainer) for a few steps, fits the simulator's engine, trainer and length
@@ -26,9 +26,13 @@ Two parts, one run:
    are modelled. Up to 64 instances each figure is the median over 3 workload seeds (`--seeds`): with
    few groups per step the long tail makes single runs vary by about 10%.
 
-Prints a table; --json writes every figure, with ratio_vs_areal_64 and ratio_vs_sync_64 (jaxflow at the
-first eta given, 4 by default: the arithmetic config's own), the same for every eta in ratios_64, and
-calibration_error.
+3. The tail floor (`jaxflow.sim.bounds`) per size and eta: the shortest mean step any strategy that
+   trains every sample can reach under the staleness bound, beside the simulated steps; AReaL-style's
+   step over the floor is the most such a strategy can gain ("ceiling vs areal").
+
+Prints the tables; --json writes every figure, with ratio_vs_areal_64 and ratio_vs_sync_64 (jaxflow at
+the first eta given, 4 by default: the arithmetic config's own), the same for every eta in ratios_64,
+calibration_error, the floors, and keep_all_ceiling_vs_areal_64.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from jaxflow.coordination import Coordination
 from jaxflow.sim import describe
+from jaxflow.sim.bounds import keep_all_floor
 from jaxflow.sim.loop import simulate
 from jaxflow.sim.presets import from_trace, reasoning
 
@@ -160,6 +165,31 @@ def table(rows: list[dict], etas: list[int]) -> str:
     return "\n".join(lines)
 
 
+def floors(rows: list[dict], sizes: list[int], etas: list[int]) -> list[dict]:
+    """Per (size, eta): the tail floor on the step (`jaxflow.sim.bounds`) beside the simulated steps, and
+    the most any strategy that trains every sample could gain over AReaL-style (its step / the floor)."""
+    out = []
+    for n in sizes:
+        for eta in etas:
+            f = keep_all_floor(reasoning(n), eta)
+            step = {r["system"]: r["step_s_mean"] for r in rows if r["instances"] == n and r["compared_eta"] == eta}
+            out.append({"instances": n, "eta": eta, "floor_step_s": f["step_s"], "solo_tail_s": f["solo_tail_s"],
+                        "train_s": f["train_s"], "cap_share": f["cap_share"],
+                        "areal_step_s": step["areal"], "jaxflow_step_s": step["jaxflow"],
+                        "ceiling_vs_areal": step["areal"] / f["step_s"]})
+    return out
+
+
+def floor_table(rows: list[dict]) -> str:
+    lines = ["| instances | eta | floor step s | longest alone s | train s | areal step s | jaxflow step s | "
+             "ceiling vs areal |", f"|{'---:|' * 8}"]
+    for f in rows:
+        lines.append(f"| {f['instances']} | {f['eta']} | {f['floor_step_s']:.0f} | {f['solo_tail_s']:.0f} | "
+                     f"{f['train_s']:.0f} | {f['areal_step_s']:.0f} | {f['jaxflow_step_s']:.0f} | "
+                     f"{f['ceiling_vs_areal']:.2f}x |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], etas: list[int], path: pathlib.Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -207,6 +237,7 @@ def main(argv=None) -> int:
     print(f"scale: reasoning preset, {steps} train steps per run", flush=True)
     rows = scale(sizes, etas, steps, args.seeds or (1 if args.quick else 3))
     out["runs"] = rows
+    out["floors"] = floors(rows, sizes, etas)
     by = {(r["instances"], r["system"], r["compared_eta"] if r["system"] != "sync" else None): r["tokens_per_s"]
           for r in rows}
     if 64 in sizes:
@@ -215,6 +246,8 @@ def main(argv=None) -> int:
                             for e in etas}
         out["ratio_vs_areal_64"] = out["ratios_64"][etas[0]]["jaxflow_vs_areal"]
         out["ratio_vs_sync_64"] = out["ratios_64"][etas[0]]["jaxflow_vs_sync"]
+        out["keep_all_ceiling_vs_areal_64"] = next(f["ceiling_vs_areal"] for f in out["floors"]
+                                                   if f["instances"] == 64 and f["eta"] == etas[0])
     print()
     for c in out.get("calibration", []):
         print(f"calibration ({c['steps']} real steps, two engines, {c['max_running']} requests each): measured "
@@ -224,10 +257,18 @@ def main(argv=None) -> int:
               f"vs {c['simulated_rollout_idle_frac']:.0%}")
     print(f"lengths (reasoning preset): {json.dumps({k: round(v) for k, v in out['lengths'].items()})}\n")
     print(table(rows, etas))
+    print("\nTail floor (jaxflow.sim.bounds): a group dispatched at version v must be trained by buffer v + eta, so "
+          "eta + 1 step intervals less one update must cover its slowest sample; even alone on an instance the "
+          "longest sample of a cohort takes 'longest alone s'. No strategy that trains every sample steps faster "
+          "than the floor on average; 'ceiling vs areal' is the most such a strategy can gain.\n")
+    print(floor_table(out["floors"]))
     for e, r in out.get("ratios_64", {}).items():
         print(f"at 64 instances, eta {e}: jaxflow {r['jaxflow_vs_areal']:.2f}x areal, {r['jaxflow_vs_sync']:.2f}x "
               f"sync; with release {r['jaxflow+release_vs_areal']:.2f}x areal, "
               f"{r['jaxflow+release_vs_sync']:.2f}x sync")
+    if "keep_all_ceiling_vs_areal_64" in out:
+        print(f"at 64 instances, eta {etas[0]}: no strategy that trains every sample can exceed "
+              f"{out['keep_all_ceiling_vs_areal_64']:.2f}x areal (tail floor)")
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, etas, args.plot)
     out["wall_s"] = time.perf_counter() - started
