@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-from jaxflow import rpc
-from jaxflow.param_client import ParameterClient
-from jaxflow.param_service import RPC_METHODS, ParameterService
-from jaxflow.prompt_source import PromptSource
-from jaxflow.rollout_types import Sample
-from jaxflow.trajectory_service import TrajectoryService
+from jaxflow.transport import rpc
+from jaxflow.transport.param_client import ParameterClient
+from jaxflow.data.param_service import RPC_METHODS, ParameterService
+from jaxflow.data.prompt_source import PromptSource
+from jaxflow.data.records import Sample
+from jaxflow.data.trajectory_service import TrajectoryService
 
 TRAJECTORY_METHODS = ["dispatch", "finish", "consume", "mark_published", "stats"]
 

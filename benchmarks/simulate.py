@@ -76,10 +76,10 @@ def _load_config():
 
 def _prompt_tokens(config) -> int:
     """Mean prompt length of the task's train prompts, in tokens."""
-    from jaxflow import sft
+    from jaxflow.jobs import warm_start
     from jaxflow.tokenizer import Tokenizer
-    tokenizer = Tokenizer.from_dir(sft.ensure_base_model(config))
-    task = sft.make_task(config)
+    tokenizer = Tokenizer.from_dir(warm_start.ensure_base_model(config))
+    task = warm_start.make_task(config)
     records = task.to_prompt_records(task.examples("train", 200, seed=1), tokenizer)
     return round(sum(len(r["prompt"]) for r in records) / len(records))
 

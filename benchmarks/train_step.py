@@ -24,11 +24,11 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import sharding
-from jaxflow.batch import Trajectory, make_batch
+from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
-from jaxflow.train_state import create_train_state, train_state_shardings
-from jaxflow.train_step import StepConfig, TrainStep, make_optimizer
+from jaxflow.trainer.state import create_train_state, train_state_shardings
+from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer
 
 # name -> (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
 SIZES = {

@@ -17,9 +17,9 @@ from jaxflow.config import ConfigError, load_config
 
 # config.job -> module whose `run(config) -> int` does the work.
 JOBS = {
-    "model_check": "jaxflow.model_check",
-    "rl": "jaxflow.rl_job",
-    "warm_start": "jaxflow.sft",
+    "model_check": "jaxflow.jobs.model_check",
+    "rl": "jaxflow.jobs.rl",
+    "warm_start": "jaxflow.jobs.warm_start",
 }
 
 USAGE = "usage: python -m jaxflow.main --config=PATH[:VARIANT] [--config.KEY=VALUE ...]"

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from jaxflow.rollout_types import Sample
+from jaxflow.data.records import Sample
 
 
 class EngineError(RuntimeError):

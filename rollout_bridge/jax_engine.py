@@ -47,7 +47,7 @@ from flax import nnx
 from jaxflow import sharding
 from jaxflow.models import hf_io
 from jaxflow.models.transformer import Transformer
-from jaxflow.rollout_types import Sample
+from jaxflow.data.records import Sample
 from rollout_bridge import jax_decode, jax_slots
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
                                    WeightsRejected, check_pause_mode, request_error)

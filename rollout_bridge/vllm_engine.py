@@ -51,7 +51,7 @@ import numpy as np
 
 from jaxflow.models import hf_io, names
 from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config
-from jaxflow.rollout_types import Sample
+from jaxflow.data.records import Sample
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
                                    WeightsRejected, check_pause_mode, request_error)
 

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxflow.rollout_types import GroupTask, Sample
+from jaxflow.data.records import GroupTask, Sample
 from rollout_bridge.engine import Completion, Engine, Request, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -101,7 +101,7 @@ def check_bad_weights_are_rejected(engine, good, greedy_reference):
 def check_stop_tokens_and_max_tokens(engine, greedy_reference):
     """Stop tokens end a sample (kept as its last token); max_tokens counts a resumed prefix, which keeps
     its own versions, and a prefix that already reaches it generates nothing."""
-    from jaxflow.rollout_types import Sample
+    from jaxflow.data.records import Sample
 
     p, ref = prompts()[2], greedy_reference[2]
     stops = (ref[5], ref[9])

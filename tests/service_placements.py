@@ -1,7 +1,7 @@
 """The two placements of a jaxflow service, for tests that must pass against both.
 
-embedded: the object itself. server: the object served by `jaxflow.rpc.Server` on loopback (with a
-token) and reached through a `jaxflow.rpc.Client`, which must behave the same, exceptions included.
+embedded: the object itself. server: the object served by `jaxflow.transport.rpc.Server` on loopback (with a
+token) and reached through a `jaxflow.transport.rpc.Client`, which must behave the same, exceptions included.
 """
 
 import contextlib
@@ -21,8 +21,7 @@ def placed(placement):
     if placement == "embedded":
         yield lambda obj: obj
         return
-    from jaxflow import rpc
-
+    from jaxflow.transport import rpc
     servers, clients = [], []
 
     def place(obj):

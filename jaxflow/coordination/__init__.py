@@ -10,7 +10,7 @@ Strategies, each switchable in `rollout.coordination` (`config.Coordination`):
 - selective weight sync (`sync.py`): an instance syncs when idle or lagging, not all at once;
 - stuck buffers (`stuck.py`): retry or release a buffer held back by a few slow groups.
 
-`coordinator.Coordinator` runs them over real engines (`jaxflow.rl_job`) or simulated ones
+`coordinator.Coordinator` runs them over real engines (`jaxflow.jobs.rl`) or simulated ones
 (`jaxflow.sim`).
 """
 

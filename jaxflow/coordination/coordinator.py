@@ -16,7 +16,7 @@ and places each *request* (one sample of a group) itself. Every `step()`:
 A request may run on any instance whose weights are at least its group's v_start, so migration, retry
 and abort-mode syncs move it with its tokens so far (abort + resubmit with the prefix); the service
 sees one worker, this coordinator, and every group keeps its v_start and reservation throughout.
-The same code runs in real time over real engines (`jaxflow.rl_job`) and in virtual time over
+The same code runs in real time over real engines (`jaxflow.jobs.rl`) and in virtual time over
 simulated ones (`jaxflow.sim`): pass the clock.
 """
 
@@ -38,7 +38,7 @@ from jaxflow.coordination.queue import PendingRequest, RequestQueue
 from jaxflow.coordination.routing import Instance, Router
 from jaxflow.coordination.stuck import stragglers
 from jaxflow.coordination.sync import should_sync
-from jaxflow.rollout_types import GroupTask, Sample
+from jaxflow.data.records import GroupTask, Sample
 from rollout_bridge.engine import Completion, Engine, Request, SamplingParams
 
 log = logging.getLogger(__name__)

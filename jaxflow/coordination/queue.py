@@ -10,7 +10,7 @@ import dataclasses
 import heapq
 import itertools
 
-from jaxflow.rollout_types import Sample
+from jaxflow.data.records import Sample
 
 
 @dataclasses.dataclass

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from jaxflow.rollout_types import Sample
+from jaxflow.data.records import Sample
 from jaxflow.sim.workload import Workload
 from rollout_bridge import engine as engine_api
 from rollout_bridge.engine import (

@@ -21,10 +21,10 @@ import time
 from typing import Any
 
 from jaxflow.coordination import Coordination, Coordinator
-from jaxflow.prompt_source import PromptSource
+from jaxflow.data.prompt_source import PromptSource
 from jaxflow.sim.fleet import InstanceSpec, SimFleet
 from jaxflow.sim.workload import LengthModel, Workload
-from jaxflow.trajectory_service import BufferState, TrajectoryService
+from jaxflow.data.trajectory_service import BufferState, TrajectoryService
 from rollout_bridge.engine import SamplingParams
 
 

@@ -143,5 +143,5 @@ class Workload:
         return int(got[sample_index])
 
     def records(self, num_prompts: int, start: int = 0) -> list[dict[str, Any]]:
-        """Records for `jaxflow.prompt_source.PromptSource`: prompt [i] with meta {"prompt_index": i}."""
+        """Records for `jaxflow.data.prompt_source.PromptSource`: prompt [i] with meta {"prompt_index": i}."""
         return [{"prompt": [i], "meta": {"prompt_index": i}} for i in range(start, start + num_prompts)]

@@ -6,7 +6,7 @@ reward looks only at what that tag holds (or, where a task allows it, the last n
 
     task = get_task("countdown", max_numbers=4)
     train = task.examples("train", n=2000, seed=0)
-    records = task.to_prompt_records(train, tokenizer)    # for jaxflow.prompt_source.PromptSource
+    records = task.to_prompt_records(train, tokenizer)    # for jaxflow.data.prompt_source.PromptSource
     sft = task.to_sft_records(train, tokenizer)           # prompt + demonstration ids, for the warm start
     task.reward(response_text, records[0]["meta"])        # 1.0 or 0.0
 

@@ -1,0 +1,6 @@
+"""The data services and the records that cross between the pieces.
+
+records.py (Sample, GroupTask, FinishedGroup, ConsumedBatch), prompt_source.py (prompts through grain),
+trajectory_service.py (Reserve -> Occupy -> Consume), param_service.py and its storage param_storage.py
+(versioned HF-named weights). Nothing here imports the transport: `jaxflow.transport` registers these types.
+"""

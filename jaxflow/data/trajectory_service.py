@@ -1,0 +1,505 @@
+"""The trajectory service: admission-bounded staleness by Reserve -> Occupy -> Consume.
+
+There is one buffer per future train step; buffer `s` (capacity `batch_groups` groups) feeds the update
+that trains version s into s+1. A group goes through:
+
+1. Reserve (`dispatch`): a worker whose weights have version v_w gets a new group only if buffer
+   v_w + eta, the latest step allowed to consume it, has a free slot; the group holds that slot.
+   No slot, no dispatch. A worker with v_w + eta below the version being trained must sync first.
+2. Occupy (`finish` + `reward`): once all its samples are done and rewarded, the group releases its
+   reservation and moves to the earliest buffer s >= v_train with room; its own freed slot guarantees
+   one exists, so finished work is never thrown away.
+3. Consume (`consume`): the trainer takes buffer v_train when it is full (or, by config, ready with
+   capacity), and every group in it satisfies v_train - v_start <= eta.
+
+Aborted groups (weight sync, migration, dead worker) keep their reservation, their v_start and their
+partial samples, and are dispatched again before new prompts. Every group is in exactly one state and
+the counters say how many passed through each transition.
+
+Redundant rollout (`reserve_groups` B' > B): each buffer takes B' reservations but still trains B groups,
+the first B to finish. A group that can no longer land (every buffer it may occupy is full) becomes
+SURPLUS: dropped, counted, never trained; its worker learns of it from `take_surplus` and stops it. This
+trades a bias toward fast-finishing groups for not waiting on the slowest ones. `release` does the same
+on demand for one buffer: it is handed to the trainer with what it holds, and the groups that could only
+land there become SURPLUS (the stuck-buffer strategy of `jaxflow.coordination`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+import threading
+import time
+from typing import Any
+
+from jaxflow.data.prompt_source import PromptSource
+from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, Sample
+
+BATCH_RULES = ("full", "ready_with_capacity")
+_DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them are ignored
+
+
+class GroupState(str, enum.Enum):
+    REQUEUED = "requeued"  # holds a reservation, waiting for a worker (after an abort or a restore)
+    RUNNING = "running"  # dispatched to a worker
+    FINISHED = "finished"  # all samples done, waiting for rewards
+    OCCUPIED = "occupied"  # rewarded, sitting in a buffer
+    CONSUMED = "consumed"
+    FAILED = "failed"
+    SURPLUS = "surplus"  # redundant: every buffer it could occupy filled first (or was released)
+
+
+class BufferState(str, enum.Enum):
+    PENDING = "pending"  # may still receive groups
+    READY = "ready"  # full
+    READY_WITH_CAPACITY = "ready_with_capacity"  # not full, but the batch rule lets it be consumed
+    STUCK = "stuck"  # can never fill: nothing left that could arrive
+
+
+@dataclasses.dataclass
+class _Group:
+    group_id: int
+    prompt: list[int]
+    meta: dict[str, Any]
+    n: int
+    v_start: int
+    reserved: int  # buffer step whose slot this group holds (the latest step allowed to consume it)
+    state: GroupState
+    worker: str | None = None
+    attempt: int = 0
+    samples: list[Sample] | None = None
+    rewards: list[float] | None = None
+    step: int | None = None  # buffer occupied
+    since: float = 0.0  # monotonic time of the last transition
+
+
+class TrajectoryService:
+    """Embedded (thread-safe) trajectory service; `jaxflow.transport.rpc` serves the same object to other processes.
+
+    batch_groups: groups per train step (B). group_size: samples per prompt (n). eta: staleness bound.
+    reserve_groups: reservations per buffer (B' >= B, default B); above B is redundant rollout.
+    batch_rule: "full" waits for B groups; "ready_with_capacity" also releases a buffer holding at least
+    ceil(min_fill * B) groups once no reservation points at it and either `patience_s` has passed since
+    it reached that fill or nothing else can arrive. max_attempts: dispatches of one group before it
+    is failed. initial_version: the trainer's policy version at start. clock: the time source (a
+    simulator passes its virtual clock).
+    """
+
+    def __init__(self, source: PromptSource, *, batch_groups: int, group_size: int, eta: int,
+                 batch_rule: str = "full", min_fill: float = 1.0, patience_s: float | None = None,
+                 max_attempts: int = 3, initial_version: int = 0, reserve_groups: int | None = None,
+                 clock=time.monotonic):
+        if batch_rule not in BATCH_RULES:
+            raise ValueError(f"unknown batch_rule {batch_rule!r}; valid: {', '.join(BATCH_RULES)}")
+        if batch_groups < 1 or group_size < 1 or eta < 0:
+            raise ValueError(f"need batch_groups >= 1, group_size >= 1, eta >= 0; got {batch_groups}, "
+                             f"{group_size}, {eta}")
+        if not 0 < min_fill <= 1:
+            raise ValueError(f"min_fill must be in (0, 1], got {min_fill}")
+        reserve_groups = batch_groups if reserve_groups is None else reserve_groups
+        if reserve_groups < batch_groups:
+            raise ValueError(f"reserve_groups ({reserve_groups}) must be >= batch_groups ({batch_groups})")
+        self.reserve_groups, self._clock = reserve_groups, clock
+        self.source = source
+        self.batch_groups, self.group_size, self.eta = batch_groups, group_size, eta
+        self.batch_rule, self.min_fill, self.patience_s = batch_rule, min_fill, patience_s
+        self.max_attempts = max_attempts
+        self._lock = threading.Condition()
+        self._v_train = initial_version  # the buffer the trainer consumes next
+        self._published = initial_version  # newest weights version rollout workers may hold
+        self._next_id = 0
+        self._groups: dict[int, _Group] = {}
+        self._counts = {k: 0 for k in ("created", "dispatched", "aborted", "requeued", "finished",
+                                       "rewarded", "consumed", "failed", "surplus", "stale_rejected")}
+        self._filled_at: dict[int, float] = {}  # step -> when it reached min fill
+        # Slots per buffer step, kept in step with every transition (dispatch must stay O(1)).
+        self._reserved: collections.Counter[int] = collections.Counter()
+        self._occupied: collections.Counter[int] = collections.Counter()
+        self._released: set[int] = set()  # buffers `release`d: consumable with what they hold
+        self._surplus_news: dict[str, list[int]] = collections.defaultdict(list)  # worker -> ids
+        self._dropped: set[int] = set()  # SURPLUS ids (they leave the service; late calls are ignored)
+
+    # ---- helpers (hold the lock) -------------------------------------------------------------
+    def _slots(self, step: int) -> int:
+        """Reserved + occupied slots of buffer `step`."""
+        return self._reserved[step] + self._occupied[step]
+
+    def _recount(self) -> None:
+        self._reserved.clear()
+        self._occupied.clear()
+        for g in self._groups.values():
+            if g.state == GroupState.OCCUPIED:
+                self._occupied[g.step] += 1
+            elif g.reserved >= 0:
+                self._reserved[g.reserved] += 1
+
+    def _group(self, group_id: int, want: GroupState, worker: str | None = None) -> _Group:
+        g = self._groups.get(group_id)
+        if g is None:
+            raise KeyError(f"unknown group {group_id}")
+        if g.state != want:
+            raise ValueError(f"group {group_id} is {g.state.value}, not {want.value}")
+        if worker is not None and g.worker != worker:
+            raise ValueError(f"group {group_id} is assigned to worker {g.worker!r}, not {worker!r}")
+        return g
+
+    def _move(self, g: _Group, state: GroupState) -> None:
+        g.state, g.since = state, self._clock()
+
+    def _task(self, g: _Group) -> GroupTask:
+        # Copies: a worker extends these while the service keeps the snapshot it was given.
+        partial = None if g.samples is None else [
+            Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason) for s in g.samples]
+        return GroupTask(group_id=g.group_id, prompt=list(g.prompt), n=g.n, v_start=g.v_start,
+                         meta=dict(g.meta), partial=partial, attempt=g.attempt)
+
+    def _check_samples(self, g: _Group, samples: list[Sample], what: str, finished: bool) -> None:
+        if len(samples) != g.n:
+            raise ValueError(f"group {g.group_id}: {what} has {len(samples)} samples, expected {g.n}")
+        for i, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                raise TypeError(f"group {g.group_id}: sample {i} is a {type(s).__name__}, not a Sample")
+            s.validate(f"group {g.group_id} sample {i}", g.v_start, self._published)
+            if finished and not s.done:
+                raise ValueError(f"group {g.group_id} sample {i} is not finished "
+                                 f"(finish_reason={s.finish_reason!r})")
+
+    # ---- rollout side --------------------------------------------------------------------------
+    def needs_sync(self, version: int) -> bool:
+        """True when a worker holding `version` can no longer be given work (version + eta < v_train)."""
+        with self._lock:
+            return version + self.eta < self._v_train
+
+    def dispatch(self, worker: str, version: int, max_groups: int = 1) -> list[GroupTask]:
+        """Up to `max_groups` tasks for a worker holding weights `version`: requeued groups first
+        (oldest v_start first; only those with v_start <= version), then new prompts, each reserving a
+        slot in buffer version + eta. Returns [] when no slot is free or the worker must sync.
+        """
+        with self._lock:
+            if version > self._published:
+                raise ValueError(f"worker {worker!r} claims version {version}, but the latest published "
+                                 f"version is {self._published}")
+            tasks = []
+            waiting = sorted((g for g in self._groups.values()
+                              if g.state == GroupState.REQUEUED and g.v_start <= version),
+                             key=lambda g: (g.v_start, g.group_id))
+            for g in waiting[:max_groups]:
+                g.worker, g.attempt = worker, g.attempt + 1
+                self._move(g, GroupState.RUNNING)
+                tasks.append(self._task(g))
+            step = version + self.eta
+            while (len(tasks) < max_groups and step >= self._v_train and self._room(step)
+                   and self._slots(step) < self.reserve_groups):
+                record = self.source.next()
+                if record is None:
+                    break
+                g = _Group(group_id=self._next_id, prompt=record["prompt"], meta=record["meta"],
+                           n=self.group_size, v_start=version, reserved=step, state=GroupState.RUNNING,
+                           worker=worker, attempt=1, since=self._clock())
+                self._next_id += 1
+                self._groups[g.group_id] = g
+                self._reserved[step] += 1
+                self._counts["created"] += 1
+                tasks.append(self._task(g))
+            if step < self._v_train:
+                self._counts["stale_rejected"] += 1
+            self._counts["dispatched"] += len(tasks)
+            return tasks
+
+    def finish(self, group_id: int, worker: str, samples: list[Sample],
+               rewards: list[float] | None = None) -> int | None:
+        """All n samples of a running group are done. With rewards the group occupies a buffer at once
+        (returns its step); without, it waits for `reward`. Validated before anything changes."""
+        with self._lock:
+            if group_id in self._dropped:
+                return None
+            g = self._group(group_id, GroupState.RUNNING, worker)
+            self._check_samples(g, samples, "finish", finished=True)
+            if rewards is not None:
+                self._check_rewards(g, rewards)
+            g.samples = list(samples)  # the service now owns these Sample objects
+            self._move(g, GroupState.FINISHED)
+            self._counts["finished"] += 1
+            return self._occupy(g, rewards) if rewards is not None else None
+
+    def _check_rewards(self, g: _Group, rewards: list[float]) -> None:
+        if len(rewards) != g.n or not all(isinstance(r, (int, float)) and math.isfinite(r) for r in rewards):
+            raise ValueError(f"group {g.group_id}: rewards must be {g.n} finite numbers, got {rewards!r}")
+
+    def reward(self, group_id: int, rewards: list[float]) -> int:
+        """Rewards for a finished group; it occupies the earliest feasible buffer. Returns the step."""
+        with self._lock:
+            g = self._group(group_id, GroupState.FINISHED)
+            self._check_rewards(g, rewards)
+            return self._occupy(g, rewards)
+
+    def _room(self, step: int) -> bool:
+        """Whether a finishing group may occupy buffer `step`. Without redundancy a group never takes a
+        slot another group reserved; with it, the first B to finish win."""
+        if step in self._released:
+            return False
+        if self.reserve_groups == self.batch_groups:
+            return self._slots(step) < self.batch_groups
+        return self._occupied[step] < self.batch_groups
+
+    def _occupy(self, g: _Group, rewards: list[float]) -> int | None:
+        g.rewards = [float(r) for r in rewards]
+        reserved, g.reserved = g.reserved, -1  # release our slot before looking for room
+        self._reserved[reserved] -= 1
+        step = next((s for s in range(self._v_train, reserved + 1) if self._room(s)), None)
+        self._counts["rewarded"] += 1
+        if step is None:  # only with redundancy (or a released buffer): the others were first
+            self._drop(g, notify=False)
+            self._lock.notify_all()
+            return None
+        self._occupied[step] += 1
+        g.step, g.worker = step, None
+        self._move(g, GroupState.OCCUPIED)
+        if self._occupied[step] >= self.batch_groups and self.reserve_groups > self.batch_groups:
+            self._drop_unlandable()
+        self._lock.notify_all()
+        return step
+
+    def _drop(self, g: _Group, notify: bool = True) -> None:
+        """A group that can no longer land anywhere becomes SURPLUS and leaves the service (counted);
+        its worker hears of it through `take_surplus`."""
+        if g.reserved >= 0:
+            self._reserved[g.reserved] -= 1
+        if notify and g.state == GroupState.RUNNING and g.worker is not None:
+            self._surplus_news[g.worker].append(g.group_id)
+        self._move(g, GroupState.SURPLUS)
+        self._counts["surplus"] += 1
+        self._dropped.add(g.group_id)
+        if len(self._dropped) > _DROPPED_KEPT:  # forget the oldest half: nobody still calls about them
+            cutoff = sorted(self._dropped)[_DROPPED_KEPT // 2]
+            self._dropped = {i for i in self._dropped if i >= cutoff}
+        del self._groups[g.group_id]
+
+    def _can_land(self, g: _Group) -> bool:
+        self._reserved[g.reserved] -= 1  # its own slot is its own to take
+        ok = any(self._room(s) for s in range(self._v_train, g.reserved + 1))
+        self._reserved[g.reserved] += 1
+        return ok
+
+    def _drop_unlandable(self) -> None:
+        for g in list(self._groups.values()):
+            if g.state in (GroupState.RUNNING, GroupState.REQUEUED) and g.reserved >= 0 \
+                    and not self._can_land(g):
+                self._drop(g)
+
+    def take_surplus(self, worker: str) -> list[int]:
+        """Ids of `worker`'s running groups dropped as SURPLUS since the last call: stop generating them.
+        A `finish` or `abort` of one of them is accepted and ignored."""
+        with self._lock:
+            return self._surplus_news.pop(worker, [])
+
+    def progress(self) -> tuple[int, int]:
+        """(the buffer the trainer consumes next, how many groups it holds), in O(1) for coordinators."""
+        with self._lock:
+            return self._v_train, self._occupied[self._v_train]
+
+    def release(self, step: int | None = None) -> int:
+        """Hands buffer `step` (default: the next one) to the trainer with what it holds, as
+        READY_WITH_CAPACITY: no group may occupy it any more, and groups that could land nowhere else
+        become SURPLUS. Returns how many were dropped."""
+        with self._lock:
+            step = self._v_train if step is None else step
+            if step < self._v_train:
+                raise ValueError(f"buffer {step} was already consumed (next is {self._v_train})")
+            before = self._counts["surplus"]
+            self._released.add(step)
+            self._drop_unlandable()
+            self._lock.notify_all()
+            return self._counts["surplus"] - before
+
+    def abort(self, group_id: int, worker: str, partial: list[Sample] | None = None,
+              reason: str = "") -> None:
+        """A running group stops (weight sync, migration, shutdown); it keeps its reservation, its
+        v_start and the tokens so far in `partial`, and is dispatched again (or failed after
+        max_attempts dispatches)."""
+        with self._lock:
+            if group_id in self._dropped:
+                return
+            g = self._group(group_id, GroupState.RUNNING, worker)
+            if partial is not None:
+                self._check_samples(g, partial, "abort", finished=False)
+                g.samples = list(partial)
+            self._counts["aborted"] += 1
+            self._requeue(g, reason or "aborted")
+
+    def _requeue(self, g: _Group, reason: str, count_attempt: bool = True) -> None:
+        g.worker = None
+        if count_attempt and g.attempt >= self.max_attempts:
+            self._fail(g, f"{reason}; gave up after {g.attempt} attempts")
+            return
+        self._move(g, GroupState.REQUEUED)
+        self._counts["requeued"] += 1
+
+    def _fail(self, g: _Group, reason: str) -> None:
+        if g.reserved >= 0:
+            self._reserved[g.reserved] -= 1
+        g.reserved, g.worker = -1, None
+        g.meta = {**g.meta, "failure": reason}
+        self._move(g, GroupState.FAILED)
+        self._counts["failed"] += 1
+        self._lock.notify_all()
+
+    def fail(self, group_id: int, reason: str) -> None:
+        """Gives up on a running, requeued or finished group (its slot is freed); counted, never silent."""
+        with self._lock:
+            if group_id in self._dropped:
+                return
+            g = self._groups.get(group_id)
+            if g is None:
+                raise KeyError(f"unknown group {group_id}")
+            if g.state not in (GroupState.RUNNING, GroupState.REQUEUED, GroupState.FINISHED):
+                raise ValueError(f"group {group_id} is {g.state.value}; only running, requeued or "
+                                 f"finished groups can fail")
+            self._fail(g, reason)
+
+    def release_worker(self, worker: str, reason: str = "worker gone") -> int:
+        """Requeues every group running on `worker` (it crashed or left); returns how many."""
+        with self._lock:
+            mine = [g for g in self._groups.values() if g.state == GroupState.RUNNING and g.worker == worker]
+            for g in mine:
+                self._counts["aborted"] += 1
+                self._requeue(g, reason)
+            return len(mine)
+
+    def unrewarded(self) -> list[FinishedGroup]:
+        """Finished groups still waiting for rewards (e.g. after a restore)."""
+        with self._lock:
+            return [FinishedGroup(g.group_id, list(g.prompt), g.v_start, list(g.samples), [], dict(g.meta))
+                    for g in self._groups.values() if g.state == GroupState.FINISHED]
+
+    # ---- trainer side --------------------------------------------------------------------------
+    def mark_published(self, version: int) -> None:
+        """The trainer made weights `version` available; workers may now hold it."""
+        with self._lock:
+            if version < self._published or version > self._v_train:
+                raise ValueError(f"cannot publish version {version}: latest published {self._published}, "
+                                 f"trainer at {self._v_train}")
+            self._published = version
+            self._lock.notify_all()
+
+    def buffer_state(self, step: int | None = None) -> str:
+        """State of buffer `step` (default: the one the trainer consumes next), a BufferState value."""
+        with self._lock:
+            return self._buffer_state(self._v_train if step is None else step).value
+
+    def _can_arrive(self, step: int) -> bool:
+        """Whether any group may still land in buffer `step`."""
+        in_flight = any(g.state in (GroupState.RUNNING, GroupState.REQUEUED, GroupState.FINISHED)
+                        and g.v_start <= step for g in self._groups.values())
+        return in_flight or not self.source.exhausted
+
+    def _buffer_state(self, step: int) -> BufferState:
+        occupied = self._occupied[step]
+        if occupied >= self.batch_groups:
+            return BufferState.READY
+        if step in self._released:
+            return BufferState.READY_WITH_CAPACITY
+        arriving = self._can_arrive(step)
+        if self.batch_rule == "ready_with_capacity":
+            reserved = self._slots(step) - occupied
+            if occupied >= math.ceil(self.min_fill * self.batch_groups) and reserved == 0:
+                now = self._clock()
+                since = self._filled_at.setdefault(step, now)
+                if not arriving or (self.patience_s is not None and now - since >= self.patience_s):
+                    return BufferState.READY_WITH_CAPACITY
+        if not arriving:
+            return BufferState.STUCK
+        return BufferState.PENDING
+
+    def consume(self, version: int, timeout: float | None = None) -> ConsumedBatch:
+        """Blocks until buffer `version` is ready and hands its groups to the trainer.
+
+        A STUCK buffer (nothing more can arrive) is handed over with what it holds, possibly nothing:
+        the end of the data. Raises TimeoutError if not ready within `timeout` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if version != self._v_train:
+                raise ValueError(f"trainer asks for buffer {version}, but the next buffer is {self._v_train}")
+            while True:
+                state = self._buffer_state(version)
+                if state != BufferState.PENDING:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"buffer {version} not ready after {timeout}s: {self._summary(version)}")
+                wait = 0.05 if self.patience_s is not None else None  # re-check patience timers
+                self._lock.wait(wait if left is None else min(left, wait or left))
+            groups = sorted((g for g in self._groups.values()
+                             if g.state == GroupState.OCCUPIED and g.step == version), key=lambda g: g.group_id)
+            for g in groups:
+                assert version - g.v_start <= self.eta, f"staleness bound broken by group {g.group_id}"
+                self._move(g, GroupState.CONSUMED)
+            self._counts["consumed"] += len(groups)
+            for g in groups:  # consumed groups leave the service; the counters keep their history
+                del self._groups[g.group_id]
+            self._occupied.pop(version, None)
+            self._reserved.pop(version, None)
+            self._v_train = version + 1
+            self._filled_at.pop(version, None)
+            self._released.discard(version)
+            self._lock.notify_all()
+            return ConsumedBatch(version, [FinishedGroup(g.group_id, g.prompt, g.v_start, g.samples,
+                                                         g.rewards, g.meta, g.step) for g in groups],
+                                 state.value)
+
+    def _summary(self, step: int) -> str:
+        by_state = {}
+        for g in self._groups.values():
+            by_state[g.state.value] = by_state.get(g.state.value, 0) + 1
+        return f"{self._slots(step)} of {self.batch_groups} slots taken; groups by state {by_state}"
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of every transition and gauges of every state, for logs and accounting checks."""
+        with self._lock:
+            gauges = {s.value: 0 for s in GroupState}
+            for g in self._groups.values():
+                gauges[g.state.value] += 1
+            gauges["consumed"] = self._counts["consumed"]
+            gauges["surplus"] = self._counts["surplus"]
+            steps = sorted(k for k in set(self._reserved) | set(self._occupied) if self._slots(k))
+            buffers = {s: {"reserved": self._reserved[s], "occupied": self._occupied[s]} for s in steps}
+            return {"v_train": self._v_train, "published": self._published, "counts": dict(self._counts),
+                    "groups": gauges, "buffers": buffers, "next_buffer": self._summary(self._v_train)}
+
+    # ---- snapshot ------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-serialisable copy of the whole service state (taken with the trainer's checkpoint)."""
+        with self._lock:
+            groups = []
+            for g in self._groups.values():
+                d = dataclasses.asdict(g)
+                d["state"] = g.state.value
+                groups.append(d)
+            return {"v_train": self._v_train, "published": self._published, "next_id": self._next_id,
+                    "counts": dict(self._counts), "groups": groups, "source": self.source.get_state()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Replaces the state with a snapshot. Groups that were running are requeued (their workers are
+        gone) with their reservations and partial samples, so nothing is lost or consumed twice."""
+        with self._lock:
+            self._v_train, self._published = snap["v_train"], snap["published"]
+            self._next_id, self._counts = snap["next_id"], dict(snap["counts"])
+            self._groups = {}
+            for d in snap["groups"]:
+                d = dict(d)
+                d["state"] = GroupState(d["state"])
+                if d["samples"] is not None:
+                    d["samples"] = [Sample(**s) if isinstance(s, dict) else s for s in d["samples"]]
+                g = _Group(**d)
+                g.since = self._clock()
+                self._groups[g.group_id] = g
+                if g.state == GroupState.RUNNING:
+                    self._counts["aborted"] += 1
+                    self._requeue(g, "trainer restart", count_attempt=False)
+            self._recount()
+            self.source.set_state(snap["source"])
+            self._filled_at.clear()
+            self._lock.notify_all()

@@ -1,0 +1,379 @@
+"""The `rl` job: an asynchronous, staleness-bounded RL run on one machine, everything embedded.
+
+    python -m jaxflow.main --config=configs/arithmetic_tiny.py
+
+Pieces, all in this process (vLLM engines run their own processes):
+
+- the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
+- a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts,
+  and a parameter service holding the newest weights;
+- rollout workers, each driving one engine (jaxflow's JAX engine, or vLLM), with rewards scored in a
+  process pool (a crashing or hanging reward scores the sample 0, counted, and never stops the run);
+- the trainer (`jaxflow.trainer.rl_trainer`): consume buffer v, one PPO step, publish v+1.
+
+With `rollout.coordinator` one coordinator (`jaxflow.coordination`) drives all the engines, placing
+every request by the strategies of `rollout.coordination`, instead of one rollout worker per engine.
+
+eta = 0 with the "full" batch rule is synchronous RL through the same code: workers only ever generate
+with the weights being trained.
+
+Output in config.workdir: metrics.jsonl + TensorBoard + plots (`jaxflow.jobs.run_log`), orbax checkpoints
+(with the trajectory service's state), ledger.jsonl (the groups each step trained), export/ (the final
+policy as an HF model), result.json and, with a coordinator, coordinator_trace.json (engine loads,
+group lengths and weight-sync times: what benchmarks/simulate.py fits the simulator to). Ctrl-C stops
+after the step in progress and checkpoints (a second Ctrl-C stops at once); rerunning the same command
+resumes from the newest checkpoint, with no group lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import pathlib
+import signal
+import sys
+import time
+from typing import Any
+
+import jax
+import ml_collections
+
+from jaxflow import sharding
+
+from jaxflow.jobs import warm_start
+from jaxflow.trainer.checkpoint import Checkpointer
+from jaxflow.coordination import Coordination, Coordinator
+from jaxflow.jobs.evaluation import evaluate
+from jaxflow.models import hf_io
+from jaxflow.data.param_service import ParameterService
+from jaxflow.data.prompt_source import PromptSource
+from jaxflow.rewards import RewardPool, group_reward_fn
+from jaxflow.trainer.rl_trainer import RLTrainer
+from jaxflow.jobs.run_log import RunLog
+from jaxflow.tokenizer import Tokenizer
+from jaxflow.trainer.state import abstract_train_state
+from jaxflow.data.trajectory_service import TrajectoryService
+from rollout_bridge.engine import SamplingParams
+from rollout_bridge.worker import RolloutWorker, SyncPolicy
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("jax", "vllm")
+# Seconds the trainer waits for a buffer before it prints where the groups are.
+_STALL_REPORT_S = 120.0
+
+
+class _Stop:
+    """First Ctrl-C: finish the step in progress, checkpoint, exit. Second: stop at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+            print("\njaxflow: stopping after this step and saving a checkpoint (Ctrl-C again to stop now)",
+                  file=sys.stderr, flush=True)
+
+        with contextlib.suppress(ValueError):  # not the main thread: no handler
+            self._previous = signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class Ledger:
+    """ledger.jsonl: per trained step, the ids of the groups it consumed. Resuming drops the steps that
+    will be redone, so the file always describes the run whose parameters survive."""
+
+    def __init__(self, path: pathlib.Path, start_step: int):
+        self.path = path
+        lines = path.read_text().splitlines() if path.exists() else []
+        kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] < start_step]
+        path.write_text("".join(ln + "\n" for ln in kept))
+        self._file = path.open("a")
+
+    def record(self, step: int, group_ids: list[int]) -> None:
+        self._file.write(json.dumps({"step": step, "groups": group_ids}) + "\n")
+        self._file.flush()
+
+    def group_ids(self) -> list[int]:
+        return [g for ln in self.path.read_text().splitlines() if ln.strip()
+                for g in json.loads(ln)["groups"]]
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    r, t = config.rollout, config.trainer
+    problems = []
+    if r.engine not in ENGINES:
+        problems.append(f"rollout.engine {r.engine!r} is not one of {ENGINES}")
+    for name, value, low in (("rollout.num_workers", r.num_workers, 1), ("rollout.group_size", r.group_size, 2),
+                             ("trainer.batch_groups", t.batch_groups, 1), ("trainer.steps", t.steps, 1),
+                             ("trainer.eta", t.eta, 0), ("trainer.minibatches", t.minibatches, 1),
+                             ("eval.num_prompts", config.eval.num_prompts, 1)):
+        if value < low:
+            problems.append(f"{name} must be >= {low}, got {value}")
+    if r.get("coordinator"):
+        try:
+            Coordination.from_config(r.coordination)
+        except (TypeError, ValueError) as e:
+            problems.append(f"rollout.coordination: {e}")
+    if r.max_tokens >= r.max_len:
+        problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
+    if problems:
+        raise ValueError("bad config: " + "; ".join(problems))
+
+
+def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
+    r = config.rollout
+    if r.engine == "jax":
+        from rollout_bridge.jax_engine import JaxEngine
+        return JaxEngine(trainer.model(), max_slots=r.max_slots, max_len=r.max_len,
+                         decode_chunk=r.decode_chunk, version=trainer.version, seed=config.seed)
+    from rollout_bridge.vllm_engine import VllmEngine
+    engine = VllmEngine(base_dir, max_model_len=r.max_len, max_num_seqs=r.max_slots,
+                        kv_cache_gib=r.get("kv_cache_gib", 0.5), seed=config.seed, enforce_eager=True)
+    if trainer.version != 0:
+        engine.update_weights(trainer.version, trainer.hf_tensors())
+    return engine
+
+
+class _Evaluator:
+    """Held-out greedy accuracy of the current policy, on a JAX engine of its own."""
+
+    def __init__(self, config, trainer: RLTrainer, task, tokenizer, pool):
+        from rollout_bridge.jax_engine import JaxEngine
+        e, r = config.eval, config.rollout
+        self.records = task.to_prompt_records(task.examples("eval", e.num_prompts, seed=0), tokenizer)
+        self.engine = JaxEngine(trainer.model(), max_slots=min(r.max_slots, 64), max_len=r.max_len,
+                                decode_chunk=r.decode_chunk, version=trainer.version)
+        self.trainer, self.task, self.tokenizer, self.pool, self.max_tokens = trainer, task, tokenizer, pool, \
+            r.max_tokens
+
+    def __call__(self) -> float:
+        if self.engine.version != self.trainer.version:
+            self.engine.update_weights(self.trainer.version, self.trainer.hf_tensors())
+        result = evaluate(self.engine, self.records, decode=self.tokenizer.decode,
+                          reward_ref=self.task.reward_ref, max_tokens=self.max_tokens,
+                          stop_token_ids=[self.tokenizer.eos_id], pool=self.pool,
+                          tag=f"eval{self.trainer.version}")
+        return result.accuracy
+
+    def close(self):
+        self.engine.close()
+
+
+_COORDINATION_METRICS = ("requests_migrated", "requests_retried", "samples_redundant", "buffers_released")
+
+
+class _CoordinatedFleet:
+    """A coordinator over all engines, with the face of one rollout worker per engine for the train loop
+    (start, stop, idle seconds and syncs summed over instances)."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+        self.engines = len(coordinator.instances)
+
+    @property
+    def counts(self) -> dict[str, float]:
+        c = self.coordinator
+        return {"idle_s": sum(i.idle_s for i in c.instances) / self.engines, "syncs": c.counts["syncs"]}
+
+    def start(self):
+        self.coordinator.start()
+        return self
+
+    def stop(self, abort_in_flight: bool = True) -> None:
+        self.coordinator.stop()
+
+
+def _consume(service: TrajectoryService, version: int, stop: _Stop):
+    """Waits for buffer `version`; None if a stop was requested meanwhile."""
+    waited = 0.0
+    while not stop.requested:
+        try:
+            return service.consume(version, timeout=0.5)
+        except TimeoutError:
+            waited += 0.5
+            if waited % _STALL_REPORT_S == 0:
+                print(f"jaxflow: still waiting for buffer {version} after {waited:.0f}s: "
+                      f"{service.stats()['next_buffer']}", file=sys.stderr, flush=True)
+    return None
+
+
+def run(config: ml_collections.ConfigDict) -> int:
+    """Runs (or resumes) the RL job; see the module docstring. Returns the process exit code."""
+    try:
+        check_config(config)
+        base_dir = warm_start.ensure_base_model(config)
+    except (ValueError, warm_start.BaseModelMissing) as e:
+        print(f"jaxflow: error: {e}", file=sys.stderr)
+        return 2
+    workdir = pathlib.Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer.from_dir(base_dir)
+    task = warm_start.make_task(config)
+    # A seed apart from the warm start's: RL prompts are train-split problems the base model has not seen.
+    train_records = task.to_prompt_records(
+        task.examples("train", config.data.train_prompts, seed=config.seed + 1000), tokenizer)
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh), config.trainer, mesh,
+                        seq_len=config.rollout.max_len)
+    t = config.trainer
+    strategy = Coordination.from_config(config.rollout.coordination) if config.rollout.get("coordinator") else None
+    service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),
+                                batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
+                                batch_rule=t.batch_rule,
+                                reserve_groups=strategy.reserve_groups(t.batch_groups) if strategy else None)
+    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
+    start_step, extra = 0, {}
+    if ckpt.latest_step() is not None:
+        state, extra = ckpt.restore(abstract_train_state(trainer.model(), trainer.tx, mesh))
+        trainer.state = state
+        service.restore(extra["trajectories"])
+        start_step = trainer.version
+        print(f"jaxflow: resuming {workdir} from step {start_step}", flush=True)
+    if start_step >= t.steps:
+        print(f"jaxflow: {workdir} already ran {start_step} of {t.steps} steps; nothing to do "
+              f"(raise trainer.steps to train more, or use another workdir)")
+        return 0
+
+    ledger = Ledger(workdir / "ledger.jsonl", start_step)
+    run_log = RunLog(workdir, total_steps=t.steps, start_step=start_step, resume=start_step > 0)
+    params = ParameterService(keep=2)
+    params.publish(trainer.version, trainer.hf_tensors())
+    pool = RewardPool(num_workers=config.rollout.reward_workers, timeout_s=config.rollout.reward_timeout_s)
+    evaluator = _Evaluator(config, trainer, task, tokenizer, pool)
+    r = config.rollout
+    sampling = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
+                              stop_token_ids=(tokenizer.eos_id,))
+    sync = SyncPolicy(when=r.sync_when, lag=r.sync_lag, mode=r.sync_mode)
+    engines, workers = [], []
+    result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy")}
+    reward_fn = group_reward_fn(pool, task.reward_ref, tokenizer.decode)
+    try:
+        if result["base_accuracy"] is None:
+            result["base_accuracy"] = evaluator()
+            run_log.log_eval(0, result["base_accuracy"])
+        for i in range(r.num_workers):
+            engines.append(_make_engine(config, trainer, base_dir))
+        if strategy is not None:
+            workers.append(_CoordinatedFleet(Coordinator("coord", engines, service, params, strategy=strategy,
+                                                         eta=t.eta, sampling=sampling, reward_fn=reward_fn,
+                                                         trace_every_s=0.25)))
+        else:
+            workers.extend(RolloutWorker(f"w{i}", e, service, params, sampling=sampling, sync=sync,
+                                         max_groups=r.max_groups, reward_fn=reward_fn)
+                           for i, e in enumerate(engines))
+        result.update(_train_loop(config, trainer, service, params, workers, ckpt, ledger, run_log,
+                                  evaluator, start_step, result["base_accuracy"]))
+        if strategy is not None:
+            coordinator = workers[0].coordinator
+            result["coordination"] = {k: v for k, v in coordinator.stats().items() if k != "instances"}
+            (workdir / "coordinator_trace.json").write_text(
+                json.dumps({k: list(v) for k, v in coordinator.trace.items()}))
+    finally:
+        for w in workers:
+            w.stop(abort_in_flight=True)
+        for e in engines:
+            e.close()
+        evaluator.close()
+        pool.close()
+        params.close()
+        ckpt.close()
+        ledger.close()
+        run_log.close()
+    if result.get("interrupted"):
+        print(f"jaxflow: stopped at step {trainer.version}; rerun the same command to resume", flush=True)
+        return 130
+    stats = service.stats()
+    ids = ledger.group_ids()
+    counts = stats["counts"]
+    result["accounting"] = {
+        "created": counts["created"], "consumed": counts["consumed"], "failed": counts["failed"],
+        "surplus": counts["surplus"],
+        "in_flight": sum(v for k, v in stats["groups"].items() if k not in ("consumed", "failed", "surplus")),
+        "ledger_groups": len(ids), "ledger_duplicates": len(ids) - len(set(ids))}
+    hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True)
+    (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    a = result["accounting"]
+    print(f"jaxflow: done. held-out accuracy {result['base_accuracy']:.1%} (base) -> "
+          f"{result['final_accuracy']:.1%} after {t.steps} steps; policy exported to {workdir / 'export'}\n"
+          f"jaxflow: groups created {a['created']} = consumed {a['consumed']} + in flight {a['in_flight']} + "
+          f"failed {a['failed']} + surplus {a['surplus']}; the ledger holds {a['ledger_groups']} trained groups, "
+          f"{a['ledger_duplicates']} trained twice", flush=True)
+    return 0
+
+
+def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledger, run_log, evaluator,
+                start_step: int, base_accuracy: float) -> dict[str, Any]:
+    t = config.trainer
+    for w in workers:
+        w.start()
+    out: dict[str, Any] = {}
+    loop_start, waited, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0, 0.0
+    eval_s = 0.0  # held-out evals inside the loop (the trainer waits on them; rollouts go on)
+    accuracy = None
+
+    saved = [start_step]
+
+    def save():
+        if saved[-1] != trainer.version:
+            ckpt.save(trainer.version, trainer.state, {"trajectories": service.snapshot(),
+                                                       "base_accuracy": base_accuracy}, force=True)
+            saved.append(trainer.version)
+
+    with _Stop() as stop:
+        for step in range(start_step, t.steps):
+            before = time.monotonic()
+            consumed = _consume(service, step, stop)
+            if consumed is None:
+                break
+            waited += time.monotonic() - before
+            busy_from = time.monotonic()
+            metrics, staleness = trainer.train(consumed)
+            trainer.publish(service, params)
+            metrics["trainer_busy_s"] = time.monotonic() - busy_from
+            ledger.record(step, [g.group_id for g in consumed.groups])
+            elapsed = time.monotonic() - loop_start
+            trained_tokens += metrics["trained_tokens"]
+            consumed_tokens += metrics["consumed_tokens"]
+            idle = sum(w.counts["idle_s"] for w in workers) / (elapsed * len(workers))
+            counts = service.stats()["counts"]
+            metrics.update(trainer_idle_frac=waited / elapsed, rollout_idle_frac=min(idle, 1.0),
+                           trained_tokens_per_s=trained_tokens / elapsed,
+                           consumed_tokens_per_s=consumed_tokens / elapsed,
+                           groups_aborted=float(counts["aborted"]), groups_failed=float(counts["failed"]),
+                           groups_surplus=float(counts["surplus"]),
+                           weight_syncs=float(sum(w.counts["syncs"] for w in workers)))
+            for w in workers:
+                if isinstance(w, _CoordinatedFleet):  # what the strategies did, cumulative
+                    metrics.update({k: float(w.coordinator.counts[k]) for k in _COORDINATION_METRICS})
+            done = step + 1 == t.steps
+            if (step + 1) % config.eval.every == 0 or done:
+                eval_from = time.monotonic()
+                accuracy = evaluator()
+                metrics["eval_accuracy"] = accuracy
+                metrics["eval_s"] = time.monotonic() - eval_from
+                eval_s += metrics["eval_s"]
+            run_log.log_step(step, metrics, staleness=staleness)
+            if (step + 1) % config.checkpoint.every == 0 or done or stop.requested:
+                save()
+            if stop.requested:
+                break
+        if stop.requested:
+            save()
+    out["interrupted"] = trainer.version < t.steps
+    out["final_accuracy"] = accuracy
+    out["wall_s"] = time.monotonic() - loop_start
+    out["eval_s"] = eval_s
+    return out

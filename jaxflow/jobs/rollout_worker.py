@@ -1,0 +1,103 @@
+"""A rollout worker as its own process, talking to served data services over RPC.
+
+    python -m jaxflow.jobs.rollout_worker --trajectories 127.0.0.1:7001 --params 127.0.0.1:7002 \\
+        --model runs/x/base_model --engine jax --name w0 --reward jaxflow.tasks:reward
+
+The trajectory and parameter services run elsewhere (`jaxflow.transport.rpc.Server`); the token, if any, comes
+from the JAXFLOW_TOKEN environment variable so it never shows in a process list. The worker first
+loads the newest published weights, then runs until SIGTERM/SIGINT, when it hands its in-flight groups
+back (with their partial samples) before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+from jaxflow.transport import rpc
+from jaxflow.transport.param_client import ParameterClient
+from rollout_bridge.engine import SamplingParams
+from rollout_bridge.worker import RolloutWorker, SyncPolicy
+
+log = logging.getLogger("jaxflow.jobs.rollout_worker")
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def make_engine(kind: str, model: str, max_len: int, slots: int):
+    """The engine named by `kind` ("jax" or "vllm") serving the HF directory `model`."""
+    if kind == "jax":
+        from rollout_bridge.jax_engine import JaxEngine
+
+        return JaxEngine(model, max_slots=slots, max_len=max_len)
+    if kind == "vllm":
+        from rollout_bridge.vllm_engine import VllmEngine
+
+        return VllmEngine(model, max_model_len=max_len, max_num_seqs=slots)
+    raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one rollout worker against served data services.")
+    parser.add_argument("--trajectories", type=_address, required=True, help="HOST:PORT of the trajectory service")
+    parser.add_argument("--params", type=_address, required=True, help="HOST:PORT of the parameter service")
+    parser.add_argument("--model", required=True, help="HF directory the engine starts from")
+    parser.add_argument("--engine", default="jax", choices=["jax", "vllm"])
+    parser.add_argument("--name", default=f"worker-{os.getpid()}")
+    parser.add_argument("--reward", default=None, help="module:function scoring (response, meta); "
+                                                       "omit to leave rewarding to the trainer's pool")
+    parser.add_argument("--max-groups", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--sync", default="every", choices=["every", "idle", "lag"])
+    parser.add_argument("--sync-lag", type=int, default=1)
+    parser.add_argument("--sync-mode", default="keep", choices=["keep", "abort"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    token = os.environ.get("JAXFLOW_TOKEN")
+    trajectories = rpc.Client(args.trajectories, token=token)
+    params = ParameterClient(rpc.Client(args.params, token=token))
+    engine = make_engine(args.engine, args.model, args.max_len, args.slots)
+    reward_fn = None
+    if args.reward:
+        from jaxflow.rewards import resolve
+        from jaxflow.tokenizer import Tokenizer
+
+        score, tokenizer = resolve(args.reward), Tokenizer.from_dir(args.model)
+
+        def reward_fn(task, samples):
+            return [float(score(tokenizer.decode(s.tokens), task.meta)) for s in samples]
+
+    worker = RolloutWorker(args.name, engine, trajectories, params,
+                           sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature),
+                           sync=SyncPolicy(args.sync, args.sync_lag, args.sync_mode),
+                           max_groups=args.max_groups, reward_fn=reward_fn)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if params.latest() is not None:
+        worker.sync()
+    log.info("worker %s serving with the %s engine at version %d", args.name, args.engine, engine.version)
+    try:
+        while not stop.is_set():
+            worker.step()
+    finally:
+        worker.stop(abort_in_flight=True)
+        engine.close()
+        log.info("worker %s stopped: %s", args.name, worker.counts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

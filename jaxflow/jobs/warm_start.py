@@ -1,0 +1,186 @@
+"""The supervised warm start: a tiny base model that sometimes solves the task, built locally.
+
+RL needs a policy that already succeeds now and then, and there is no model hub here. `build_base_model`
+writes a tiny tokenizer and a random model, trains it briefly by next-token cross-entropy on the task's
+demonstrations (prompt tokens are not trained), measures its held-out greedy accuracy with jaxflow's JAX
+engine, and exports it as an HF directory with `base_info.json` beside it. The directory is a cache:
+`ensure_base_model` reuses it when its recorded settings match, so the RL job pays for the warm start
+once per machine.
+
+The warm start is deliberately short: a base model at roughly 10-40% accuracy leaves RL room to show
+what it does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxflow import sharding
+from jaxflow.trainer.batch import Trajectory, make_batch
+from jaxflow.models import hf_io
+from jaxflow.models.tiny import write_tiny_model
+from jaxflow.tasks import Task, get_task
+from jaxflow.tokenizer import Tokenizer
+from jaxflow.trainer.step import token_logprobs
+
+INFO_FILE = "base_info.json"
+
+
+class BaseModelMissing(FileNotFoundError):
+    """The RL job's base model is not where the config says, and building it was not asked for."""
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> str:
+    """A short hash of everything that shapes the base model (task, model, warm-start settings)."""
+    parts = {"task": config.task.to_dict(), "model": config.model.to_dict(), "base": {
+        k: v for k, v in config.base.to_dict().items() if k not in ("dir", "build_if_missing")}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def make_task(config: ml_collections.ConfigDict) -> Task:
+    options = config.task.to_dict()
+    return get_task(options.pop("name"), **options)
+
+
+def _sft_step(graphdef, tx):
+    @jax.jit
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            mb = jax.tree.map(lambda x: x[0], batch)  # one micro-batch
+            logp, _ = token_logprobs(nnx.merge(graphdef, p), mb)
+            mask = mb.loss_mask
+            return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def _packed(trajs: list[Trajectory], seq_len: int):
+    """The demonstrations packed into rows of seq_len tokens; the row count is rounded up to a power of
+    two so that only a few shapes ever compile."""
+    need = -(-sum(len(t.prompt) + len(t.completion) for t in trajs) // seq_len)
+    rows = 1 << max(0, need - 1).bit_length()
+    while True:
+        try:
+            return make_batch(trajs, num_rows=rows, seq_len=seq_len, pack=True)[0]
+        except ValueError:
+            if rows >= len(trajs):
+                raise
+            rows *= 2
+
+
+def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib.Path, *,
+                     log=print) -> dict[str, Any]:
+    """Writes, warm-starts, evaluates and exports the base model into `directory`; returns its info.
+
+    Uses config.task, config.model (tiny architecture), config.base (steps, batch_size, lr,
+    num_examples, seed) and config.rollout (max_len, eval prompts), config.eval.num_prompts.
+    """
+    from jaxflow.jobs.evaluation import evaluate
+    from rollout_bridge.jax_engine import JaxEngine
+
+    start = time.monotonic()
+    directory = pathlib.Path(directory)
+    if (directory / "config.json").exists() and read_info(directory) is None:
+        raise FileExistsError(f"{directory} holds a model that no warm start built (it has no {INFO_FILE}); "
+                              f"set config.base.dir to another directory, or remove this one")
+    m, b = config.model, config.base
+    write_tiny_model(directory, architecture=m.architecture, hidden_size=m.hidden_size,
+                     intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                     num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                     tie_word_embeddings=m.tie_word_embeddings, vocab_size=m.vocab_size, seed=b.seed,
+                     overwrite=True)
+    tokenizer = Tokenizer.from_dir(directory)
+    task = make_task(config)
+    records = task.to_sft_records(task.examples("train", b.num_examples, seed=b.seed), tokenizer)
+    seq_len = config.rollout.max_len
+    too_long = [i for i, r in enumerate(records) if len(r["prompt"]) + len(r["completion"]) > seq_len]
+    if too_long:
+        raise ValueError(f"{len(too_long)} of {len(records)} demonstrations are longer than "
+                         f"rollout.max_len={seq_len} tokens (e.g. example {too_long[0]}); raise "
+                         f"rollout.max_len or make the task easier")
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    model = hf_io.load_model(directory, mesh=mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(optax.warmup_cosine_decay_schedule(0.0, b.lr, min(50, b.steps // 10 + 1),
+                                                                    b.steps, b.lr * 0.1),
+                                 weight_decay=0.0))
+    opt_state = tx.init(params)
+    step_fn = _sft_step(graphdef, tx)
+    rng = np.random.default_rng(b.seed)
+    losses = []
+    for step in range(1, b.steps + 1):
+        picks = rng.choice(len(records), b.batch_size, replace=False)
+        trajs = [Trajectory(records[i]["prompt"], records[i]["completion"],
+                            [0.0] * len(records[i]["completion"]), [0] * len(records[i]["completion"]),
+                            advantage=1.0) for i in picks]
+        batch = _packed(trajs, seq_len)
+        params, opt_state, loss = step_fn(params, opt_state, batch)
+        losses.append(float(loss))
+        if step % max(1, b.steps // 10) == 0 or step == b.steps:
+            log(f"warm start: step {step}/{b.steps}, loss {np.mean(losses[-20:]):.3f}, "
+                f"{time.monotonic() - start:.0f}s")
+    model = nnx.merge(graphdef, params, nnx.state(model, nnx.Not(nnx.Param)))
+    hf_io.export_model(model, directory, overwrite=True)
+
+    eval_records = task.to_prompt_records(task.examples("eval", config.eval.num_prompts, seed=0), tokenizer)
+    engine = JaxEngine(model, max_slots=config.rollout.max_slots, max_len=seq_len,
+                       decode_chunk=config.rollout.decode_chunk)
+    try:
+        result = evaluate(engine, eval_records, decode=tokenizer.decode, reward_ref=task.reward_ref,
+                          max_tokens=config.rollout.max_tokens, stop_token_ids=[tokenizer.eos_id])
+    finally:
+        engine.close()
+    info = {"fingerprint": fingerprint(config), "eval_accuracy": result.accuracy,
+            "eval_prompts": result.num_prompts, "final_loss": float(np.mean(losses[-20:])),
+            "steps": b.steps, "seconds": round(time.monotonic() - start, 1), "task": config.task.to_dict()}
+    (directory / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    log(f"warm start: base model at {directory}: held-out accuracy {result.accuracy:.1%} on "
+        f"{result.num_prompts} prompts ({info['seconds']:.0f}s)")
+    return info
+
+
+def read_info(directory: str | pathlib.Path) -> dict[str, Any] | None:
+    path = pathlib.Path(directory) / INFO_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def ensure_base_model(config: ml_collections.ConfigDict, *, log=print) -> pathlib.Path:
+    """The base model directory (config.base.dir), built first when missing or built with other settings
+    and config.base.build_if_missing; else BaseModelMissing saying how to build it."""
+    directory = pathlib.Path(config.base.dir)
+    info = read_info(directory)
+    if info is not None and info.get("fingerprint") == fingerprint(config):
+        return directory
+    if not config.base.build_if_missing:
+        why = ("was built with other settings" if info is not None
+               else "does not exist" if not directory.exists() else f"has no {INFO_FILE}")
+        raise BaseModelMissing(
+            f"base model {directory} {why}. Build it with: python -m jaxflow.main --config=<this config> "
+            f"--config.job=warm_start  (or set --config.base.build_if_missing=True)")
+    log(f"warm start: building the base model in {directory} (cached for later runs)")
+    build_base_model(config, directory, log=log)
+    return directory
+
+
+def run(config: ml_collections.ConfigDict) -> int:
+    """The `warm_start` job: (re)builds the base model, whatever the cache holds."""
+    build_base_model(config, config.base.dir)
+    return 0

@@ -1,0 +1,233 @@
+"""The staleness-aware PPO update: forward, loss, gradients and optimizer as one jit-compiled function.
+
+One call consumes the batch for policy version v and returns the state of version v+1. Inside, the
+batch's micro-batches [M, b, T] are grouped into K minibatches; each minibatch is one optimizer update
+(gradients accumulated over its micro-batches with `lax.scan`). π_prox, the proximal policy of
+decoupled PPO, is the weights at the start of the call:
+
+- prox="recompute": with K = 1 the gradient is taken at exactly those weights, so π_prox is the
+  current log-prob with its gradient stopped (no extra pass); with K > 1 a forward-only scan over the
+  batch computes it first.
+- prox="loglinear": AReaL's interpolation between μ and π_θ by per-token versions, no extra pass.
+
+An update whose loss or gradient is not finite is skipped (parameters and optimizer state unchanged),
+counted in `state.skipped`, and reported; it never corrupts the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxflow.trainer import losses
+from jaxflow.trainer.batch import TrajectoryBatch, validate_batch
+from jaxflow.trainer.state import TrainState
+
+PROX_MODES = ("recompute", "loglinear")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What the update computes. loss: a `losses.LossConfig`. minibatches: optimizer updates per batch
+    (K). prox: how π_prox is obtained (see module docstring). remat: recompute each block in the
+    backward pass to save activation memory.
+    """
+
+    loss: losses.LossConfig = losses.LossConfig()
+    minibatches: int = 1
+    prox: str = "recompute"
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.prox not in PROX_MODES:
+            raise ValueError(f"unknown prox mode {self.prox!r}; valid: {', '.join(PROX_MODES)}")
+        if self.minibatches < 1:
+            raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
+        losses.validate_loss_config(self.loss)
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW behind global-norm clipping, with a linear warmup (from lr / warmup_steps) then constant or
+    cosine decay.
+
+    Norm scales and biases are not weight-decayed. Fields: lr, warmup_steps, schedule ("constant" or
+    "cosine"), total_steps (cosine only), b1, b2, eps, weight_decay, max_grad_norm.
+    """
+    # Update k (from 0) of the warmup gets lr * (k + 1) / warmup_steps: the first update is not a no-op.
+    def warmup(count):
+        return config.lr * jnp.minimum((count + 1) / max(config.warmup_steps, 1), 1.0)
+
+    if config.schedule == "constant":
+        after = optax.constant_schedule(config.lr)
+    elif config.schedule == "cosine":
+        after = optax.cosine_decay_schedule(config.lr, max(config.total_steps - config.warmup_steps, 1))
+    else:
+        raise ValueError(f"unknown lr schedule {config.schedule!r}; valid: constant, cosine")
+    schedule = optax.join_schedules([warmup, after], [config.warmup_steps])
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not any(str(getattr(k, "key", k)).endswith(("norm", "bias")) for k in path),
+            params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm),
+        optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                    weight_decay=config.weight_decay, mask=decay_mask))
+
+
+def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False):
+    """log π(token_t | tokens_<t) and the policy entropy at t, both [b, T] float32 (0 at t = 0).
+
+    The entropy carries no gradient: it is a diagnostic.
+    """
+    logits = model(mb.tokens, mb.positions, mb.segment_ids, remat=remat)[:, :-1]
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    logp = jnp.take_along_axis(logp_all, mb.tokens[:, 1:, None], axis=-1)[..., 0]
+    probs = jax.lax.stop_gradient(jnp.exp(logp_all))
+    entropy = -jnp.sum(probs * jax.lax.stop_gradient(logp_all), axis=-1)
+    pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
+    return pad(logp), pad(entropy)
+
+
+def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Reduces per-micro-batch metrics (leading axis) to one value each, weighting means by tokens."""
+    n = metrics["num_tokens"]
+    total = jnp.maximum(jnp.sum(n), 1.0)
+    out = {}
+    for key, value in metrics.items():
+        if key in ("loss", "num_tokens"):
+            out[key] = jnp.sum(value)
+        elif key.endswith("_max"):
+            out[key] = jnp.max(value)
+        else:
+            out[key] = jnp.sum(value * n) / total
+    return out
+
+
+def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch,
+                ref_params) -> tuple[TrainState, dict[str, Any]]:
+    m, b, t = batch.tokens.shape
+    k = cfg.minibatches
+    version = state.version
+    lc = cfg.loss
+    uses_prox = losses.POLICY_LOSS_USES_PROX[lc.name]
+
+    def forward(params, mb):
+        return token_logprobs(nnx.merge(graphdef, params), mb, cfg.remat)
+
+    # π_prox for K > 1: the start-of-step weights, before any update of this call.
+    prox_all = None
+    if uses_prox and cfg.prox == "recompute" and k > 1:
+        prox_all = jax.lax.map(lambda mb: forward(state.params, mb)[0], batch)
+    ref_all = None
+    if ref_params is not None:
+        ref_all = jax.lax.map(lambda mb: forward(ref_params, mb)[0], batch)
+
+    def loss_fn(params, mb, weights, prox, ref):
+        logp, entropy = forward(params, mb)
+        if not uses_prox:
+            prox = logp  # unused by the loss
+        elif cfg.prox == "loglinear":
+            prox = losses.loglinear_prox_logp(mb.behav_logp, logp, mb.versions, version)
+        elif prox is None:
+            prox = jax.lax.stop_gradient(logp)
+        loss, metrics = losses.loss_and_metrics(lc.name, lc, logp, mb.behav_logp, prox, mb.advantages,
+                                                mb.loss_mask, weights, ref)
+        mask = mb.loss_mask > 0
+        metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+        return loss, metrics
+
+    def split(x):  # [M, ...] -> [K, M/K, ...]
+        return None if x is None else x.reshape(k, m // k, *x.shape[1:])
+
+    def update(carry, minibatch):
+        params, opt_state, skipped = carry
+        mbs, prox, ref = minibatch
+        flat_mask = mbs.loss_mask.reshape(-1, t)
+        # Sequences are (row, segment) pairs, so aggregation is right for packed rows too.
+        seq_ids = mbs.segment_ids.reshape(-1, t) + t * jnp.arange(flat_mask.shape[0])[:, None]
+        weights = losses.token_weights(flat_mask, lc.aggregation, lc.constant_normalizer,
+                                       sequence_ids_bt=seq_ids).reshape(mbs.loss_mask.shape)
+
+        def micro(grad_sum, xs):
+            mb, w, p, r = xs
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, p, r)
+            return jax.tree.map(jnp.add, grad_sum, grads), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, per_micro = jax.lax.scan(micro, zeros, (mbs, weights, prox, ref))
+        metrics = _combine(per_micro)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda a, c: jnp.where(finite, a, c), new, old)  # noqa: E731
+        params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
+        metrics.update(grad_norm=grad_norm, update_norm=optax.tree.norm(updates) * finite,
+                       finite=finite.astype(jnp.float32))
+        return (params, opt_state, skipped + (~finite).astype(jnp.int32)), metrics
+
+    (params, opt_state, skipped), per_update = jax.lax.scan(
+        update, (state.params, state.opt_state, state.skipped),
+        (jax.tree.map(split, batch), split(prox_all), split(ref_all)))
+
+    metrics = {key: (jnp.max(v) if key.endswith("_max") else jnp.mean(v)) for key, v in per_update.items()}
+    metrics["num_tokens"] = jnp.sum(per_update["num_tokens"])
+    metrics["updates_skipped"] = jnp.sum(1.0 - per_update["finite"])
+    mask = batch.loss_mask > 0
+    staleness = jnp.where(mask, version - batch.versions, 0)
+    metrics["staleness_mean"] = jnp.sum(staleness) / jnp.maximum(jnp.sum(mask), 1)
+    metrics["staleness_max"] = jnp.max(staleness)
+    metrics["param_norm"] = optax.tree.norm(params)
+    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + k,
+                              version=version + 1, skipped=skipped)
+    return new_state, metrics
+
+
+class TrainStep:
+    """The jitted update with explicit shardings; call it as `state, metrics = step(state, batch)`.
+
+    The state is donated: the caller must use the returned state and drop the one passed in.
+    Batches are validated on the host (shapes, empty mask, future versions) before they are sent.
+    """
+
+    def __init__(self, graphdef, tx: optax.GradientTransformation, cfg: StepConfig, mesh,
+                 state_shardings: TrainState):
+        self.cfg, self.mesh = cfg, mesh
+        batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+        self.rows_per_shard = mesh.shape["data"] * mesh.shape["fsdp"]
+        self.batch_sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes, None))
+        batch_shardings = TrajectoryBatch(**{f.name: self.batch_sharding
+                                             for f in dataclasses.fields(TrajectoryBatch)})
+
+        def fn(state, batch, ref_params):
+            return _train_step(graphdef, tx, cfg, state, batch, ref_params)
+
+        self._jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings, state_shardings.params),
+                               out_shardings=(state_shardings, None), donate_argnums=0)
+        self._jitted_no_ref = jax.jit(lambda s, bt: fn(s, bt, None),
+                                      in_shardings=(state_shardings, batch_shardings),
+                                      out_shardings=(state_shardings, None), donate_argnums=0)
+
+    def __call__(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
+        validate_batch(batch, int(state.version))
+        m, b, _ = batch.tokens.shape
+        if m % self.cfg.minibatches:
+            raise ValueError(f"{m} micro-batches cannot form {self.cfg.minibatches} minibatches")
+        if b % self.rows_per_shard:
+            raise ValueError(f"{b} rows per micro-batch do not split over {self.rows_per_shard} "
+                             f"data x fsdp shards")
+        if self.cfg.loss.kl_coef > 0 and ref_params is None:
+            raise ValueError("loss.kl_coef > 0 needs ref_params (the reference policy's parameters)")
+        batch = jax.device_put(batch, self.batch_sharding)
+        if ref_params is None:
+            return self._jitted_no_ref(state, batch)
+        return self._jitted(state, batch, ref_params)

@@ -1,0 +1,147 @@
+"""Reading (and publishing to) a ParameterService from another process.
+
+`attach_shared` maps a shared-memory version on this host with zero copies; `ParameterClient` wraps an
+RPC client of a served ParameterService and pulls by attaching when it can, streaming chunks otherwise.
+The storage layout (one aligned buffer per version, tensors at the manifest's offsets) is the
+service's, so the helpers that read it are shared with `jaxflow.data.param_service`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxflow.data.param_storage import (
+    ALIGNMENT,
+    _Buffer,
+    _map_segment,
+    _native,
+    _slots_of,
+    _views,
+)
+from jaxflow.data.param_service import DEFAULT_CHUNK_BYTES
+
+
+def attach_shared(manifest: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Maps the shared-memory segment of a `manifest()` from a shared-memory ParameterService on this host
+    and returns {name: read-only array} viewing it (no copy).
+
+    The mapping lives as long as the arrays do, even after the service evicts the version. Does not touch
+    Python's resource tracker, so the segment is neither unlinked nor reported as leaked when this process
+    exits. Raises FileNotFoundError when the segment does not exist here (another host or container, or the
+    version was evicted), ValueError when the manifest has no segment.
+    """
+    name = manifest.get("segment")
+    if not name:
+        raise ValueError(f"version {manifest.get('version')} is not in shared memory (the service was "
+                         f"created without shared_memory=True)")
+    if "/" in name or name.startswith("."):
+        raise ValueError(f"invalid shared-memory segment name {name!r}")
+    mapping = _map_segment(name, max(manifest["total_bytes"], ALIGNMENT), writable=False)
+    return _views(np.frombuffer(mapping, np.uint8), _slots_of(manifest))
+
+
+class ParameterClient:
+    """A ParameterService seen through an RPC client (anything with `call(method, *args)`).
+
+    Pulls by attaching the version's shared-memory segment when the service uses shared memory and the
+    segment is reachable from this process; otherwise streams the version with `read` in `chunk_bytes`
+    pieces into one buffer. Also publishes, for a trainer in another process.
+
+    shared_memory: whether to try attaching at all (False: always stream).
+    """
+
+    def __init__(self, rpc_client, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, shared_memory: bool = True):
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self._rpc = rpc_client
+        self.chunk_bytes = chunk_bytes
+        self._try_shared = shared_memory
+
+    def latest(self) -> int | None:
+        """The service's newest committed version, or None."""
+        return self._rpc.call("latest")
+
+    def versions(self) -> list[int]:
+        """The service's committed versions, oldest first."""
+        return list(self._rpc.call("versions"))
+
+    def manifest(self, version: int | None = None) -> dict[str, Any]:
+        """The service's manifest of `version` (default the latest); see ParameterService.manifest."""
+        return self._rpc.call("manifest", version)
+
+    def wait_for_version(self, min_version: int, timeout: float | None = None, *,
+                         poll_s: float = 5.0) -> int:
+        """Blocks until the service has a version >= `min_version`; returns its latest version.
+
+        Waits on the server in calls of at most `poll_s` seconds, so no single call outlives an RPC
+        deadline. Raises TimeoutError after `timeout` seconds (None: never).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
+            got = self._rpc.call("poll_version", min_version, max(left, 0.0))
+            if got is not None:
+                return got
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no version >= {min_version} was published within {timeout} s")
+
+    def pull(self, version: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """(version, {name: read-only array}) of `version` (default the latest).
+
+        Zero-copy through shared memory when possible, else one streamed copy. When pulling the latest
+        version and the service evicts it mid-stream, starts over with the new latest (up to 3 times).
+        """
+        for attempt in range(3):
+            manifest = self._rpc.call("manifest", version)
+            if manifest.get("segment") and self._try_shared:
+                try:
+                    return manifest["version"], attach_shared(manifest)
+                except FileNotFoundError:
+                    pass  # not reachable from here (another host or IPC namespace): stream it
+            try:
+                return manifest["version"], self._stream(manifest)
+            except Exception:
+                if version is not None or attempt == 2 or manifest["version"] in self.versions():
+                    raise
+
+    def _stream(self, manifest: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        total = manifest["total_bytes"]
+        buffer = _Buffer(total).array
+        for offset in range(0, total, self.chunk_bytes):
+            size = min(self.chunk_bytes, total - offset)
+            chunk = np.frombuffer(self._rpc.call("read", manifest["version"], None, offset, size), np.uint8)
+            if chunk.size != size:
+                raise ValueError(f"version {manifest['version']}: read {size} bytes at offset {offset} "
+                                 f"returned {chunk.size}")
+            buffer[offset:offset + size] = chunk
+        return _views(buffer, _slots_of(manifest))
+
+    def publish(self, version: int,
+                tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]], *,
+                chunk_bytes: int | None = None) -> None:
+        """Publishes `version` on the service: begin, each tensor's bytes in `chunk_bytes` puts, commit.
+
+        On any failure the version is aborted on the service (nothing becomes visible) and the error raised.
+        """
+        chunk = chunk_bytes or self.chunk_bytes
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        arrays = [(name, _native(np.asarray(value))) for name, value in items]
+        self._rpc.call("begin", version, {name: {"dtype": a.dtype.name, "shape": list(a.shape)}
+                                          for name, a in arrays})
+        try:
+            for name, arr in arrays:
+                # A 1-D uint8 view: the wire sends it as raw bytes without a copy, whatever the dtype.
+                raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+                for offset in range(0, raw.size, chunk):
+                    self._rpc.call("put", version, name, raw[offset:offset + chunk], offset)
+            self._rpc.call("commit", version)
+        except BaseException:
+            try:
+                self._rpc.call("abort_publish", version)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+            raise

@@ -1,0 +1,268 @@
+"""The reward pool: scores in worker processes, and survives reward functions that raise, hang, crash or return
+nonsense, counting each, replacing workers, and leaving no process behind."""
+
+import concurrent.futures
+import ctypes
+import logging
+import math
+import multiprocessing
+import multiprocessing.resource_tracker
+import os
+import pathlib
+import subprocess
+import time
+
+import pytest
+
+from jaxflow.rewards import RewardPool, group_reward_fn, resolve, score_inline
+from jaxflow.data.records import GroupTask, Sample
+
+psutil = pytest.importorskip("psutil")
+
+HERE = __name__  # the workers import this module by the name pytest gave it
+
+
+# ---- reward functions the workers call, by reference ----
+
+def length_reward(response, meta):
+    return float(len(response)) * meta.get("scale", 1.0)
+
+
+def raising_reward(response, meta):
+    raise KeyError(f"no field {response}")
+
+
+def hanging_reward(response, meta):
+    time.sleep(3600)
+
+
+def hanging_reward_with_a_child(response, meta):
+    child = subprocess.Popen(["sleep", "3600"])
+    pathlib.Path(response).write_text(str(child.pid))
+    time.sleep(3600)
+
+
+def crashing_reward(response, meta):
+    os._exit(7)
+
+
+def segfaulting_reward(response, meta):
+    ctypes.string_at(0)
+
+
+def exiting_reward(response, meta):
+    raise SystemExit(3)
+
+
+def invalid_reward(response, meta):
+    return {"nan": math.nan, "inf": -math.inf, "str": "1.0", "none": None, "huge": 10 ** 400}[response]
+
+
+def allocating_reward(response, meta):
+    return float(len(bytearray(4 << 30)))
+
+
+def ref(fn):
+    return f"{HERE}:{fn.__name__}"
+
+
+def gone(pid):
+    """True once `pid` no longer exists (our workers are reaped, so no zombies either)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def live_children():
+    # Spawning starts multiprocessing's resource tracker once per parent process; it is not a worker.
+    multiprocessing.resource_tracker.ensure_running()
+    return {c.pid for c in psutil.Process().children(recursive=True) if not gone(c.pid)}
+
+
+@pytest.fixture
+def pool():
+    """Two workers with this module preloaded, and a check that no process outlives the pool: neither its
+    workers, nor the replacements it started on the way."""
+    before = live_children()
+    seen = set()
+    with RewardPool(num_workers=2, timeout_s=0.5, preload=[ref(length_reward)]) as p:
+        p.seen_pids = seen
+        seen.update(p.worker_pids())
+        yield p
+        seen.update(p.worker_pids())
+    assert all(gone(pid) for pid in seen)
+    assert live_children() <= before
+    assert not {c.pid for c in multiprocessing.active_children()} & seen
+
+
+def replaced_workers_are_gone(pool):
+    """Every worker seen before that is no longer one of the pool's has exited and been reaped."""
+    current = set(pool.worker_pids())
+    replaced = pool.seen_pids - current
+    pool.seen_pids.update(current)
+    return bool(replaced) and all(gone(pid) for pid in replaced)
+
+
+def still_works(pool):
+    assert pool.score_group(ref(length_reward), ["ab", "abc", ""], {"scale": 2.0}) == [4.0, 6.0, 0.0]
+
+
+# ---- tests ----
+
+def test_scores_in_workers(pool):
+    future = pool.submit(ref(length_reward), "abcd", {})
+    assert isinstance(future, concurrent.futures.Future) and future.result(timeout=10) == 4.0
+    still_works(pool)
+    meta = {"task": "arithmetic", "answer": 12}
+    assert pool.score_group("jaxflow.tasks:reward", ["<answer>12</answer>", "<answer>13</answer>"], meta) == [1.0, 0.0]
+    stats = pool.stats()
+    assert stats["submitted"] == stats["scored"] == 6 and stats["pending"] == 0
+    assert stats["raised"] == stats["timed_out"] == stats["crashed"] == stats["invalid"] == 0
+
+
+def test_raising_function_scores_failed_value_and_logs_once(pool, caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxflow.rewards"):
+        assert pool.score_group(ref(raising_reward), ["x", "x", "x", "y"], {}) == [0.0] * 4
+        assert pool.score_group(ref(exiting_reward), ["x"], {}) == [0.0]
+    assert pool.stats()["raised"] == 5
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("KeyError: 'no field x'" in m for m in messages) == 1
+    assert sum("KeyError: 'no field y'" in m for m in messages) == 1
+    assert any("SystemExit: 3" in m for m in messages)
+    # Raising does not cost a worker.
+    assert pool.stats()["workers_started"] == 2
+    still_works(pool)
+
+
+def test_hanging_function_is_killed_and_replaced(pool):
+    start = time.monotonic()
+    results = pool.score_group(ref(hanging_reward), ["a", "b", "c"], {})
+    elapsed = time.monotonic() - start
+    assert results == [0.0] * 3
+    # Two workers, three calls of 0.5 s each: two rounds, plus spawning the replacements.
+    assert 0.9 < elapsed < 10.0
+    assert pool.stats()["timed_out"] == 3
+    # The last replacement starts just after its call is failed.
+    while pool.stats()["workers_started"] < 5 and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    assert pool.stats()["workers_started"] == 5
+    assert replaced_workers_are_gone(pool)
+    still_works(pool)
+
+
+def test_a_timeout_also_kills_what_the_reward_started(pool, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    assert pool.score_group(ref(hanging_reward_with_a_child), [str(pid_file)], {}) == [0.0]
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while not gone(child) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone(child)
+    still_works(pool)
+
+
+@pytest.mark.parametrize("fn", [crashing_reward, segfaulting_reward])
+def test_crashing_worker_is_replaced(pool, fn):
+    assert pool.score_group(ref(fn), ["a", "b"], {}) == [0.0, 0.0]
+    assert pool.stats()["crashed"] == 2
+    assert replaced_workers_are_gone(pool)
+    still_works(pool)
+
+
+def test_invalid_results_are_counted(pool):
+    assert pool.score_group(ref(invalid_reward), ["nan", "inf", "str", "none", "huge"], {}) == [0.0] * 5
+    assert pool.stats()["invalid"] == 5
+    still_works(pool)
+
+
+def test_failed_value_and_a_mix_in_one_group():
+    with RewardPool(num_workers=2, timeout_s=0.5, failed_value=-1.0) as pool:
+        futures = [pool.submit(ref(length_reward), "abc", {}), pool.submit(ref(hanging_reward), "", {}),
+                   pool.submit(ref(raising_reward), "", {}), pool.submit(ref(crashing_reward), "", {}),
+                   pool.submit(ref(length_reward), "ab", {})]
+        assert [f.result(timeout=20) for f in futures] == [3.0, -1.0, -1.0, -1.0, 2.0]
+        stats = pool.stats()
+        assert (stats["scored"], stats["timed_out"], stats["raised"], stats["crashed"]) == (2, 1, 1, 1)
+
+
+def test_bad_references_and_payloads(pool):
+    with pytest.raises(ValueError, match="module:function"):
+        pool.submit("no_colon", "x", {})
+    with pytest.raises(TypeError, match="msgpack"):
+        pool.submit(ref(length_reward), "x", {"array": object()})
+    assert pool.score_group("no_such_module_xyz:reward", ["x"], {}) == [0.0]
+    assert pool.score_group(f"{HERE}:no_such_function", ["x"], {}) == [0.0]
+    assert pool.stats()["raised"] == 2
+    still_works(pool)
+
+
+def test_memory_limit_turns_a_runaway_allocation_into_a_raise():
+    with RewardPool(num_workers=1, timeout_s=5.0, memory_limit_mb=2048) as pool:
+        assert pool.score_group(ref(allocating_reward), ["x"], {}) == [0.0]
+        assert pool.stats()["raised"] == 1
+        assert pool.score_group(ref(length_reward), ["xy"], {}) == [2.0]
+
+
+def test_close_fails_unfinished_calls_and_refuses_new_ones():
+    pool = RewardPool(num_workers=1, timeout_s=30.0)
+    pids = pool.worker_pids()
+    running = pool.submit(ref(hanging_reward), "", {})
+    queued = pool.submit(ref(length_reward), "x", {})
+    time.sleep(0.2)
+    pool.close()
+    for future in (running, queued):
+        with pytest.raises(RuntimeError, match="closed"):
+            future.result(timeout=5)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(ref(length_reward), "x", {})
+    pool.close()  # idempotent
+    assert all(gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("options, message", [
+    # A preload that does not import: reported by the worker, and the pool stops at once.
+    ({"preload": ["no_such_module_xyz:reward"]}, "cannot start: preloading .*No module named 'no_such_module_xyz'"),
+    # Workers that die before they are ready (here: no memory to run in): the pool stops after three.
+    ({"memory_limit_mb": 1}, "cannot start: 3 exited in a row"),
+])
+def test_workers_that_cannot_start_break_the_pool_clearly(options, message):
+    pool = RewardPool(num_workers=1, **options)
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pool.submit(ref(length_reward), "x", {}).result(timeout=60)
+    finally:
+        pool.close()
+    assert not multiprocessing.active_children()
+
+
+def test_score_inline():
+    assert score_inline(ref(length_reward), "abc", {}) == 3.0
+    with pytest.raises(KeyError):
+        score_inline(ref(raising_reward), "x", {})
+    with pytest.raises(ValueError, match="not a finite real number"):
+        score_inline(ref(invalid_reward), "nan", {})
+    with pytest.raises(ValueError, match="has no function"):
+        resolve(f"{HERE}:missing")
+    with pytest.raises(ValueError, match="module:function"):
+        resolve("jaxflow.tasks")
+
+
+def test_group_reward_fn_decodes_and_scores(pool):
+    task = GroupTask(group_id=0, prompt=[1, 2], n=2, v_start=0, meta={"scale": 10.0})
+    samples = [Sample(tokens=[1, 2, 3]), Sample(tokens=[4])]
+    reward_fn = group_reward_fn(pool, ref(length_reward), decode=lambda ids: "x" * len(ids))
+    assert reward_fn(task, samples) == [30.0, 10.0]
+
+
+def test_throughput_of_a_trivial_reward(pool):
+    meta = {"task": "arithmetic", "answer": 12}
+    pool.score_group("jaxflow.tasks:reward", ["<answer>12</answer>"], meta)  # import outside the timing
+    start = time.perf_counter()
+    scores = pool.score_group("jaxflow.tasks:reward", ["= 12\n<answer>12</answer>"] * 200, meta)
+    elapsed = time.perf_counter() - start
+    assert scores == [1.0] * 200
+    print(f"reward pool: 200 trivial samples on 2 workers in {elapsed * 1e3:.1f} ms "
+          f"({200 / elapsed:.0f} samples/s)")

@@ -1,0 +1,159 @@
+"""Checkpointer: exact round trips across mesh shapes, retention, atomicity and clear errors."""
+
+import dataclasses
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxflow import sharding
+from jaxflow.trainer.checkpoint import Checkpointer
+from jaxflow.models.config import ModelConfig
+from jaxflow.models.hf_io import abstract_model
+from jaxflow.models.transformer import Transformer
+from jaxflow.trainer.state import abstract_train_state, create_train_state
+
+CFG = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=256, hidden_size=64,
+                  intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  qk_norm=True)
+TX = optax.adamw(1e-2)
+EXTRA = {"data": {"epoch": 1, "position": 17}, "trajectories": [{"v_start": 3, "ids": [1, 2]}]}
+
+
+def _target(mesh, cfg=CFG):
+    return abstract_train_state(abstract_model(cfg), TX, mesh)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sharding.make_mesh(fsdp=4, tensor=2)
+
+
+@pytest.fixture(scope="module")
+def state(mesh):
+    """A state after one real adamw update (moments non-zero) with non-zero counters."""
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.device_put(params, sharding.state_shardings(params, mesh)))
+    ts = create_train_state(model, TX, mesh, version=7)
+    grads = jax.tree.map(lambda p: jnp.sin(p * 3.0 + 1.0), ts.params)
+    updates, opt_state = TX.update(grads, ts.opt_state, ts.params)
+    return ts.replace(params=optax.apply_updates(ts.params, updates), opt_state=opt_state,
+                      step=ts.step + 1, skipped=ts.skipped + 2)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, state, mesh):
+    """A directory holding step 1 of `state` with EXTRA; its arrays copied to the host for comparison."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    host = jax.tree.map(np.asarray, state)
+    with Checkpointer(directory) as ckpt:
+        assert ckpt.save(1, state, EXTRA)
+    return directory, host
+
+
+def _assert_restored(restored, host, target):
+    assert jax.tree.structure(restored) == jax.tree.structure(target)
+    for got, want, tgt in zip(jax.tree.leaves(restored), jax.tree.leaves(host),
+                              jax.tree.leaves(target)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), want, strict=True)
+        assert got.sharding == tgt.sharding
+
+
+def test_round_trip_same_mesh(saved, state, mesh):
+    directory, host = saved
+    assert int(state.opt_state[0].count) == 1
+    assert np.abs(np.asarray(state.opt_state[0].mu["embed"].get_value())).max() > 0
+    target = _target(mesh)
+    with Checkpointer(directory) as ckpt:
+        assert ckpt.latest_step() == 1 and ckpt.all_steps() == [1]
+        restored, extra = ckpt.restore(target)
+    _assert_restored(restored, host, target)
+    assert extra == EXTRA
+    assert (int(restored.step), int(restored.version), int(restored.skipped)) == (1, 7, 2)
+    # Variable types and metadata come back too, so the state drops straight into nnx.update.
+    assert restored.params["embed"].get_metadata()["logical_axes"] == ("vocab", "embed")
+
+
+@pytest.mark.parametrize("mesh_kw", [dict(data=2, fsdp=2, tensor=2),
+                                     dict(devices=jax.devices()[:1])],
+                         ids=["2x2x2", "one-device"])
+def test_restore_onto_other_mesh(saved, mesh_kw):
+    directory, host = saved
+    target = _target(sharding.make_mesh(**mesh_kw))
+    with Checkpointer(directory) as ckpt:
+        restored, extra = ckpt.restore(target, step=1)
+    _assert_restored(restored, host, target)
+    assert extra == EXTRA
+
+
+def test_save_survives_donation(tmp_path, state, mesh):
+    """save returns after the host copy, so the trainer may donate the state to the next step."""
+    host = jax.tree.map(np.asarray, state)
+    donated = jax.tree.map(jnp.copy, state)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, donated)
+        jax.tree.map(lambda x: x.delete(), donated)
+        restored, extra = ckpt.restore(_target(mesh))
+    _assert_restored(restored, host, _target(mesh))
+    assert extra == {}
+
+
+def test_retention_and_interval(tmp_path, state):
+    with Checkpointer(tmp_path, max_to_keep=2, save_interval_steps=2) as ckpt:
+        assert ckpt.latest_step() is None and ckpt.all_steps() == []
+        saved = [s for s in range(1, 8) if ckpt.save(s, state, {"s": s})]
+        assert saved == [1, 2, 4, 6]  # The first save into an empty directory always happens.
+        assert ckpt.save(7, state, force=True)
+        assert not ckpt.save(5, state)  # Not after the latest step.
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [6, 7] and ckpt.latest_step() == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["6", "7"]
+    with Checkpointer(tmp_path, max_to_keep=2) as reopened:
+        assert reopened.all_steps() == [6, 7]
+
+
+def test_incomplete_step_is_invisible(saved, tmp_path, mesh):
+    """A step whose write never finished (orbax's tmp directory) is neither listed nor restored."""
+    directory, host = saved
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    shutil.copytree(tmp_path / "1", tmp_path / "2.orbax-checkpoint-tmp")
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [1]
+        restored, _ = ckpt.restore(_target(mesh))
+    _assert_restored(restored, host, _target(mesh))
+
+
+def test_restore_errors_leave_checkpoint_usable(saved, tmp_path, mesh):
+    directory, host = saved
+    with Checkpointer(tmp_path / "empty") as ckpt:
+        with pytest.raises(FileNotFoundError, match="empty"):
+            ckpt.restore(_target(mesh))
+    with Checkpointer(directory) as ckpt:
+        with pytest.raises(FileNotFoundError, match=r"step 5 .*available steps: \[1\]"):
+            ckpt.restore(_target(mesh), step=5)
+        bigger = dataclasses.replace(CFG, intermediate_size=256)
+        with pytest.raises(ValueError, match=r"'params/layers/down_proj'.*\(2, 128, 64\).*"
+                                             r"\(2, 256, 64\)"):
+            ckpt.restore(_target(mesh, bigger))
+        with pytest.raises(ValueError, match="opt_state"):
+            ckpt.restore(abstract_train_state(abstract_model(CFG), optax.sgd(0.1), mesh))
+        restored, extra = ckpt.restore(_target(mesh))
+    _assert_restored(restored, host, _target(mesh))
+    assert extra == EXTRA
+
+
+def test_unserialisable_extra_writes_nothing(tmp_path, state):
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(TypeError, match="JSON"):
+            ckpt.save(1, state, {"rng": np.arange(3)})
+        with pytest.raises(TypeError, match="dict"):
+            ckpt.save(1, state, [1, 2])
+        assert ckpt.all_steps() == []
+        assert ckpt.save(1, state, {"ok": True})
+    assert [p.name for p in tmp_path.iterdir()] == ["1"]

@@ -1,0 +1,235 @@
+"""The jitted PPO update: sharding invariance, accumulation, packing, learning, resume, bad input."""
+
+import dataclasses
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxflow import sharding
+from jaxflow.trainer.batch import Trajectory, make_batch
+from jaxflow.trainer.checkpoint import Checkpointer
+from jaxflow.trainer.losses import LossConfig
+from jaxflow.models.config import ModelConfig
+from jaxflow.models.transformer import Transformer
+from jaxflow.trainer.state import abstract_train_state, create_train_state, train_state_shardings
+from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer, token_logprobs
+
+CFG = ModelConfig("Qwen3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
+SEQ_LEN = 32
+
+
+def optimizer(lr=1e-3, eps=1e-3):
+    # A large Adam eps keeps the first update continuous in the gradient: with eps=1e-8 it is
+    # lr * sign(g), and summation-order noise on near-zero gradients would flip whole elements.
+    return make_optimizer(ml_collections.ConfigDict(dict(
+        lr=lr, warmup_steps=0, schedule="constant", total_steps=100, b1=0.9, b2=0.999, eps=eps,
+        weight_decay=0.01, max_grad_norm=1.0)))
+
+
+def setup(mesh, step_cfg=StepConfig(), tx=None, seed=0):
+    model = Transformer(CFG, rngs=nnx.Rngs(seed))
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.device_put(params, sharding.state_shardings(params, mesh)))
+    tx = tx or optimizer()
+    state = create_train_state(model, tx, mesh)
+    step = TrainStep(nnx.graphdef(model), tx, step_cfg, mesh, train_state_shardings(state.params, tx, mesh))
+    return state, step, model
+
+
+def trajectories(seed=0, n=16, version=0, max_lag=2):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        k = int(rng.integers(3, 20))
+        out.append(Trajectory(
+            prompt=rng.integers(0, 256, int(rng.integers(2, 8))).tolist(),
+            completion=rng.integers(0, 256, k).tolist(),
+            behav_logp=(-5.5 + 0.3 * rng.normal(size=k)).tolist(),
+            versions=np.clip(version - rng.integers(0, max_lag + 1, k), 0, None).tolist(),
+            reward=float(rng.integers(0, 2)), group_id=i // 4))
+    return out
+
+
+def one_device():
+    return sharding.make_mesh(devices=jax.devices()[:1])
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def assert_trees_close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
+
+
+def run(mesh, batch, step_cfg=StepConfig(), steps=1):
+    state, step, _ = setup(mesh, step_cfg)
+    metrics = []
+    for _ in range(steps):
+        state, m = step(state, batch)
+        metrics.append(host(m))
+    return host(state.params), metrics
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 1), (1, 4, 2), (2, 2, 2)], ids=["data2xfsdp4", "fsdp4xtensor2",
+                                                                        "data2xfsdp2xtensor2"])
+def test_sharded_equals_unsharded(shape):
+    batch, _ = make_batch(trajectories(), num_rows=16, seq_len=SEQ_LEN, micro_batches=2)
+    ref_params, ref_m = run(one_device(), batch, steps=2)
+    params, m = run(sharding.make_mesh(*shape), batch, steps=2)
+    for a, b in zip(m, ref_m):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-5)
+    assert_trees_close(params, ref_params, atol=1e-5)
+
+
+def test_micro_batches_equal_one_big_batch():
+    trajs = trajectories(seed=1)
+    big, _ = make_batch(trajs, num_rows=16, seq_len=SEQ_LEN, micro_batches=1)
+    four, _ = make_batch(trajs, num_rows=16, seq_len=SEQ_LEN, micro_batches=4)
+    assert four.tokens.shape == (4, 4, SEQ_LEN)
+    params_1, m_1 = run(one_device(), big)
+    params_4, m_4 = run(one_device(), four)
+    np.testing.assert_allclose(m_4[0]["loss"], m_1[0]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m_4[0]["grad_norm"], m_1[0]["grad_norm"], rtol=1e-5)
+    assert m_4[0]["num_tokens"] == m_1[0]["num_tokens"]
+    assert_trees_close(params_4, params_1, atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
+def test_packed_equals_padded(aggregation):
+    trajs = trajectories(seed=2)
+    loss = LossConfig(aggregation=aggregation, constant_normalizer=64.0)
+    padded, _ = make_batch(trajs, num_rows=16, seq_len=SEQ_LEN)
+    packed, _ = make_batch(trajs, num_rows=8, seq_len=64, pack=True)
+    assert packed.segment_ids.max() > 1  # several sequences share a row
+    params_pad, m_pad = run(one_device(), padded, StepConfig(loss=loss))
+    params_pack, m_pack = run(one_device(), packed, StepConfig(loss=loss))
+    np.testing.assert_allclose(m_pack[0]["loss"], m_pad[0]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m_pack[0]["grad_norm"], m_pad[0]["grad_norm"], rtol=1e-5)
+    assert_trees_close(params_pack, params_pad, atol=1e-6)
+
+
+def _completion_logp(model, batch):
+    logp, _ = token_logprobs(model, jax.tree.map(lambda x: x[0], batch))
+    return np.asarray(logp)
+
+
+@pytest.mark.parametrize("loss_name", ["decoupled_ppo", "gspo", "cispo", "tis"])
+def test_learning_is_real(loss_name):
+    # On-policy batch with fixed advantages: +1 trajectories must gain log-prob, -1 ones must lose it.
+    mesh = one_device()
+    state, step, model = setup(mesh, StepConfig(loss=LossConfig(name=loss_name, eps_low=0.2, eps_high=0.2)),
+                               tx=optimizer(lr=3e-3, eps=1e-8))
+    rng = np.random.default_rng(3)
+    trajs = [Trajectory(prompt=rng.integers(0, 256, 4).tolist(), completion=rng.integers(0, 256, 8).tolist(),
+                        behav_logp=[0.0] * 8, versions=[0] * 8, advantage=1.0 if i % 2 else -1.0)
+             for i in range(8)]
+    batch, _ = make_batch(trajs, num_rows=8, seq_len=16)
+    before = _completion_logp(model, batch)
+    batch = dataclasses.replace(batch, behav_logp=np.where(batch.loss_mask > 0, before[None], 0).astype(np.float32))
+    for v in range(5):
+        state, metrics = step(state, dataclasses.replace(batch, versions=np.where(batch.loss_mask > 0, v, -1).astype(np.int32)))
+    nnx.update(model, state.params)
+    after = _completion_logp(model, batch)
+    mask = batch.loss_mask[0] > 0
+    positive = np.array([t.advantage > 0 for t in trajs])[:, None] & mask
+    negative = np.array([t.advantage < 0 for t in trajs])[:, None] & mask
+    assert (after - before)[positive].mean() > 0.05
+    assert (after - before)[negative].mean() < -0.05
+
+
+def test_minibatches_use_start_of_step_proximal_policy():
+    batch, _ = make_batch(trajectories(seed=4), num_rows=16, seq_len=SEQ_LEN, micro_batches=4)
+    _, one = run(one_device(), batch, StepConfig(minibatches=1))
+    _, two = run(one_device(), batch, StepConfig(minibatches=2))
+    assert one[0]["approx_kl"] == 0.0  # K = 1: the gradient is taken at π_prox itself
+    assert two[0]["approx_kl"] > 0.0  # second update moved away from π_prox
+    assert np.isfinite(two[0]["loss"])
+
+
+def test_loglinear_prox_equals_recompute_on_policy():
+    # All tokens of the version being trained and μ = π_θ: the interpolation gives π_prox = μ = π_θ.
+    state, step, model = setup(one_device())
+    batch, _ = make_batch(trajectories(seed=5, max_lag=0), num_rows=16, seq_len=SEQ_LEN)
+    logp = _completion_logp(model, batch)
+    batch = dataclasses.replace(batch, behav_logp=np.where(batch.loss_mask > 0, logp[None], 0).astype(np.float32))
+    _, m_re = run(one_device(), batch, StepConfig(prox="recompute"))
+    _, m_ll = run(one_device(), batch, StepConfig(prox="loglinear"))
+    np.testing.assert_allclose(m_ll[0]["loss"], m_re[0]["loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m_ll[0]["grad_norm"], m_re[0]["grad_norm"], rtol=1e-4)
+
+
+def test_kl_to_reference():
+    state, step, _ = setup(one_device(), StepConfig(loss=LossConfig(kl_coef=0.1)))
+    batch, _ = make_batch(trajectories(seed=6), num_rows=16, seq_len=SEQ_LEN)
+    ref = jax.tree.map(lambda x: x.copy(), state.params)
+    with pytest.raises(ValueError, match="ref_params"):
+        step(state, batch)
+    state, m1 = step(state, batch, ref)
+    state, m2 = step(state, batch, ref)
+    assert float(m1["kl_ref"]) < 1e-6 < float(m2["kl_ref"])
+
+
+def test_resume_from_checkpoint_is_identical(tmp_path):
+    batches = [make_batch(trajectories(seed=10 + i, version=i), num_rows=16, seq_len=SEQ_LEN,
+                          micro_batches=2)[0] for i in range(4)]
+    mesh = sharding.make_mesh(1, 4, 2)
+    state, step, model = setup(mesh)
+    losses = []
+    for i, batch in enumerate(batches):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+        if i == 1:
+            with Checkpointer(tmp_path / "ckpt") as ckpt:
+                ckpt.save(2, state, {"consumed": [0, 1]})
+    uninterrupted = host(state.params)
+
+    tx = optimizer()
+    for target_mesh, atol in [(mesh, 0.0), (sharding.make_mesh(2, 2, 2), 1e-5)]:
+        _, step2, model2 = setup(target_mesh)
+        with Checkpointer(tmp_path / "ckpt") as ckpt:
+            restored, extra = ckpt.restore(abstract_train_state(model2, tx, target_mesh))
+        assert extra == {"consumed": [0, 1]} and int(restored.version) == 2
+        resumed = []
+        for batch in batches[2:]:
+            restored, m = step2(restored, batch)
+            resumed.append(float(m["loss"]))
+        np.testing.assert_allclose(resumed, losses[2:], rtol=1e-5 if atol else 0, atol=0)
+        assert_trees_close(host(restored.params), uninterrupted, atol=atol)
+        assert int(restored.step) == 4 and int(restored.version) == 4
+
+
+def test_bad_input_is_named():
+    state, step, _ = setup(one_device())
+    batch, _ = make_batch(trajectories(seed=7), num_rows=16, seq_len=SEQ_LEN)
+    with pytest.raises(ValueError, match=r"batch.behav_logp has shape \(1, 16, 31\), expected \(1, 16, 32\)"):
+        step(state, dataclasses.replace(batch, behav_logp=batch.behav_logp[..., :-1]))
+    with pytest.raises(ValueError, match="loss_mask is empty"):
+        step(state, dataclasses.replace(batch, loss_mask=np.zeros_like(batch.loss_mask)))
+    with pytest.raises(ValueError, match="policy version 3, newer than the version being trained"):
+        step(state, dataclasses.replace(batch, versions=np.where(batch.loss_mask > 0, 3, -1).astype(np.int32)))
+    with pytest.raises(ValueError, match="unknown policy loss 'bogus'"):
+        StepConfig(loss=LossConfig(name="bogus"))
+    with pytest.raises(ValueError, match="trajectory 0: 3 completion tokens but 2 behaviour log-probs"):
+        make_batch([Trajectory([1], [1, 2, 3], [0.0, 0.0], [0, 0, 0])], num_rows=1, seq_len=8)
+    assert int(state.version) == 0  # nothing above reached the state
+
+
+def test_non_finite_update_is_skipped():
+    state, step, _ = setup(one_device())
+    batch, _ = make_batch(trajectories(seed=8), num_rows=16, seq_len=SEQ_LEN)
+    before = host(state.params)
+    poisoned = dataclasses.replace(batch, advantages=np.where(batch.loss_mask > 0, 3e38, 0).astype(np.float32))
+    state, m = step(state, poisoned)
+    assert float(m["updates_skipped"]) == 1 and int(state.skipped) == 1
+    assert_trees_close(host(state.params), before, atol=0)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(host(state.opt_state)))
+    state, m = step(state, dataclasses.replace(batch, versions=np.where(batch.loss_mask > 0, 1, -1).astype(np.int32)))
+    assert float(m["updates_skipped"]) == 0 and np.isfinite(float(m["loss"]))
+    assert int(state.version) == 2 and int(state.skipped) == 1
