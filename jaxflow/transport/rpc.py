@@ -12,7 +12,7 @@ Messages use `jaxflow.transport.wire` (msgpack plus raw tensor bytes); nothing r
 results must be wire-encodable; tuples arrive as lists.
 
 How exceptions cross the wire is in `jaxflow.transport.errors` (its `RemoteError` and `register_remote_error` are
-re-exported here); serving an object from a process of its own is in `jaxflow.transport.process`.
+re-exported here); serving an object from a process of its own is in `jaxflow.transport.process_server`.
 
 Protocol, one frame per message:
 

@@ -11,7 +11,7 @@ from param_helpers import SHM, W, WireLoopback, assert_same, sample_tensors
 
 from jaxflow.transport import rpc
 
-from jaxflow.transport import process
+from jaxflow.transport import process_server
 from jaxflow.transport.param_client import ParameterClient
 from jaxflow.data.param_service import RPC_METHODS, ParameterService, UnknownVersionError
 
@@ -135,7 +135,7 @@ def test_client_over_loopback_rpc():
 
 
 def test_client_attaches_to_a_server_process_shared_memory():
-    process, address = process.serve_in_subprocess(
+    process, address = process_server.serve_in_subprocess(
         "jaxflow.data.param_service:ParameterService", {"keep": 2, "shared_memory": True}, RPC_METHODS)
     try:
         rpc_client = rpc.Client(address, timeout=60)
@@ -149,6 +149,6 @@ def test_client_attaches_to_a_server_process_shared_memory():
         segment = client.manifest(1)["segment"]
         rpc_client.close()
     finally:
-        process.stop_subprocess(process)
+        process_server.stop_subprocess(process)
     assert not os.path.exists(f"/dev/shm/{segment}")  # the server's close() unlinked it
     assert_same(pulled, tensors)  # and our mapping is still good

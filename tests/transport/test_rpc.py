@@ -10,7 +10,7 @@ import pytest
 
 from jaxflow.transport import rpc
 
-from jaxflow.transport import process
+from jaxflow.transport import process_server
 
 from jaxflow.transport import wire
 from jaxflow.data.records import Sample
@@ -241,7 +241,7 @@ def test_non_loopback_bind_needs_a_token():
         rpc.Server(Toy(), METHODS, host=host)
     rpc.Server(Toy(), METHODS, host="0.0.0.0", token="s3cret")  # constructed, not bound
     with pytest.raises(ValueError, match="without a token"):
-        process.serve_in_subprocess(f"{__name__}:make_toy", {"scale": 1}, METHODS, host="0.0.0.0")
+        process_server.serve_in_subprocess(f"{__name__}:make_toy", {"scale": 1}, METHODS, host="0.0.0.0")
 
 
 def test_token_authentication():
@@ -313,22 +313,22 @@ def test_trivial_call_throughput(client):
 # --- a server in its own process ----------------------------------------------------------------------
 
 def test_serve_in_subprocess():
-    process, address = process.serve_in_subprocess(f"{__name__}:make_toy", {"scale": 3}, METHODS, token="t0k")
+    process, address = process_server.serve_in_subprocess(f"{__name__}:make_toy", {"scale": 3}, METHODS, token="t0k")
     try:
         with rpc.Client(address, token="t0k") as cli:
             assert cli.add(1, 2) == 9
             with pytest.raises(KeyError, match="unknown group"):
                 cli.fail("KeyError", "unknown group 3")
     finally:
-        assert process.stop_subprocess(process) == 0
+        assert process_server.stop_subprocess(process) == 0
     assert not process.is_alive()
 
 
 def test_failing_factory_raises_promptly():
     started = time.perf_counter()
     with pytest.raises(ValueError, match="bad config: scale=4") as info:
-        process.serve_in_subprocess(f"{__name__}:make_failing", {"scale": 4}, METHODS, start_timeout=60)
+        process_server.serve_in_subprocess(f"{__name__}:make_failing", {"scale": 4}, METHODS, start_timeout=60)
     assert "make_failing" in info.value.remote_traceback
     with pytest.raises(AttributeError, match="no_such_factory"):
-        process.serve_in_subprocess(f"{__name__}:no_such_factory", {}, METHODS)
+        process_server.serve_in_subprocess(f"{__name__}:no_such_factory", {}, METHODS)
     assert time.perf_counter() - started < 30
