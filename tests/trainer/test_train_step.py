@@ -16,6 +16,7 @@ from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
 from jaxflow.trainer.state import abstract_train_state, create_train_state, train_state_shardings
 from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer, token_logprobs
+from tolerances import F32_EPS, assert_sums_close, policy_loss_scale
 
 CFG = ModelConfig("Qwen3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
@@ -67,6 +68,12 @@ def assert_trees_close(a, b, atol):
         np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
+def assert_grad_norms_close(actual, desired, num_tokens):
+    # Each gradient element sums one term per token; its norm inherits their relative rounding
+    # (num_tokens * eps) as long as the elements are not all cancellations, which a random batch's are not.
+    np.testing.assert_allclose(actual, desired, rtol=4 * num_tokens * F32_EPS)
+
+
 def run(mesh, batch, step_cfg=StepConfig(), steps=1):
     state, step, _ = setup(mesh, step_cfg)
     metrics = []
@@ -82,9 +89,10 @@ def test_sharded_equals_unsharded(shape):
     batch, _ = make_batch(trajectories(), num_rows=16, seq_len=SEQ_LEN, micro_batches=2)
     ref_params, ref_m = run(one_device(), batch, steps=2)
     params, m = run(sharding.make_mesh(*shape), batch, steps=2)
+    n, scale = policy_loss_scale(batch)
     for a, b in zip(m, ref_m):
-        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-5)
+        assert_sums_close(a["loss"], b["loss"], n, scale)
+        assert_grad_norms_close(a["grad_norm"], b["grad_norm"], n)
     assert_trees_close(params, ref_params, atol=1e-5)
 
 
@@ -95,8 +103,8 @@ def test_micro_batches_equal_one_big_batch():
     assert four.tokens.shape == (4, 4, SEQ_LEN)
     params_1, m_1 = run(one_device(), big)
     params_4, m_4 = run(one_device(), four)
-    np.testing.assert_allclose(m_4[0]["loss"], m_1[0]["loss"], rtol=1e-5)
-    np.testing.assert_allclose(m_4[0]["grad_norm"], m_1[0]["grad_norm"], rtol=1e-5)
+    assert_sums_close(m_4[0]["loss"], m_1[0]["loss"], *policy_loss_scale(big))
+    assert_grad_norms_close(m_4[0]["grad_norm"], m_1[0]["grad_norm"], policy_loss_scale(big)[0])
     assert m_4[0]["num_tokens"] == m_1[0]["num_tokens"]
     assert_trees_close(params_4, params_1, atol=1e-6)
 
@@ -110,8 +118,8 @@ def test_packed_equals_padded(aggregation):
     assert packed.segment_ids.max() > 1  # several sequences share a row
     params_pad, m_pad = run(one_device(), padded, StepConfig(loss=loss))
     params_pack, m_pack = run(one_device(), packed, StepConfig(loss=loss))
-    np.testing.assert_allclose(m_pack[0]["loss"], m_pad[0]["loss"], rtol=1e-5)
-    np.testing.assert_allclose(m_pack[0]["grad_norm"], m_pad[0]["grad_norm"], rtol=1e-5)
+    assert_sums_close(m_pack[0]["loss"], m_pad[0]["loss"], *policy_loss_scale(padded))
+    assert_grad_norms_close(m_pack[0]["grad_norm"], m_pad[0]["grad_norm"], policy_loss_scale(padded)[0])
     assert_trees_close(params_pack, params_pad, atol=1e-6)
 
 
@@ -161,8 +169,8 @@ def test_loglinear_prox_equals_recompute_on_policy():
     batch = dataclasses.replace(batch, behav_logp=np.where(batch.loss_mask > 0, logp[None], 0).astype(np.float32))
     _, m_re = run(one_device(), batch, StepConfig(prox="recompute"))
     _, m_ll = run(one_device(), batch, StepConfig(prox="loglinear"))
-    np.testing.assert_allclose(m_ll[0]["loss"], m_re[0]["loss"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(m_ll[0]["grad_norm"], m_re[0]["grad_norm"], rtol=1e-4)
+    assert_sums_close(m_ll[0]["loss"], m_re[0]["loss"], *policy_loss_scale(batch))
+    assert_grad_norms_close(m_ll[0]["grad_norm"], m_re[0]["grad_norm"], policy_loss_scale(batch)[0])
 
 
 def test_kl_to_reference():
@@ -200,7 +208,11 @@ def test_resume_from_checkpoint_is_identical(tmp_path):
         for batch in batches[2:]:
             restored, m = step2(restored, batch)
             resumed.append(float(m["loss"]))
-        np.testing.assert_allclose(resumed, losses[2:], rtol=1e-5 if atol else 0, atol=0)
+        if atol:  # another mesh sums in another order
+            for b, got, want in zip(batches[2:], resumed, losses[2:]):
+                assert_sums_close(got, want, *policy_loss_scale(b))
+        else:
+            assert resumed == losses[2:]
         assert_trees_close(host(restored.params), uninterrupted, atol=atol)
         assert int(restored.step) == 4 and int(restored.version) == 4
 
