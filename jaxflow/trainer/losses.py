@@ -1,4 +1,4 @@
-"""Staleness-aware policy losses for asynchronous RL post-training (see DESIGN.md, "The staleness-aware PPO step").
+"""Staleness-aware policy losses for asynchronous RL post-training; `trainer.step` runs them.
 
 Three policies meet in every loss, all as per-token log-probabilities of the sampled tokens, [B, T] float32:
 
