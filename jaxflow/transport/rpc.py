@@ -4,9 +4,19 @@ The trajectory and parameter services run either embedded (the object itself) or
 with a `Client` in its place. The client has the same methods and raises the same exceptions as the
 object, so callers and tests do not care which placement they got:
 
-    server = Server(service, ["dispatch", "submit", "consume"]).start()
-    client = Client(server.address)
-    client.dispatch(engine_version=3)          # runs service.dispatch(engine_version=3) in the server
+    >>> class Counter:
+    ...     def __init__(self):
+    ...         self.total = 0
+    ...     def add(self, k):
+    ...         self.total += k
+    ...         return self.total
+    >>> with Server(Counter(), ["add"]) as server, Client(server.address) as client:
+    ...     client.add(3), client.add(4)       # runs counter.add(...) in the server
+    (3, 7)
+
+A trajectory service is served the same way, with the methods its callers need
+(`Server(service, ["dispatch", "finish", "reward", "consume"])`), and
+`client.dispatch("worker-0", version=3)` runs `service.dispatch("worker-0", version=3)`.
 
 Messages use `jaxflow.transport.wire` (msgpack plus raw tensor bytes); nothing received is unpickled. Arguments and
 results must be wire-encodable; tuples arrive as lists.
