@@ -1,6 +1,7 @@
 """Docs true to the code: docstring examples run, the README's layout matches the tree, and nothing
 points at a file outside the repository."""
 
+import ast
 import doctest
 import importlib
 import pathlib
@@ -76,3 +77,36 @@ def test_nothing_points_outside_the_repository():
                                         ROOT / "pyproject.toml"] if p != pathlib.Path(__file__)}
     bad = [str(p.relative_to(ROOT)) for p, t in texts.items() if re.search(r"DESIGN\.md|\.\./shared", t)]
     assert not bad, f"references to files outside the repository in {bad}"
+
+
+def _imported_top_modules() -> set[str]:
+    names = set()
+    for path in [p for p in SOURCES if p.parts[-2] not in ("benchmarks", "configs")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_declared_dependencies_are_imported_and_imports_declared():
+    import importlib.metadata as md
+    import sys
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    canon = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    declared = {canon(re.match(r"[A-Za-z0-9_.-]+", d).group(0)) for d in project["dependencies"]}
+    dists_of = md.packages_distributions()
+    imported_dists = {canon(d) for m in _imported_top_modules() for d in dists_of.get(m, [])}
+    third_party = {m for m in _imported_top_modules()
+                   if m not in sys.stdlib_module_names and m not in ("jaxflow", "rollout_bridge")}
+    # Optional, imported only where used: vllm and torch (the rollout extras, where vLLM runs), pyarrow
+    # (parquet datasets; its absence is a clear error).
+    optional = {"vllm", "torch", "pyarrow"}
+    undeclared = sorted(m for m in third_party - optional
+                        if not {canon(d) for d in dists_of.get(m, [m])} & declared)
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
+    unused = sorted(declared - imported_dists)
+    assert not unused, f"declared in pyproject.toml but imported nowhere in the package: {unused}"

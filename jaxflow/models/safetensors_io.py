@@ -1,8 +1,13 @@
 """Reading and writing safetensors files and HF checkpoint directories with numpy.
 
-We implement the format ourselves rather than use the `safetensors` package because numpy has no bfloat16 or
-float8 (we use `ml_dtypes` for those), and because a bad checkpoint should fail with a message that names the file,
-the tensor and what was expected, at open time, rather than deep inside a model load.
+Why not the `safetensors` package (0.8.0, a dependency for the tests that check our files against it)?
+Measured here: it is no faster (a 100M-parameter bf16 file, 24 tensors, read and `jax.device_put`:
+55.8 ms ours vs 58.3 ms `safe_open(framework="numpy")`, median of 7; the first 256 rows of each tensor:
+4.6 vs 7.4 ms, since a view of the mapped file is already a per-device slice), its numpy backend cannot
+read F8_E4M3 / F8_E5M2 tensors (FP8 checkpoints; it fails with "module 'numpy' has no attribute
+'float8_e4m3fn'"), and its errors name neither the file nor what was expected ("invalid shape, data type,
+or offset for tensor"). A bad checkpoint should fail at open time with a message that names the file, the
+tensor and what was expected; numpy's missing bfloat16 and float8 come from `ml_dtypes`.
 
 The format: an 8-byte little-endian u64 header length N, then N bytes of UTF-8 JSON
 `{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, then the
