@@ -13,6 +13,8 @@ from typing import Any
 
 import ml_collections
 
+from jaxflow.config import ConfigError
+
 ROUTERS = ("round_robin", "least_loaded", "throughput")
 QUEUES = ("fifo", "oldest_first")
 SYNC_POLICIES = ("all", "selective")
@@ -91,7 +93,7 @@ class Coordination:
             problems.append(f"need migrate_trigger > migrate_stop >= 1, got {self.migrate_trigger} and "
                             f"{self.migrate_stop}")
         if problems:
-            raise ValueError("bad coordination config: " + "; ".join(problems))
+            raise ConfigError("bad coordination config: " + "; ".join(problems))
 
     def reserve_groups(self, batch_groups: int) -> int:
         """Reservations per buffer for the trajectory service (B')."""
@@ -114,10 +116,10 @@ class Coordination:
         if unknown:
             hints = [f"{k!r} (nearest: {', '.join(difflib.get_close_matches(k, sorted(fields), n=2)) or '-'})"
                      for k in unknown]
-            raise ValueError(f"unknown coordination keys {', '.join(hints)}; valid: {', '.join(sorted(fields))}")
+            raise ConfigError(f"unknown coordination keys {', '.join(hints)}; valid: {', '.join(sorted(fields))}")
         cost = dict(items.pop("cost", {}) or {})
         if set(cost) - cost_fields:
-            raise ValueError(f"unknown coordination.cost keys {sorted(set(cost) - cost_fields)}; valid: "
+            raise ConfigError(f"unknown coordination.cost keys {sorted(set(cost) - cost_fields)}; valid: "
                              f"{sorted(cost_fields)}")
         return cls(**items, cost=CostModel(**cost))
 

@@ -40,6 +40,7 @@ import jax
 import ml_collections
 
 from jaxflow import sharding
+from jaxflow.config import ConfigError
 
 from jaxflow.jobs import warm_start
 from jaxflow.trainer.checkpoint import Checkpointer
@@ -130,7 +131,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
     if problems:
-        raise ValueError("bad config: " + "; ".join(problems))
+        raise ConfigError("bad config: " + "; ".join(problems))
 
 
 def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxflow.config import ConfigError
 from jaxflow.coordination import Coordination, CostModel, config_section, migration
 from jaxflow.coordination.queue import PendingRequest, RequestQueue
 from jaxflow.coordination.stuck import stragglers
@@ -13,7 +14,7 @@ from jaxflow.coordination.sync import should_sync
 
 
 def test_coordination_names_every_bad_value():
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ConfigError) as e:
         Coordination(routing="fastest", queue="lifo", sync="some", sync_mode="drop", stuck="panic", max_running=0,
                      extra_groups=-0.5, extra_samples=-1, sync_max_lag=0, stuck_threshold=0, migrate_max_moves=0)
     msg = str(e.value)
@@ -32,12 +33,12 @@ def test_coordination_names_every_bad_value():
 
 
 def test_from_config_names_unknown_keys_with_the_nearest():
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ConfigError) as e:
         Coordination.from_config({"routng": "throughput", "extra_group": 0.5, "max_running": 8})
     msg = str(e.value)
     assert "'routng' (nearest: routing" in msg and "'extra_group' (nearest: extra_groups" in msg
     assert "max_running" not in msg.split(";")[0]  # a valid key is not reported
-    with pytest.raises(ValueError, match="unknown coordination.cost keys.*step"):
+    with pytest.raises(ConfigError, match="unknown coordination.cost keys.*step"):
         Coordination.from_config({"cost": {"step": 0.1}})
     with pytest.raises(ValueError, match="stuck 'never'"):
         Coordination.from_config({"stuck": "never"})
