@@ -120,6 +120,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     for name, value, low in (("rollout.num_workers", r.num_workers, 1), ("rollout.group_size", r.group_size, 2),
                              ("trainer.batch_groups", t.batch_groups, 1), ("trainer.steps", t.steps, 1),
                              ("trainer.eta", t.eta, 0), ("trainer.minibatches", t.minibatches, 1),
+                             ("trainer.micro_batch_rows", t.micro_batch_rows, 0),
                              ("eval.num_prompts", config.eval.num_prompts, 1)):
         if value < low:
             problems.append(f"{name} must be >= {low}, got {value}")
@@ -228,7 +229,8 @@ def run(config: ml_collections.ConfigDict) -> int:
         task.examples("train", config.data.train_prompts, seed=config.seed + 1000), tokenizer)
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh), config.trainer, mesh,
-                        seq_len=config.rollout.max_len)
+                        seq_len=config.rollout.max_len,
+                        max_sequences=config.trainer.batch_groups * config.rollout.group_size)
     t = config.trainer
     strategy = Coordination.from_config(config.rollout.coordination) if config.rollout.get("coordinator") else None
     service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),

@@ -58,7 +58,8 @@ class TrajectoryBatch:
         return int(np.asarray(self.loss_mask).sum())
 
 
-_FIELDS = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32, "loss_mask": np.float32,
+# The batch's fields and their dtypes.
+FIELD_DTYPES = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32, "loss_mask": np.float32,
            "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32}
 
 
@@ -67,7 +68,7 @@ def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
     shape = np.shape(batch.tokens)
     if len(shape) != 3:
         raise ValueError(f"batch.tokens must be [micro_batches, rows, seq_len], got shape {shape}")
-    for name, dtype in _FIELDS.items():
+    for name, dtype in FIELD_DTYPES.items():
         value = getattr(batch, name)
         if np.shape(value) != shape:
             raise ValueError(f"batch.{name} has shape {np.shape(value)}, expected {shape} like tokens")
@@ -126,15 +127,20 @@ def _place(rows: list[list[int]], num_rows: int, seq_len: int, pack: bool) -> li
 
 def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: int,
                micro_batches: int = 1, pack: bool = False, advantage_estimator: str = "grpo",
-               scale_by_std: bool = True) -> tuple[TrajectoryBatch, dict[str, float]]:
+               scale_by_std: bool = True, minibatches: int = 1) -> tuple[TrajectoryBatch, dict[str, float]]:
     """Lays trajectories out as a [micro_batches, num_rows // micro_batches, seq_len] batch.
 
-    Advantages come from the trajectories' rewards and group ids (or their own `advantage`). Micro-batch
-    m takes rows m, m + M, m + 2M, ... so every micro-batch has sequences from across the batch.
+    Advantages come from the trajectories' rewards and group ids (or their own `advantage`). Filled rows
+    are dealt to the `minibatches` (row r to minibatch r % K, the step's K consecutive groups of micro-
+    batches), and inside a minibatch they fill its micro-batches in order: rows beyond the trajectories
+    leave whole micro-batches empty at the end of each minibatch, which the step skips. A batch padded
+    to a fixed shape therefore costs compute for its trajectories only.
     Returns the batch (numpy arrays) and advantage statistics.
     """
     if num_rows % micro_batches:
         raise ValueError(f"num_rows={num_rows} is not a multiple of micro_batches={micro_batches}")
+    if minibatches < 1 or micro_batches % minibatches:
+        raise ValueError(f"micro_batches={micro_batches} is not a multiple of minibatches={minibatches}")
     seqs = []
     for i, t in enumerate(trajectories):
         n = len(t.completion)
@@ -147,7 +153,7 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
         seqs.append(list(t.prompt) + list(t.completion))
     advantages, stats = _advantages(trajectories, advantage_estimator, scale_by_std)
-    out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in _FIELDS.items()}
+    out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in FIELD_DTYPES.items()}
     out["versions"][:] = -1
     next_segment = np.ones(num_rows, np.int32)
     for i, (row, start) in enumerate(_place(seqs, num_rows, seq_len, pack)):
@@ -161,7 +167,8 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         out["behav_logp"][row, gen] = t.behav_logp
         out["versions"][row, gen] = t.versions
         out["advantages"][row, gen] = advantages[i]
-    # Row r goes to micro-batch r % M.
-    split = {k: v.reshape(num_rows // micro_batches, micro_batches, seq_len).swapaxes(0, 1)
-             for k, v in out.items()}
-    return TrajectoryBatch(**{k: np.ascontiguousarray(v) for k, v in split.items()}), stats
+    # Row r goes to minibatch r % K, position r // K of that minibatch's rows, in micro-batch order.
+    k, rows = minibatches, num_rows // micro_batches
+    split = {name: v.reshape(num_rows // k, k, seq_len).swapaxes(0, 1).reshape(micro_batches, rows, seq_len)
+             for name, v in out.items()}
+    return TrajectoryBatch(**{name: np.ascontiguousarray(v) for name, v in split.items()}), stats

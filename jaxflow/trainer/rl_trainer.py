@@ -15,6 +15,7 @@ consumed and accounted but left out of the update.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Any
 
@@ -30,6 +31,9 @@ from jaxflow.data.records import FinishedGroup
 from jaxflow.trainer.state import TrainState, create_train_state, train_state_shardings
 from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer
 from jaxflow.data.records import ConsumedBatch
+
+
+logger = logging.getLogger(__name__)
 
 
 def optimizer_config(trainer: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -49,27 +53,33 @@ def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
     return out
 
 
-def _row_step(multiple: int) -> int:
-    """The granularity of row counts: a multiple of 8 and of `multiple` (batch shards x minibatches)."""
-    return max(8, multiple) if max(8, multiple) % multiple == 0 else 8 * multiple
-
-
-def _rows_for(trajectories: list[Trajectory], seq_len: int, multiple: int) -> int:
-    """Packed rows for these sequences, with ~10% room for first-fit packing, rounded up to `_row_step`:
-    few compiled shapes, little padding."""
-    need = -(-sum(len(t.prompt) + len(t.completion) for t in trajectories) * 11 // (10 * seq_len))
-    step = _row_step(multiple)
-    return -(-need // step) * step
+def batch_shape(max_sequences: int, seq_len: int, minibatches: int, micro_batch_rows: int,
+                rows_per_shard: int) -> tuple[int, int, int]:
+    """The one batch shape [micro-batches, rows, seq_len] the trainer compiles: room for every sequence
+    in a row of its own (the worst case, packed or not), dealt over the minibatches, in micro-batches of
+    `micro_batch_rows` rows (0: one micro-batch per minibatch). The step skips the micro-batches a
+    batch leaves empty, so the padding costs transfer, not compute."""
+    per_minibatch = -(-max_sequences // minibatches)
+    rows = micro_batch_rows or -(-per_minibatch // rows_per_shard) * rows_per_shard
+    if rows % rows_per_shard:
+        raise ValueError(f"trainer.micro_batch_rows={micro_batch_rows} must be a multiple of the "
+                         f"{rows_per_shard} data x fsdp shards")
+    return minibatches * -(-per_minibatch // rows), rows, seq_len
 
 
 class RLTrainer:
     """Owns the policy's TrainState and the jitted step.
 
     model: the policy (a Transformer on `mesh`). trainer: the run config's trainer section (loss,
-    advantage, lr, pack...). seq_len: tokens per row (the rollout context).
+    advantage, lr, pack, micro_batch_rows...). seq_len: tokens per row (the rollout context).
+    max_sequences: the most trajectories a batch holds (batch_groups x group_size).
+
+    The train step is compiled once, here, for one padded batch shape (`batch_shape`): a run pays one
+    compile before its first step, whatever its batches hold. A batch with more sequences than
+    `max_sequences` gets a shape twice as deep, compiled when it arrives (with a warning).
     """
 
-    def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int):
+    def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int, max_sequences: int):
         self.mesh, self.seq_len, self.cfg = mesh, seq_len, trainer
         self.graphdef = nnx.graphdef(model)
         self._rest = nnx.state(model, nnx.Not(nnx.Param))
@@ -81,8 +91,10 @@ class RLTrainer:
                                                     behav_weight_cap=trainer.behav_weight_cap),
                               minibatches=self.minibatches)
         self._step = TrainStep(self.graphdef, self.tx, step_cfg, mesh, self.shardings)
-        # Rows split evenly over the minibatches, and each minibatch's rows over the batch shards.
-        self._row_multiple = mesh.shape["data"] * mesh.shape["fsdp"] * self.minibatches
+        self.batch_shape = batch_shape(max_sequences, seq_len, self.minibatches, trainer.micro_batch_rows,
+                                       mesh.shape["data"] * mesh.shape["fsdp"])
+        seconds = self._step.compile(self.state, self.batch_shape)
+        logger.info("train step compiled for batches of %s in %.1f s", self.batch_shape, seconds)
 
     @property
     def version(self) -> int:
@@ -112,18 +124,20 @@ class RLTrainer:
             groups = [g for g, s in zip(consumed.groups, signal) if s] or consumed.groups
         trajs = trajectories_of(groups)
         start = time.perf_counter()
-        rows = (_rows_for(trajs, self.seq_len, self._row_multiple) if self.cfg.pack
-                else -(-len(trajs) // self._row_multiple) * self._row_multiple)
+        micro, rows, _ = self.batch_shape
         while True:
             try:
-                batch, adv_stats = make_batch(trajs, num_rows=rows, seq_len=self.seq_len, pack=self.cfg.pack,
-                                              micro_batches=self.minibatches,
-                                              advantage_estimator=self.cfg.advantage)
+                batch, adv_stats = make_batch(trajs, num_rows=micro * rows, seq_len=self.seq_len,
+                                              pack=self.cfg.pack, micro_batches=micro,
+                                              minibatches=self.minibatches, advantage_estimator=self.cfg.advantage)
                 break
-            except ValueError as e:  # first-fit packing needed more rows than estimated
-                if not self.cfg.pack or "do not fit" not in str(e):
+            except ValueError as e:  # more sequences than max_sequences: a deeper shape, compiled once
+                if "do not fit" not in str(e):
                     raise
-                rows += _row_step(self._row_multiple)
+                micro *= 2
+                logger.warning("%d trajectories do not fit the compiled batch shape %s; trying %d micro-batches",
+                               len(trajs), self.batch_shape, micro)
+        self.batch_shape = (micro, rows, self.seq_len)  # a deeper shape, once needed, is kept
         self.state, step_metrics = self._step(self.state, batch)
         step_metrics = {k: float(x) for k, x in jax.device_get(step_metrics).items()}
         step_s = time.perf_counter() - start
@@ -145,6 +159,9 @@ class RLTrainer:
             "groups": float(len(consumed.groups)),
             "groups_trained": float(len(groups)),
             "step_s": step_s,
+            "rows_filled": float(np.any(np.asarray(batch.segment_ids) > 0, axis=-1).sum()),
+            "train_step_compiles": float(self._step.compiles),
+            "compile_s": self._step.compile_s,
             **{f"adv_{k}": float(x) for k, x in adv_stats.items()},
         }
         return metrics, dict(sorted(staleness.items()))

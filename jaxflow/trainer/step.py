@@ -17,18 +17,23 @@ counted in `state.skipped`, and reported; it never corrupts the state.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow.trainer import losses
-from jaxflow.trainer.batch import TrajectoryBatch, validate_batch
+from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
 from jaxflow.trainer.state import TrainState
+
+logger = logging.getLogger(__name__)
 
 PROX_MODES = ("recompute", "loglinear")
 
@@ -112,6 +117,10 @@ def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return out
 
 
+def _has_tokens(mb: TrajectoryBatch) -> jax.Array:
+    return jnp.any(mb.loss_mask > 0)
+
+
 def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch,
                 ref_params) -> tuple[TrainState, dict[str, Any]]:
     m, b, t = batch.tokens.shape
@@ -123,13 +132,17 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     def forward(params, mb):
         return token_logprobs(nnx.merge(graphdef, params), mb, cfg.remat)
 
+    def forward_logp(params, mb):  # no work on a micro-batch with nothing to train
+        return jax.lax.cond(_has_tokens(mb), lambda: forward(params, mb)[0],
+                            lambda: jnp.zeros(mb.tokens.shape, jnp.float32))
+
     # π_prox for K > 1: the start-of-step weights, before any update of this call.
     prox_all = None
     if uses_prox and cfg.prox == "recompute" and k > 1:
-        prox_all = jax.lax.map(lambda mb: forward(state.params, mb)[0], batch)
+        prox_all = jax.lax.map(lambda mb: forward_logp(state.params, mb), batch)
     ref_all = None
     if ref_params is not None:
-        ref_all = jax.lax.map(lambda mb: forward(ref_params, mb)[0], batch)
+        ref_all = jax.lax.map(lambda mb: forward_logp(ref_params, mb), batch)
 
     def loss_fn(params, mb, weights, prox, ref):
         logp, entropy = forward(params, mb)
@@ -159,8 +172,15 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
 
         def micro(grad_sum, xs):
             mb, w, p, r = xs
-            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, p, r)
-            return jax.tree.map(jnp.add, grad_sum, grads), metrics
+
+            def compute():
+                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, p, r)
+                return jax.tree.map(jnp.add, grad_sum, grads), metrics
+
+            # A micro-batch that only pads the batch to its compiled shape costs a branch, not a pass.
+            # Its metrics are zeros with num_tokens 0, which `_combine` weights out.
+            empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(compute)[1])
+            return jax.lax.cond(_has_tokens(mb), compute, lambda: (grad_sum, empty))
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, per_micro = jax.lax.scan(micro, zeros, (mbs, weights, prox, ref))
@@ -197,6 +217,10 @@ class TrainStep:
 
     The state is donated: the caller must use the returned state and drop the one passed in.
     Batches are validated on the host (shapes, empty mask, future versions) before they are sent.
+
+    Each batch shape is compiled once; `compile(state, shape)` does it ahead of the first call (the RL
+    trainer compiles its one padded shape at start-up), and a shape first seen in a call is compiled
+    then, with a warning. `compiles` and `compile_s` count them all.
     """
 
     def __init__(self, graphdef, tx: optax.GradientTransformation, cfg: StepConfig, mesh,
@@ -216,18 +240,53 @@ class TrainStep:
         self._jitted_no_ref = jax.jit(lambda s, bt: fn(s, bt, None),
                                       in_shardings=(state_shardings, batch_shardings),
                                       out_shardings=(state_shardings, None), donate_argnums=0)
+        self._compiled: dict[tuple, Any] = {}
+        self.compiles, self.compile_s = 0, 0.0
 
-    def __call__(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
-        validate_batch(batch, int(state.version))
-        m, b, _ = batch.tokens.shape
+    def _check_shape(self, shape: tuple[int, ...]) -> None:
+        m, b, _ = shape
         if m % self.cfg.minibatches:
             raise ValueError(f"{m} micro-batches cannot form {self.cfg.minibatches} minibatches")
         if b % self.rows_per_shard:
             raise ValueError(f"{b} rows per micro-batch do not split over {self.rows_per_shard} "
                              f"data x fsdp shards")
+
+    def compile(self, state: TrainState, shape: tuple[int, int, int], with_ref: bool = False) -> float:
+        """Compiles the step for batches of `shape` [micro_batches, rows, seq_len] (and a reference
+        policy when `with_ref`); returns the seconds it took (0 if already compiled)."""
+        self._check_shape(shape)
+        key = (tuple(shape), with_ref)
+        if key in self._compiled:
+            return 0.0
+        start = time.perf_counter()
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        abstract_state = jax.tree.map(spec, state)
+        abstract_batch = TrajectoryBatch(**{
+            f.name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(FIELD_DTYPES[f.name]), sharding=self.batch_sharding)
+            for f in dataclasses.fields(TrajectoryBatch)})
+        if with_ref:
+            lowered = self._jitted.lower(abstract_state, abstract_batch, abstract_state.params)
+        else:
+            lowered = self._jitted_no_ref.lower(abstract_state, abstract_batch)
+        self._compiled[key] = lowered.compile()
+        elapsed = time.perf_counter() - start
+        self.compiles += 1
+        self.compile_s += elapsed
+        return elapsed
+
+    def __call__(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
+        validate_batch(batch, int(state.version))
+        shape = tuple(np.shape(batch.tokens))
+        self._check_shape(shape)
         if self.cfg.loss.kl_coef > 0 and ref_params is None:
             raise ValueError("loss.kl_coef > 0 needs ref_params (the reference policy's parameters)")
+        key = (shape, ref_params is not None)
+        if key not in self._compiled:
+            if self._compiled:
+                logger.warning("train step: compiling for a new batch shape %s (compiled so far: %s)",
+                               shape, sorted(k[0] for k in self._compiled))
+            self.compile(state, shape, with_ref=ref_params is not None)
         batch = jax.device_put(batch, self.batch_sharding)
         if ref_params is None:
-            return self._jitted_no_ref(state, batch)
-        return self._jitted(state, batch, ref_params)
+            return self._compiled[key](state, batch)
+        return self._compiled[key](state, batch, ref_params)

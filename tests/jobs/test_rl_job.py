@@ -98,7 +98,8 @@ def test_each_train_step_makes_minibatches_optimizer_updates(tmp_path, base_dir,
 
     config = small_config(tmp_path, base_dir, **{"trainer.minibatches": minibatches})
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
-    trainer = RLTrainer(load_model(base_dir, mesh=mesh), config.trainer, mesh, seq_len=64)
+    trainer = RLTrainer(load_model(base_dir, mesh=mesh), config.trainer, mesh, seq_len=64, max_sequences=6 * 4)
+    assert trainer._step.compiles == 1  # at construction, before any batch
     rng = np.random.default_rng(0)
     groups = []
     for g in range(5):
@@ -119,6 +120,37 @@ def test_each_train_step_makes_minibatches_optimizer_updates(tmp_path, base_dir,
     assert staleness == {0: metrics["trained_tokens"]}
     after = jax.device_get(trainer.state.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    # Another batch of other lengths and fewer groups reuses the one compiled shape.
+    short = [Sample(rng.integers(3, 60, 2).tolist(), [-2.0] * 2, [1] * 2, "stop") for _ in range(4)]
+    metrics, _ = trainer.train(ConsumedBatch(1, [FinishedGroup(10 + g, [5, 6], 1, short, [1.0, 0.0, 0.0, 0.0])
+                                                 for g in range(2)], "full"))
+    assert metrics["train_step_compiles"] == 1 and metrics["groups_trained"] == 2
+
+
+def test_batches_beyond_max_sequences_get_one_deeper_shape(tmp_path, base_dir, caplog):
+    import jax
+    import numpy as np
+
+    from jaxflow import sharding
+    from jaxflow.data.records import ConsumedBatch, FinishedGroup, Sample
+    from jaxflow.trainer.rl_trainer import RLTrainer
+
+    config = small_config(tmp_path, base_dir, **{"trainer.pack": "False", "trainer.micro_batch_rows": "4"})
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    trainer = RLTrainer(load_model(base_dir, mesh=mesh), config.trainer, mesh, seq_len=64, max_sequences=4)
+    assert trainer.batch_shape[0] * trainer.batch_shape[1] < 12
+    rng = np.random.default_rng(1)
+
+    def batch(version):
+        return ConsumedBatch(version, [FinishedGroup(
+            g, [5, 6, 7], version, [Sample(rng.integers(3, 60, 5).tolist(), [-2.0] * 5, [version] * 5, "stop")
+                                    for _ in range(4)], [1.0, 0.0, 0.0, 0.0]) for g in range(3)], "full")
+
+    metrics, _ = trainer.train(batch(0))
+    assert metrics["groups_trained"] == 3 and metrics["train_step_compiles"] == 2
+    assert "do not fit the compiled batch shape" in caplog.text
+    metrics, _ = trainer.train(batch(1))  # the next batch of that size reuses it
+    assert metrics["train_step_compiles"] == 2
 
 
 def test_unknown_key_names_the_nearest():

@@ -123,6 +123,25 @@ def test_packed_equals_padded(aggregation):
     assert_trees_close(params_pack, params_pad, atol=1e-6)
 
 
+def test_empty_micro_batches_change_nothing_and_the_shape_compiles_once():
+    trajs = trajectories(seed=8)
+    tight, _ = make_batch(trajs, num_rows=16, seq_len=SEQ_LEN, micro_batches=2)
+    padded, _ = make_batch(trajs, num_rows=32, seq_len=SEQ_LEN, micro_batches=4)
+    assert padded.loss_mask[:2].any(axis=(1, 2)).all() and not padded.loss_mask[2:].any()
+    params_t, m_t = run(one_device(), tight)
+    state, step, _ = setup(one_device())
+    assert step.compile(state, padded.tokens.shape) > 0 and step.compiles == 1
+    state, m_p = step(state, padded)
+    assert step.compiles == 1  # the call used the executable compiled ahead
+    assert m_p["num_tokens"] == m_t[0]["num_tokens"]
+    assert_sums_close(m_p["loss"], m_t[0]["loss"], *policy_loss_scale(tight))
+    assert_grad_norms_close(m_p["grad_norm"], m_t[0]["grad_norm"], policy_loss_scale(tight)[0])
+    assert_trees_close(host(state.params), params_t, atol=1e-6)
+    # With K minibatches the filled rows are dealt over them, each minibatch's empty micro-batches last.
+    two, _ = make_batch(trajs, num_rows=32, seq_len=SEQ_LEN, micro_batches=4, minibatches=2)
+    assert [bool(two.loss_mask[i].any()) for i in range(4)] == [True, False, True, False]
+
+
 def _completion_logp(model, batch):
     logp, _ = token_logprobs(model, jax.tree.map(lambda x: x[0], batch))
     return np.asarray(logp)
