@@ -256,7 +256,7 @@ class Coordinator:
             self.trace["sync_s"].append(time.perf_counter() - t0)
         inst.syncs += 1
         self.counts["syncs"] += 1
-        log.info("%s: weights now version %d", inst.name, version)
+        log.debug("%s: weights now version %d", inst.name, version)
         return version
 
     def load_weights(self, version: int | None = None) -> int | None:
