@@ -167,8 +167,9 @@ class Engine(abc.ABC):
             launch()
 
     def poll(self, timeout: float | None = None) -> list[Completion]:
-        """Completions finished since the last poll; waits up to `timeout` s for at least one. Raises
-        EngineError once the engine has failed or is closed and nothing is left to hand out."""
+        """Completions finished since the last poll (errors included; aborted requests come back from
+        `abort`, not here); waits up to `timeout` s for at least one. Raises EngineError once the engine
+        has failed or is closed and nothing is left to hand out."""
         with self._lock:
             if not self._completions and self._error is None and not self._closing and timeout:
                 self._finished.wait_for(
