@@ -107,7 +107,7 @@ def calibrate(steps: int, workdir: pathlib.Path, warmup: int, max_running: int) 
     last = len(metrics) - 2
     span = metrics[last]["time_s"] - metrics[warmup - 1]["time_s"]
     measured = sum(m["consumed_tokens"] for m in metrics[warmup:last + 1]) / span
-    scenario, fitted = from_trace(trace, metrics, instances=r.num_workers,
+    scenario, fitted = from_trace(trace, metrics, instances=r.num_engines,
                                   max_running=max_running, kv_capacity=r.max_slots * r.max_len,
                                   batch_groups=t.batch_groups, group_size=r.group_size, max_tokens=r.max_tokens,
                                   prompt_tokens=_prompt_tokens(config), steps=last + 1, warmup_steps=warmup)

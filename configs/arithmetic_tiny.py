@@ -5,8 +5,8 @@ it with staleness-bounded asynchronous GRPO (decoupled PPO) against the exact-an
 held-out greedy evals along the way.
 
 Variants: `:async` (default, eta=4), `:sync` (eta=0: the synchronous baseline through the same code),
-`:vllm` (rollouts on vLLM instead of jaxflow's JAX engine), `:coordinated` (two JAX engines driven by one
-coordinator with the strategies of `jaxflow.coordination`).
+`:vllm` (rollouts on vLLM instead of jaxflow's JAX engine), `:coordinated` (two JAX engines and every
+strategy of `jaxflow.coordination`; the others drive their one engine with the same coordinator).
 
 Commands:
   .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tiny.py
@@ -75,11 +75,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout = ml_collections.ConfigDict()
     # "jax" (jaxflow's engine, in this process) or "vllm" (vLLM's AsyncLLM, its own processes).
     config.rollout.engine = "vllm" if variant == "vllm" else "jax"
-    # Engines; with `coordinator` one coordinator drives them all (strategies in `coordination`), else
-    # each has its own rollout worker.
-    config.rollout.num_workers = 2 if variant == "coordinated" else 1
-    config.rollout.coordinator = variant == "coordinated"
-    config.rollout.coordination = config_section(max_running=64)
+    # Engines, all driven by one coordinator: placement and weight sync in `coordination` (fields and
+    # their meaning: jaxflow.coordination.Coordination). sync "all": every engine takes each new version
+    # at once, "selective": when idle (sync_idle_below) or lagging (sync_max_lag); sync_mode "keep"
+    # requests in flight across a sync (KV recomputed) or "abort" them (resumed from their prefix).
+    # max_running: requests kept on one engine.
+    config.rollout.num_engines = 2 if variant == "coordinated" else 1
+    if variant == "coordinated":
+        config.rollout.coordination = config_section(max_running=64)
+    else:
+        config.rollout.coordination = config_section(max_running=128, sync="all", sync_mode="keep")
     # Samples per prompt (the GRPO group) and sampling.
     config.rollout.group_size = 8
     config.rollout.temperature = 1.0
@@ -88,13 +93,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.max_len = 192
     config.rollout.max_slots = 128
     config.rollout.decode_chunk = 16
-    # Weight sync: "every" version, when "idle", or on a "lag" of sync_lag; "keep" requests in flight
-    # across a sync (KV recomputed) or "abort" them back to the service (resumed from their prefix).
-    config.rollout.sync_when = "every"
-    config.rollout.sync_lag = 1
-    config.rollout.sync_mode = "keep"
-    # Groups each worker keeps in flight (the service's staleness bound may allow fewer).
-    config.rollout.max_groups = 48
     # Reward processes, and the seconds after which a reward call counts as failed.
     config.rollout.reward_workers = 1
     config.rollout.reward_timeout_s = 5.0

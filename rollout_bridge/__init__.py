@@ -1,1 +1,1 @@
-"""Rollout side of jaxflow: engine adapters (vLLM, jaxflow's JAX engine), rollout workers, weight receiving."""
+"""Rollout side of jaxflow: the `Engine` interface (engine.py) and its engines (vLLM, jaxflow's JAX engine); the driver that runs them is `jaxflow.coordination`."""

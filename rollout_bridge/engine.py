@@ -13,12 +13,19 @@ two ways rollout systems take new weights):
   resubmitted later with `Request(prefix=...)`, possibly under new weights.
 
 While paused, `submit` queues, `abort` and `update_weights` work, and nothing is generated.
+
+Request admission is written once, here: `Engine.submit` checks a request (`_invalid`), refuses an id
+already in flight, completes at once a request that cannot run (finish_reason "error", with why) or
+whose resumed prefix is already complete, and hands the rest with a copy of its prefix
+(`copy_prefix`) to the engine's `_accept`, which queues it up to the engine's own slot or KV limits.
+`poll` hands out what `_hand_out` collected. An engine built on these calls `_init_admission()` first.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import threading
 import time
 from collections.abc import Iterable, Mapping
 
@@ -107,6 +114,21 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
     return None
 
 
+def copy_prefix(request: Request) -> Sample:
+    """A new sample holding the request's prefix (empty without one), to generate into."""
+    prefix = request.prefix or Sample()
+    return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs), versions=list(prefix.versions))
+
+
+def resumed_finish(sample: Sample, params: SamplingParams) -> str | None:
+    """"length" or "stop" when a resumed sample is already complete (nothing to generate), else None."""
+    if len(sample.tokens) >= params.max_tokens:
+        return "length"
+    if sample.tokens and sample.tokens[-1] in params.stop_token_ids:
+        return "stop"
+    return None
+
+
 PAUSE_MODES = ("keep", "abort")
 
 
@@ -116,20 +138,46 @@ def check_pause_mode(mode: str) -> None:
 
 
 class Engine(abc.ABC):
-    """A rollout engine; see the module docstring."""
+    """A rollout engine; see the module docstring. An engine using the shared admission (`submit`,
+    `poll`) calls `_init_admission()` and implements `_invalid`, `_in_flight` and `_accept`."""
+
+    # Names the failing part in EngineError messages ("the engine loop failed with ...").
+    _failure_subject = "the engine"
 
     @property
     @abc.abstractmethod
     def version(self) -> int:
         """The policy version of the weights now generating."""
 
-    @abc.abstractmethod
     def submit(self, request: Request) -> None:
-        """Queues a request; returns at once."""
+        """Queues a request; returns at once. A request that cannot run completes (through `poll`) with
+        finish_reason "error"; one whose prefix is already complete, with "length" or "stop"."""
+        error = self._invalid(request)
+        with self._lock:
+            self._raise_if_down()
+            if self._in_flight(request.request_id):
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            sample = copy_prefix(request)
+            sample.finish_reason = "error" if error is not None else resumed_finish(sample, request.params)
+            if sample.finish_reason is not None:
+                self._hand_out(Completion(request.request_id, sample, error))
+                return
+            launch = self._accept(request, sample)
+        if launch is not None:
+            launch()
 
-    @abc.abstractmethod
     def poll(self, timeout: float | None = None) -> list[Completion]:
-        """Completions finished since the last poll; waits up to `timeout` s for at least one."""
+        """Completions finished since the last poll (errors included; aborted requests come back from
+        `abort`, not here); waits up to `timeout` s for at least one. Raises EngineError once the engine
+        has failed or is closed and nothing is left to hand out."""
+        with self._lock:
+            if not self._completions and self._error is None and not self._closing and timeout:
+                self._finished.wait_for(
+                    lambda: self._completions or self._error is not None or self._closing, timeout)
+            if not self._completions and (self._error is not None or self._closing):
+                raise self._engine_error()
+            done, self._completions = self._completions, []
+            return done
 
     @abc.abstractmethod
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
@@ -162,6 +210,43 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Stops the engine's loop and frees its resources."""
+
+    # ----- shared admission (see the module docstring) -----
+
+    def _init_admission(self) -> None:
+        self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)  # poll waits for completions
+        self._completions: list[Completion] = []
+        self._error: BaseException | None = None  # the failure that stopped the engine
+        self._closing = False
+
+    def _invalid(self, request: Request) -> str | None:
+        """Why `request` cannot run on this engine (a per-request error), or None."""
+        raise NotImplementedError
+
+    def _in_flight(self, request_id: str) -> bool:
+        """Whether a request of this id is queued or running (caller holds the lock)."""
+        raise NotImplementedError
+
+    def _accept(self, request: Request, sample: Sample):
+        """Queues a valid request that has `sample` (its prefix copied) to generate into; caller holds
+        the lock. May return a callable that `submit` calls after releasing it (e.g. to start a stream)."""
+        raise NotImplementedError
+
+    def _hand_out(self, completion: Completion) -> None:
+        """Makes a completion the next `poll`'s (caller holds the lock)."""
+        self._completions.append(completion)
+        self._finished.notify_all()
+
+    def _engine_error(self) -> EngineError:
+        if self._error is None:
+            return EngineError("the engine is closed")
+        return EngineError(f"{self._failure_subject} failed with {type(self._error).__name__}: {self._error}; "
+                           f"abort() still returns the partial samples of requests in flight")
+
+    def _raise_if_down(self) -> None:
+        if self._error is not None or self._closing:
+            raise self._engine_error() from self._error
 
     def generate(self, requests: list[Request], timeout: float = 600.0) -> list[Completion]:
         """Submits `requests` and waits for all of them; results in request order."""

@@ -59,7 +59,7 @@ _FINISH_NAMES = {jax_decode.FINISH_STOP: "stop", jax_decode.FINISH_LENGTH: "leng
 
 @dataclasses.dataclass
 class _Running:
-    """A request in a slot: its sample so far (a resumed prefix included)."""
+    """A request waiting for a slot or in one: its sample so far (a resumed prefix included)."""
 
     request: Request
     sample: Sample
@@ -69,14 +69,9 @@ class _Running:
         return list(self.request.prompt) + self.sample.tokens
 
 
-def _copy_prefix(request: Request) -> Sample:
-    prefix = request.prefix or Sample()
-    return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs),
-                  versions=list(prefix.versions))
-
-
 class JaxEngine(Engine):
-    """The JAX rollout engine; see the module docstring.
+    """The JAX rollout engine; see the module docstring. Requests are admitted by `Engine.submit` into a
+    queue that the loop moves into free slots.
 
     model: an HF model directory, or a loaded `Transformer` (copied onto `mesh`).
     max_slots: sequences decoded at once. max_len: cache positions per slot (prompt + completion).
@@ -141,16 +136,12 @@ class JaxEngine(Engine):
         self._running: dict[int, _Running] = {}  # slot -> request; only the loop thread touches it
         self._rates: collections.deque[tuple[float, float, int]] = collections.deque()
         # Shared with the API threads, under _lock.
-        self._lock = threading.Lock()
+        self._init_admission()
         self._wake = threading.Condition(self._lock)  # the loop waits for work
-        self._finished = threading.Condition(self._lock)  # poll waits for completions
-        self._waiting: collections.deque[Request] = collections.deque()
+        self._waiting: collections.deque[_Running] = collections.deque()
         self._commands: list[tuple] = []
-        self._completions: list[Completion] = []
         self._active_ids: set[str] = set()
         self._snapshot = EngineLoad(0, 0, 0.0, 0.0, version)
-        self._error: BaseException | None = None
-        self._closing = False
         self._paused = False
         if warmup:
             self._warmup()
@@ -162,36 +153,6 @@ class JaxEngine(Engine):
     @property
     def version(self) -> int:
         return self._version
-
-    def submit(self, request: Request) -> None:
-        error = self._invalid(request)
-        with self._lock:
-            self._raise_if_down()
-            if request.request_id in self._active_ids:
-                raise ValueError(f"request id {request.request_id!r} is already in flight")
-            if error is not None:
-                sample = _copy_prefix(request)
-                sample.finish_reason = "error"
-                self._completions.append(Completion(request.request_id, sample, error))
-                self._finished.notify_all()
-                return
-            self._active_ids.add(request.request_id)
-            self._waiting.append(request)
-            self._wake.notify()
-
-    def poll(self, timeout: float | None = None) -> list[Completion]:
-        """Completions finished since the last poll (errors included; aborted requests come back from
-        `abort`, not here, except at `close`). Raises EngineError once the loop has failed or the engine
-        is closed and nothing is left to hand out.
-        """
-        with self._lock:
-            if not self._completions and self._error is None and not self._closing and timeout:
-                self._finished.wait_for(
-                    lambda: self._completions or self._error is not None or self._closing, timeout)
-            if not self._completions and (self._error is not None or self._closing):
-                raise self._engine_error()
-            done, self._completions = self._completions, []
-            return done
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Partial samples (finish_reason "abort") of those `request_ids` still waiting or running; ids
@@ -269,7 +230,17 @@ class JaxEngine(Engine):
             self._completions.extend(aborted)
             self._finished.notify_all()
 
-    # ----- checks -----
+    # ----- admission (Engine.submit calls these, holding the lock) -----
+
+    _failure_subject = "the engine loop"
+
+    def _in_flight(self, request_id: str) -> bool:
+        return request_id in self._active_ids
+
+    def _accept(self, request: Request, sample: Sample) -> None:
+        self._active_ids.add(request.request_id)
+        self._waiting.append(_Running(request, sample))
+        self._wake.notify()
 
     def _invalid(self, request: Request) -> str | None:
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
@@ -282,16 +253,6 @@ class JaxEngine(Engine):
             return (f"{len(p.stop_token_ids)} stop token ids, more than this engine's max_stop_ids="
                     f"{self._max_stop_ids}")
         return None
-
-    def _engine_error(self) -> EngineError:
-        if self._error is None:
-            return EngineError("the engine is closed")
-        return EngineError(f"the engine loop failed with {type(self._error).__name__}: {self._error}; "
-                           f"abort() still returns the partial samples of requests in flight")
-
-    def _raise_if_down(self) -> None:
-        if self._error is not None or self._closing:
-            raise self._engine_error() from self._error
 
     # ----- the loop (engine thread) -----
 
@@ -347,18 +308,8 @@ class JaxEngine(Engine):
         admitted = []
         with self._lock:
             while free and self._waiting:
-                request = self._waiting.popleft()
-                sample, p = _copy_prefix(request), request.params
-                # A resumed sample may already be complete: nothing to generate.
-                if len(sample.tokens) >= p.max_tokens:
-                    sample.finish_reason = "length"
-                elif sample.tokens and sample.tokens[-1] in p.stop_token_ids:
-                    sample.finish_reason = "stop"
-                if sample.finish_reason is not None:
-                    self._complete(request, sample)
-                    continue
                 slot = free.pop(0)
-                self._running[slot] = _Running(request, sample)
+                self._running[slot] = self._waiting.popleft()
                 admitted.append(slot)
         for slot in admitted:
             self._fill_slot(slot)
@@ -462,19 +413,17 @@ class JaxEngine(Engine):
     def _complete(self, request: Request, sample: Sample) -> None:
         """Hands a finished sample to poll (caller holds the lock)."""
         self._active_ids.discard(request.request_id)
-        self._completions.append(Completion(request.request_id, sample))
-        self._finished.notify_all()
+        self._hand_out(Completion(request.request_id, sample))
 
     def _abort(self, ids: set[str]) -> list[Completion]:
         """Removes waiting and running requests in `ids`; their partial samples, finish_reason "abort"."""
         out = []
         with self._lock:
-            for request in [r for r in self._waiting if r.request_id in ids]:
-                self._waiting.remove(request)
-                sample = _copy_prefix(request)
-                sample.finish_reason = "abort"
-                self._active_ids.discard(request.request_id)
-                out.append(Completion(request.request_id, sample))
+            for run in [r for r in self._waiting if r.request.request_id in ids]:
+                self._waiting.remove(run)
+                run.sample.finish_reason = "abort"
+                self._active_ids.discard(run.request.request_id)
+                out.append(Completion(run.request.request_id, run.sample))
             for slot in [s for s, run in self._running.items() if run.request.request_id in ids]:
                 run = self._free_slot(slot)
                 run.sample.finish_reason = "abort"

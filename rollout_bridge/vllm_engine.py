@@ -139,12 +139,6 @@ class _Live:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-def _copy_prefix(request: Request) -> Sample:
-    prefix = request.prefix or Sample()
-    return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs),
-                  versions=list(prefix.versions))
-
-
 def _stat_logger_factory(engine: "VllmEngine"):
     """A vLLM stat-logger factory that keeps the latest KV-cache usage on `engine` (for `load()`).
 
@@ -202,14 +196,10 @@ class VllmEngine(Engine):
             args["kv_cache_memory_bytes"] = int(kv_cache_gib * _GIB)
         args.update(engine_kwargs)
         # Shared with the API threads, under _lock.
-        self._lock = threading.Lock()
-        self._finished = threading.Condition(self._lock)  # poll waits for completions
+        self._init_admission()
         self._live: dict[str, _Live] = {}
-        self._completions: list[Completion] = []
         self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
         self._submitted = 0
-        self._error: BaseException | None = None
-        self._closing = False
         self._update_lock = threading.Lock()  # one weight update / pause / resume at a time
         self._paused = False
         self.last_update_s: float | None = None  # wall time of the latest update_weights
@@ -235,41 +225,6 @@ class VllmEngine(Engine):
     def max_model_len(self) -> int:
         """Context length in tokens (prompt + completion), as vLLM resolved it."""
         return self._max_model_len
-
-    def submit(self, request: Request) -> None:
-        error = self._invalid(request)
-        with self._lock:
-            self._raise_if_down()
-            if request.request_id in self._live:
-                raise ValueError(f"request id {request.request_id!r} is already in flight")
-            sample, p = _copy_prefix(request), request.params
-            if error is not None:
-                sample.finish_reason = "error"
-            # A resumed sample may already be complete: nothing to generate.
-            elif len(sample.tokens) >= p.max_tokens:
-                sample.finish_reason = "length"
-            elif sample.tokens and sample.tokens[-1] in p.stop_token_ids:
-                sample.finish_reason = "stop"
-            if sample.finish_reason is not None:
-                self._completions.append(Completion(request.request_id, sample, error))
-                self._finished.notify_all()
-                return
-            self._submitted += 1
-            live = _Live(request, f"{request.request_id}#{self._submitted}", sample)
-            self._live[request.request_id] = live
-        asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
-
-    def poll(self, timeout: float | None = None) -> list[Completion]:
-        """Completions finished since the last poll (errors included; aborted requests come back from
-        `abort`, not here). Raises EngineError once the engine has failed and nothing is left to hand out.
-        """
-        with self._lock:
-            if not self._completions and self._error is None and timeout:
-                self._finished.wait_for(lambda: self._completions or self._error is not None, timeout)
-            if not self._completions and self._error is not None:
-                raise self._engine_error()
-            done, self._completions = self._completions, []
-            return done
 
     def abort(self, request_ids: Iterable[str], timeout: float = 60.0) -> list[Completion]:
         """Partial samples (finish_reason "abort") of those `request_ids` still in flight; ids already
@@ -382,22 +337,24 @@ class VllmEngine(Engine):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ----- checks -----
+    # ----- admission (Engine.submit calls these, holding the lock) -----
+
+    _failure_subject = "the vLLM engine"
+
+    def _in_flight(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def _accept(self, request: Request, sample: Sample):
+        """vLLM queues every request itself (up to max_num_seqs and its KV cache): start its stream."""
+        self._submitted += 1
+        live = _Live(request, f"{request.request_id}#{self._submitted}", sample)
+        self._live[request.request_id] = live
+        return lambda: asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
 
     def _invalid(self, request: Request) -> str | None:
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
         return request_error(request, vocab_size=self.config.vocab_size, context=self._max_model_len,
                              context_name="max_model_len")
-
-    def _engine_error(self) -> EngineError:
-        if self._error is None:
-            return EngineError("the engine is closed")
-        return EngineError(f"the vLLM engine failed with {type(self._error).__name__}: {self._error}; "
-                           f"abort() still returns the partial samples of requests in flight")
-
-    def _raise_if_down(self) -> None:
-        if self._error is not None or self._closing:
-            raise self._engine_error() from self._error
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -538,8 +495,7 @@ class VllmEngine(Engine):
             if not (reason == "abort" and live.aborting):
                 live.handed_out = True
                 self._live.pop(live.request.request_id, None)
-                self._completions.append(Completion(live.request.request_id, live.sample, live.error))
-                self._finished.notify_all()
+                self._hand_out(Completion(live.request.request_id, live.sample, live.error))
             live.done.set()
 
     def _tag_unlabelled(self, live: _Live) -> None:

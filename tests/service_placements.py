@@ -10,7 +10,8 @@ PLACEMENTS = ["embedded", "server"]
 
 SERVICE_METHODS = {
     "TrajectoryService": ["dispatch", "finish", "reward", "abort", "fail", "release_worker", "unrewarded",
-                          "needs_sync", "mark_published", "buffer_state", "consume", "stats", "snapshot",
+                          "needs_sync", "take_surplus", "progress", "release", "mark_published", "buffer_state",
+                          "consume", "stats", "snapshot",
                           "restore"],
 }
 

@@ -1,4 +1,5 @@
-"""Rollout coordination: one control loop placing every request of a fleet of engines.
+"""Rollout coordination: jaxflow's one rollout driver, a control loop placing every request of one engine
+or a fleet of them (a coordinator over one engine is a rollout worker).
 
 Strategies, each switchable in `rollout.coordination` (`config.Coordination`):
 

@@ -1,4 +1,5 @@
-"""The coordination strategies' settings: one `rollout.coordination` config section, checked as a whole.
+"""The rollout driver's settings: one `rollout.coordination` config section, checked as a whole. It holds
+every placement and weight-sync option of the coordinator, whether it drives one engine or many.
 
 Each strategy is switchable on its own; `areal_like()` and `default()` are the two ends the simulator
 compares (no coordination vs everything on). Unknown keys and bad values raise a ValueError naming them.
@@ -48,8 +49,10 @@ class Coordination:
     loaded ones, until <= migrate_stop x the mean (abort + resubmit with the prefix), at most
     migrate_max_moves requests per coordinator step.
     sync: "all" instances take each new version at once; "selective": an instance syncs when it runs
-    at most sync_idle_below requests, when it lags by sync_max_lag versions, or when it must.
-    sync_mode: "keep" requests across a sync (KV recomputed) or "abort" them back to the queue.
+    at most sync_idle_below requests (-1: never for being idle), when it lags by sync_max_lag versions,
+    or when it must (its weights are too old to be given work).
+    sync_mode: "keep" requests across a sync (KV recomputed) or "abort" them back to the queue, to be
+    resumed from their tokens so far under the new weights.
     stuck: when the next buffer misses at most stuck_threshold groups and those have run for over
     stuck_patience x the median group time: "retry" their unfinished requests on the least loaded
     instances, "release" the buffer to the trainer with what it holds, or "wait".
@@ -82,7 +85,7 @@ class Coordination:
             if value not in valid:
                 problems.append(f"{name} {value!r} is not one of {', '.join(valid)}")
         for name, value, low in (("max_running", self.max_running, 1), ("extra_groups", self.extra_groups, 0),
-                                 ("extra_samples", self.extra_samples, 0), ("sync_idle_below", self.sync_idle_below, 0),
+                                 ("extra_samples", self.extra_samples, 0), ("sync_idle_below", self.sync_idle_below, -1),
                                  ("sync_max_lag", self.sync_max_lag, 1), ("stuck_threshold", self.stuck_threshold, 1),
                                  ("stuck_patience", self.stuck_patience, 0),
                                  ("migrate_min_requests", self.migrate_min_requests, 1),

@@ -1,7 +1,7 @@
-"""The coordinator: one control loop that drives a fleet of engines for the trajectory service.
+"""The coordinator: jaxflow's one rollout driver, a control loop that drives one engine or a fleet of
+them for the trajectory service (a coordinator over one engine is a rollout worker).
 
-Where a `RolloutWorker` drives one engine and pulls groups for it, the coordinator sees every instance
-and places each *request* (one sample of a group) itself. Every `step()`:
+It sees every instance and places each *request* (one sample of a group) itself. Every `step()`:
 
 1. collects completions from every engine; a group whose first N samples are done is rewarded and
    handed to the service (`finish`); its extra samples, if any, are stopped;
@@ -16,8 +16,18 @@ and places each *request* (one sample of a group) itself. Every `step()`:
 A request may run on any instance whose weights are at least its group's v_start, so migration, retry
 and abort-mode syncs move it with its tokens so far (abort + resubmit with the prefix); the service
 sees one worker, this coordinator, and every group keeps its v_start and reservation throughout.
-The same code runs in real time over real engines (`jaxflow.jobs.rl`) and in virtual time over
-simulated ones (`jaxflow.sim`): pass the clock.
+The same code runs in real time over real engines (`jaxflow.jobs.rl`, `jaxflow.jobs.rollout_worker`)
+and in virtual time over simulated ones (`jaxflow.sim`): pass the clock.
+
+Weights come from a weight source `params` with `latest()` (the newest version, or None) and
+`pull(version)` -> (version, weights), where weights are whatever the engines' `update_weights` takes;
+`_load_weights` is the one place that pulls, so another kind of source plugs in there. Contract with
+the trainer: it marks version v published in the trajectory service before it publishes v's weights,
+so an engine never holds weights the service has not admitted.
+
+`stop(abort_in_flight=True)` hands every group in flight back to the service with its samples so far
+(it resumes them elsewhere from those prefixes); `stop(abort_in_flight=False)` admits nothing new and
+lets the groups in flight finish first (up to `drain_timeout_s`, then aborts what is left).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from rollout_bridge.engine import Completion, Engine, Request, SamplingParams
 
 log = logging.getLogger(__name__)
 
+# (task, its N finished samples) -> one reward per sample; None leaves rewarding to a reward pool.
 RewardFn = Callable[[GroupTask, list[Sample]], list[float]]
 
 
@@ -80,6 +91,7 @@ class Coordinator:
         self._latencies: collections.deque[float] = collections.deque(maxlen=256)
         self._last_tick = clock()
         self._stop = threading.Event()
+        self._draining = False  # stop(abort_in_flight=False) in progress: admit no new groups
         self._thread: threading.Thread | None = None
         self.trace_every_s = trace_every_s
         # Bounded: the newest samples of a long run.
@@ -87,7 +99,8 @@ class Coordinator:
         self._traced_at = -math.inf
         self.counts = collections.Counter({k: 0 for k in (
             "groups_finished", "groups_failed", "groups_surplus", "requests_submitted", "requests_migrated",
-            "requests_retried", "samples_redundant", "syncs", "buffers_released")})
+            "requests_retried", "requests_resumed", "samples_redundant", "syncs", "buffers_released",
+            "groups_aborted")})
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _request_id(self, gid: int, sample: int) -> str:
@@ -230,14 +243,33 @@ class Coordinator:
                 continue
             if s.sync_mode == "abort":  # in placement order: set order varies with the hash seed
                 for rid in sorted(inst.requests, key=lambda r: int(r.rsplit(":", 2)[1])):
-                    self._move(rid, None)
-            t0 = time.perf_counter()
-            version, tensors = self.params.pull(latest)
-            inst.engine.update_weights(version, tensors)
-            if self.trace_every_s is not None:
-                self.trace["sync_s"].append(time.perf_counter() - t0)
-            inst.syncs += 1
-            self.counts["syncs"] += 1
+                    if self._move(rid, None):
+                        self.counts["requests_resumed"] += 1
+            self._load_weights(inst, latest)
+
+    def _load_weights(self, inst: Instance, version: int | None) -> int:
+        """Pulls `version` (None: the newest) from the weight source into one instance; returns it."""
+        t0 = time.perf_counter()
+        version, weights = self.params.pull(version)
+        inst.engine.update_weights(version, weights)
+        if self.trace_every_s is not None:
+            self.trace["sync_s"].append(time.perf_counter() - t0)
+        inst.syncs += 1
+        self.counts["syncs"] += 1
+        log.debug("%s: weights now version %d", inst.name, version)
+        return version
+
+    def load_weights(self, version: int | None = None) -> int | None:
+        """Loads `version` (default: the newest published, if any) into every instance now, whatever
+        the sync policy; e.g. before the first step of an engine started from other weights. Returns the
+        version, or None when nothing is published."""
+        if version is None:
+            version = self.params.latest()
+            if version is None:
+                return None
+        for inst in self.instances:
+            self._load_weights(inst, version)
+        return version
 
     def _least_loaded(self, v_start: int, exclude: int) -> Instance | None:
         ok = [i for i in self.instances if i.index != exclude and i.version >= v_start
@@ -289,6 +321,8 @@ class Coordinator:
 
     # ---- 6. admission and placement -------------------------------------------------------------
     def _admit(self, version: int, room: int) -> bool:
+        if self._draining:
+            return False
         per_group = self._group_size + self.strategy.extra_samples
         tasks = self.trajectories.dispatch(self.name, version, max(1, math.ceil(room / per_group)))
         for task in tasks:
@@ -365,12 +399,24 @@ class Coordinator:
             self._drop_group(gid)
         self.trajectories.release_worker(self.name, reason)
 
-    def stop(self) -> None:
-        """Stops the loop; groups in flight go back to the service with their samples so far (the
-        finished ones, then the longest partial ones)."""
+    def stop(self, abort_in_flight: bool = True, drain_timeout_s: float = 600.0) -> None:
+        """Stops the loop. abort_in_flight: groups in flight go back to the service with their samples so
+        far (the finished ones, then the longest partial ones). Else no new group is admitted and the
+        ones in flight run to the end (rewarded and handed in as usual) first; any still running after
+        `drain_timeout_s` seconds are aborted as above."""
+        if not abort_in_flight and self._groups:
+            self._draining = True
+            deadline = time.monotonic() + drain_timeout_s
+            while self._groups and time.monotonic() < deadline:
+                if self._thread is not None and self._thread.is_alive():
+                    time.sleep(0.01)  # the loop steps
+                else:
+                    self.step()
+                    time.sleep(0.001)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._draining = False
         for gid, g in list(self._groups.items()):
             partial = [r.prefix for r in self.queue.take_group(gid) if r.prefix is not None]
             for rid in list(g.live.values()):
@@ -382,3 +428,4 @@ class Coordinator:
             samples = (g.finished[:n] + partial + [Sample() for _ in range(n)])[:n]
             self._drop_group(gid)
             self.trajectories.abort(gid, self.name, samples, "coordinator stopped")
+            self.counts["groups_aborted"] += 1

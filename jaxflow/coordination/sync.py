@@ -3,8 +3,10 @@
 "all" (AReaL-style): every instance behind the newest version syncs at once, paying the sync (and, in
 "keep" mode, the KV recompute of everything in flight) on every version.
 "selective": an instance syncs only when it must (its weights are too old to be given work), when it
-is (nearly) idle, or when it lags the newest version by `max_lag` or more, so syncs spread out and land
-where they cost least.
+is (nearly) idle (at most `idle_below` requests running; -1 never counts as idle), or when it lags the
+newest version by `max_lag` or more, so syncs spread out and land where they cost least. Over one
+engine, "all" syncs on every version, idle_below=-1 on a lag of max_lag only, and a large max_lag only
+when idle.
 """
 
 from __future__ import annotations

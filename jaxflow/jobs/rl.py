@@ -7,19 +7,18 @@ Pieces, all in this process (vLLM engines run their own processes):
 - the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
 - a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts,
   and a parameter service holding the newest weights;
-- rollout workers, each driving one engine (jaxflow's JAX engine, or vLLM), with rewards scored in a
-  process pool (a crashing or hanging reward scores the sample 0, counted, and never stops the run);
+- `rollout.num_engines` engines (jaxflow's JAX engine, or vLLM), all driven by one coordinator
+  (`jaxflow.coordination`) that places every request and syncs weights by the options of
+  `rollout.coordination`, with rewards scored in a process pool (a crashing or hanging reward scores
+  the sample 0, counted, and never stops the run);
 - the trainer (`jaxflow.trainer.rl_trainer`): consume buffer v, one PPO step, publish v+1.
 
-With `rollout.coordinator` one coordinator (`jaxflow.coordination`) drives all the engines, placing
-every request by the strategies of `rollout.coordination`, instead of one rollout worker per engine.
-
-eta = 0 with the "full" batch rule is synchronous RL through the same code: workers only ever generate
+eta = 0 with the "full" batch rule is synchronous RL through the same code: engines only ever generate
 with the weights being trained.
 
 Output in config.workdir: metrics.jsonl + TensorBoard + plots (`jaxflow.jobs.run_log`), orbax checkpoints
 (with the trajectory service's state), ledger.jsonl (the groups each step trained), export/ (the final
-policy as an HF model), result.json and, with a coordinator, coordinator_trace.json (engine loads,
+policy as an HF model), result.json and coordinator_trace.json (engine loads,
 group lengths and weight-sync times: what benchmarks/simulate.py fits the simulator to). Ctrl-C stops
 after the step in progress and checkpoints (a second Ctrl-C stops at once); rerunning the same command
 resumes from the newest checkpoint, with no group lost or trained twice.
@@ -56,7 +55,6 @@ from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.state import abstract_train_state
 from jaxflow.data.trajectory_service import TrajectoryService
 from rollout_bridge.engine import SamplingParams
-from rollout_bridge.worker import RolloutWorker, SyncPolicy
 
 log = logging.getLogger(__name__)
 
@@ -117,18 +115,17 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problems = []
     if r.engine not in ENGINES:
         problems.append(f"rollout.engine {r.engine!r} is not one of {ENGINES}")
-    for name, value, low in (("rollout.num_workers", r.num_workers, 1), ("rollout.group_size", r.group_size, 2),
+    for name, value, low in (("rollout.num_engines", r.num_engines, 1), ("rollout.group_size", r.group_size, 2),
                              ("trainer.batch_groups", t.batch_groups, 1), ("trainer.steps", t.steps, 1),
                              ("trainer.eta", t.eta, 0), ("trainer.minibatches", t.minibatches, 1),
                              ("trainer.micro_batch_rows", t.micro_batch_rows, 0),
                              ("eval.num_prompts", config.eval.num_prompts, 1)):
         if value < low:
             problems.append(f"{name} must be >= {low}, got {value}")
-    if r.get("coordinator"):
-        try:
-            Coordination.from_config(r.coordination)
-        except (TypeError, ValueError) as e:
-            problems.append(f"rollout.coordination: {e}")
+    try:
+        Coordination.from_config(r.coordination)
+    except (TypeError, ValueError) as e:
+        problems.append(f"rollout.coordination: {e}")
     if r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
     if problems:
@@ -174,28 +171,9 @@ class _Evaluator:
         self.engine.close()
 
 
-_COORDINATION_METRICS = ("requests_migrated", "requests_retried", "samples_redundant", "buffers_released")
-
-
-class _CoordinatedFleet:
-    """A coordinator over all engines, with the face of one rollout worker per engine for the train loop
-    (start, stop, idle seconds and syncs summed over instances)."""
-
-    def __init__(self, coordinator: Coordinator):
-        self.coordinator = coordinator
-        self.engines = len(coordinator.instances)
-
-    @property
-    def counts(self) -> dict[str, float]:
-        c = self.coordinator
-        return {"idle_s": sum(i.idle_s for i in c.instances) / self.engines, "syncs": c.counts["syncs"]}
-
-    def start(self):
-        self.coordinator.start()
-        return self
-
-    def stop(self, abort_in_flight: bool = True) -> None:
-        self.coordinator.stop()
+# What the coordination strategies did, cumulative, in every step's metrics.
+_COORDINATION_METRICS = ("requests_migrated", "requests_retried", "requests_resumed", "samples_redundant",
+                         "buffers_released")
 
 
 def _consume(service: TrajectoryService, version: int, stop: _Stop):
@@ -232,11 +210,11 @@ def run(config: ml_collections.ConfigDict) -> int:
                         seq_len=config.rollout.max_len,
                         max_sequences=config.trainer.batch_groups * config.rollout.group_size)
     t = config.trainer
-    strategy = Coordination.from_config(config.rollout.coordination) if config.rollout.get("coordinator") else None
+    strategy = Coordination.from_config(config.rollout.coordination)
     service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),
                                 batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
                                 batch_rule=t.batch_rule,
-                                reserve_groups=strategy.reserve_groups(t.batch_groups) if strategy else None)
+                                reserve_groups=strategy.reserve_groups(t.batch_groups))
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
     start_step, extra = 0, {}
     if ckpt.latest_step() is not None:
@@ -259,34 +237,26 @@ def run(config: ml_collections.ConfigDict) -> int:
     r = config.rollout
     sampling = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                               stop_token_ids=(tokenizer.eos_id,))
-    sync = SyncPolicy(when=r.sync_when, lag=r.sync_lag, mode=r.sync_mode)
-    engines, workers = [], []
+    engines: list = []
+    coordinator = None
     result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy")}
     reward_fn = group_reward_fn(pool, task.reward_ref, tokenizer.decode)
     try:
         if result["base_accuracy"] is None:
             result["base_accuracy"] = evaluator()
             run_log.log_eval(0, result["base_accuracy"])
-        for i in range(r.num_workers):
+        for _ in range(r.num_engines):
             engines.append(_make_engine(config, trainer, base_dir))
-        if strategy is not None:
-            workers.append(_CoordinatedFleet(Coordinator("coord", engines, service, params, strategy=strategy,
-                                                         eta=t.eta, sampling=sampling, reward_fn=reward_fn,
-                                                         trace_every_s=0.25)))
-        else:
-            workers.extend(RolloutWorker(f"w{i}", e, service, params, sampling=sampling, sync=sync,
-                                         max_groups=r.max_groups, reward_fn=reward_fn)
-                           for i, e in enumerate(engines))
-        result.update(_train_loop(config, trainer, service, params, workers, ckpt, ledger, run_log,
+        coordinator = Coordinator("coord", engines, service, params, strategy=strategy, eta=t.eta,
+                                  sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
+        result.update(_train_loop(config, trainer, service, params, coordinator, ckpt, ledger, run_log,
                                   evaluator, start_step, result["base_accuracy"]))
-        if strategy is not None:
-            coordinator = workers[0].coordinator
-            result["coordination"] = {k: v for k, v in coordinator.stats().items() if k != "instances"}
-            (workdir / "coordinator_trace.json").write_text(
-                json.dumps({k: list(v) for k, v in coordinator.trace.items()}))
+        result["coordination"] = {k: v for k, v in coordinator.stats().items() if k != "instances"}
+        (workdir / "coordinator_trace.json").write_text(
+            json.dumps({k: list(v) for k, v in coordinator.trace.items()}))
     finally:
-        for w in workers:
-            w.stop(abort_in_flight=True)
+        if coordinator is not None:
+            coordinator.stop(abort_in_flight=True)
         for e in engines:
             e.close()
         evaluator.close()
@@ -317,11 +287,10 @@ def run(config: ml_collections.ConfigDict) -> int:
     return 0
 
 
-def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledger, run_log, evaluator,
-                start_step: int, base_accuracy: float) -> dict[str, Any]:
+def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordinator, ckpt, ledger, run_log,
+                evaluator, start_step: int, base_accuracy: float) -> dict[str, Any]:
     t = config.trainer
-    for w in workers:
-        w.start()
+    coordinator.start()
     out: dict[str, Any] = {}
     loop_start, waited, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0, 0.0
     eval_s = 0.0  # held-out evals inside the loop (the trainer waits on them; rollouts go on)
@@ -350,17 +319,16 @@ def _train_loop(config, trainer: RLTrainer, service, params, workers, ckpt, ledg
             elapsed = time.monotonic() - loop_start
             trained_tokens += metrics["trained_tokens"]
             consumed_tokens += metrics["consumed_tokens"]
-            idle = sum(w.counts["idle_s"] for w in workers) / (elapsed * len(workers))
+            instances = coordinator.instances
+            idle = sum(i.idle_s for i in instances) / (elapsed * len(instances))
             counts = service.stats()["counts"]
             metrics.update(trainer_idle_frac=waited / elapsed, rollout_idle_frac=min(idle, 1.0),
                            trained_tokens_per_s=trained_tokens / elapsed,
                            consumed_tokens_per_s=consumed_tokens / elapsed,
                            groups_aborted=float(counts["aborted"]), groups_failed=float(counts["failed"]),
                            groups_surplus=float(counts["surplus"]),
-                           weight_syncs=float(sum(w.counts["syncs"] for w in workers)))
-            for w in workers:
-                if isinstance(w, _CoordinatedFleet):  # what the strategies did, cumulative
-                    metrics.update({k: float(w.coordinator.counts[k]) for k in _COORDINATION_METRICS})
+                           weight_syncs=float(coordinator.counts["syncs"]))
+            metrics.update({k: float(coordinator.counts[k]) for k in _COORDINATION_METRICS})
             done = step + 1 == t.steps
             if (step + 1) % config.eval.every == 0 or done:
                 eval_from = time.monotonic()

@@ -1,4 +1,5 @@
-"""A rollout worker as its own process, talking to served data services over RPC.
+"""A rollout worker as its own process: the coordinator (`jaxflow.coordination`) over one engine,
+talking to served data services over RPC.
 
     python -m jaxflow.jobs.rollout_worker --trajectories 127.0.0.1:7001 --params 127.0.0.1:7002 \\
         --model runs/x/base_model --engine jax --name w0 --reward jaxflow.tasks:reward
@@ -6,7 +7,9 @@
 The trajectory and parameter services run elsewhere (`jaxflow.transport.rpc.Server`); the token, if any, comes
 from the JAXFLOW_TOKEN environment variable so it never shows in a process list. The worker first
 loads the newest published weights, then runs until SIGTERM/SIGINT, when it hands its in-flight groups
-back (with their partial samples) before exiting.
+back (with their partial samples) before exiting, or with --drain lets them finish first. Placement and
+weight-sync options are those of the `rollout.coordination` config section (`--sync`, `--sync-mode`, ...).
+The trajectory server must serve `take_surplus` besides dispatch/finish/abort/fail/needs_sync.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import threading
 
 from jaxflow.transport import rpc
 from jaxflow.transport.param_client import ParameterClient
+from jaxflow.coordination import Coordination, Coordinator
 from rollout_bridge.engine import SamplingParams
-from rollout_bridge.worker import RolloutWorker, SyncPolicy
 
 log = logging.getLogger("jaxflow.jobs.rollout_worker")
 
@@ -54,15 +57,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=f"worker-{os.getpid()}")
     parser.add_argument("--reward", default=None, help="module:function scoring (response, meta); "
                                                        "omit to leave rewarding to the trainer's pool")
-    parser.add_argument("--max-groups", type=int, default=8)
+    parser.add_argument("--max-running", type=int, default=None,
+                        help="requests kept on the engine (default: --slots)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--slots", type=int, default=32)
-    parser.add_argument("--sync", default="every", choices=["every", "idle", "lag"])
-    parser.add_argument("--sync-lag", type=int, default=1)
+    parser.add_argument("--sync", default="all", choices=["all", "selective"],
+                        help="all: take each new version at once; selective: when idle or lagging")
+    parser.add_argument("--sync-idle-below", type=int, default=0)
+    parser.add_argument("--sync-max-lag", type=int, default=1)
     parser.add_argument("--sync-mode", default="keep", choices=["keep", "abort"])
+    parser.add_argument("--drain", action="store_true",
+                        help="on SIGTERM/SIGINT let the groups in flight finish instead of handing them back")
     args = parser.parse_args(argv)
+    try:
+        # Stuck buffers are the trainer's side's business (one worker sees one engine): "wait", so that
+        # eta, which only that strategy reads, does not matter here.
+        strategy = Coordination(max_running=args.max_running or args.slots, sync=args.sync,
+                                sync_idle_below=args.sync_idle_below, sync_max_lag=args.sync_max_lag,
+                                sync_mode=args.sync_mode, stuck="wait")
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     token = os.environ.get("JAXFLOW_TOKEN")
@@ -79,23 +95,22 @@ def main(argv: list[str] | None = None) -> int:
         def reward_fn(task, samples):
             return [float(score(tokenizer.decode(s.tokens), task.meta)) for s in samples]
 
-    worker = RolloutWorker(args.name, engine, trajectories, params,
-                           sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature),
-                           sync=SyncPolicy(args.sync, args.sync_lag, args.sync_mode),
-                           max_groups=args.max_groups, reward_fn=reward_fn)
+    worker = Coordinator(args.name, [engine], trajectories, params, strategy=strategy, eta=0,
+                         sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature),
+                         reward_fn=reward_fn)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    if params.latest() is not None:
-        worker.sync()
+    worker.load_weights()
     log.info("worker %s serving with the %s engine at version %d", args.name, args.engine, engine.version)
+    worker.start()
     try:
-        while not stop.is_set():
-            worker.step()
+        while not stop.wait(0.5):
+            pass
     finally:
-        worker.stop(abort_in_flight=True)
+        worker.stop(abort_in_flight=not args.drain)
         engine.close()
-        log.info("worker %s stopped: %s", args.name, worker.counts)
+        log.info("worker %s stopped: %s", args.name, dict(worker.counts))
     return 0
 
 

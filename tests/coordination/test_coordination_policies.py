@@ -16,11 +16,13 @@ from jaxflow.coordination.sync import should_sync
 def test_coordination_names_every_bad_value():
     with pytest.raises(ConfigError) as e:
         Coordination(routing="fastest", queue="lifo", sync="some", sync_mode="drop", stuck="panic", max_running=0,
-                     extra_groups=-0.5, extra_samples=-1, sync_max_lag=0, stuck_threshold=0, migrate_max_moves=0)
+                     extra_groups=-0.5, extra_samples=-1, sync_max_lag=0, stuck_threshold=0, migrate_max_moves=0,
+                     sync_idle_below=-2)
     msg = str(e.value)
     for part in ("routing 'fastest'", "round_robin, least_loaded, throughput", "queue 'lifo'", "sync 'some'",
                  "sync_mode 'drop'", "stuck 'panic'", "max_running must be >= 1, got 0", "extra_groups",
-                 "extra_samples", "sync_max_lag", "stuck_threshold", "migrate_max_moves"):
+                 "extra_samples", "sync_max_lag", "stuck_threshold", "migrate_max_moves",
+                 "sync_idle_below must be >= -1, got -2"):
         assert part in msg, part
     with pytest.raises(ValueError, match="migrate_trigger > migrate_stop >= 1"):
         Coordination(migrate_trigger=1.5, migrate_stop=1.5)
@@ -108,6 +110,7 @@ def test_should_sync():
     assert should_sync("all", **kw) and not should_sync("selective", **kw)
     assert should_sync("selective", **{**kw, "running": 0})  # idle
     assert should_sync("selective", **{**kw, "running": 2, "idle_below": 2})  # nearly idle
+    assert not should_sync("selective", **{**kw, "running": 0, "idle_below": -1})  # idleness off
     assert should_sync("selective", **{**kw, "latest": 5})  # lags by max_lag
     assert should_sync("selective", **{**kw, "must": True})  # too old to be given work
     assert not should_sync("all", **{**kw, "latest": 3}) and not should_sync("selective", **{**kw, "latest": 3,

@@ -22,7 +22,7 @@ CONFIG = "configs/arithmetic_tiny.py"
 # Small enough for CI: a 2-layer 64-wide model, a short warm start, a few train steps.
 SMALL = {"model.hidden_size": "64", "model.intermediate_size": "128", "model.num_layers": "2",
          "base.steps": "30", "base.num_examples": "400", "trainer.batch_groups": "2",
-         "rollout.group_size": "4", "rollout.max_slots": "16", "rollout.max_groups": "4",
+         "rollout.group_size": "4", "rollout.max_slots": "16", "rollout.coordination.max_running": "16",
          "rollout.max_tokens": "48", "eval.num_prompts": "16", "eval.every": "2", "checkpoint.every": "1",
          "data.train_prompts": "400"}
 
@@ -80,10 +80,12 @@ def test_a_stale_base_is_rebuilt_in_place_but_a_foreign_model_is_kept(tmp_path, 
 
 def test_bad_values_are_named(tmp_path, capsys):
     assert main([f"--config={CONFIG}", "--config.rollout.engine=sglang", "--config.trainer.eta=-1",
-                 "--config.trainer.minibatches=0", f"--config.workdir={tmp_path / 'run'}"]) == 2
+                 "--config.trainer.minibatches=0", "--config.rollout.coordination.sync_mode=drop",
+                 f"--config.workdir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "rollout.engine 'sglang' is not one of ('jax', 'vllm')" in err and "trainer.eta must be >= 0" in err
-    assert "trainer.minibatches must be >= 1" in err
+    assert "trainer.minibatches must be >= 1" in err and "rollout.coordination: " in err
+    assert "sync_mode 'drop' is not one of keep, abort" in err
 
 
 @pytest.mark.parametrize("minibatches", [1, 3])
@@ -288,7 +290,7 @@ def test_coordinated_two_engine_run_keeps_the_staleness_bound_and_the_accounting
     from jaxflow.jobs import rl
     strategy = {f"rollout.coordination.{k}": v for k, v in STRATEGY_MIXES[mix].items()}
     config = small_config(tmp_path, base_dir, **{
-        "trainer.steps": "6", "trainer.eta": "2", "rollout.coordinator": "true", "rollout.num_workers": "2",
+        "trainer.steps": "6", "trainer.eta": "2", "rollout.num_engines": "2",
         "trainer.batch_groups": "3", "rollout.coordination.max_running": "6", **strategy})
     assert rl.run(config) == 0
     workdir = pathlib.Path(config.workdir)

@@ -97,7 +97,7 @@ def greedy_reference(engine, base_model):
 
 def test_imports_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None; import jaxflow, rollout_bridge.engine, "
-            "rollout_bridge.vllm_engine, rollout_bridge.worker")
+            "rollout_bridge.vllm_engine, jaxflow.coordination")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
