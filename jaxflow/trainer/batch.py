@@ -42,7 +42,8 @@ class TrajectoryBatch:
     tokens int32; positions int32 rotary positions; segment_ids int32 (0 = padding); loss_mask float32
     (1 = generated token that is trained); behav_logp float32 log μ of the token (0 where not trained);
     versions int32 policy version that generated the token (-1 on prompt and padding); advantages
-    float32 advantage of the token's sequence (0 where not trained).
+    float32 advantage of the token's sequence (0 where not trained); rewards float32 raw reward of the
+    token's sequence (0 where not trained), for losses that look at the reward itself (TOPR's split).
     """
 
     tokens: jax.Array
@@ -52,6 +53,7 @@ class TrajectoryBatch:
     behav_logp: jax.Array
     versions: jax.Array
     advantages: jax.Array
+    rewards: jax.Array
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +61,8 @@ class TrajectoryBatch:
 
 
 _FIELDS = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32, "loss_mask": np.float32,
-           "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32}
+           "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32,
+           "rewards": np.float32}
 
 
 def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
@@ -92,7 +95,7 @@ def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
         raise ValueError("batch.behav_logp is not finite on a trained token")
 
 
-def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std: bool):
+def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std: bool, std_ddof: int):
     given = [t.advantage is not None for t in trajectories]
     if all(given):
         return np.asarray([t.advantage for t in trajectories], np.float32), {}
@@ -101,7 +104,8 @@ def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std
     ids = np.asarray([t.group_id for t in trajectories])
     _, dense = np.unique(ids, return_inverse=True)
     adv, stats = compute_advantages(np.asarray([t.reward for t in trajectories], np.float32),
-                                    dense.astype(np.int32), estimator, scale_by_std=scale_by_std)
+                                    dense.astype(np.int32), estimator, scale_by_std=scale_by_std,
+                                    std_ddof=std_ddof)
     return np.asarray(adv), {k: float(v) for k, v in stats.items()}
 
 
@@ -126,10 +130,11 @@ def _place(rows: list[list[int]], num_rows: int, seq_len: int, pack: bool) -> li
 
 def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: int,
                micro_batches: int = 1, pack: bool = False, advantage_estimator: str = "grpo",
-               scale_by_std: bool = True) -> tuple[TrajectoryBatch, dict[str, float]]:
+               scale_by_std: bool = True, std_ddof: int = 0) -> tuple[TrajectoryBatch, dict[str, float]]:
     """Lays trajectories out as a [micro_batches, num_rows // micro_batches, seq_len] batch.
 
-    Advantages come from the trajectories' rewards and group ids (or their own `advantage`). Micro-batch
+    Advantages come from the trajectories' rewards and group ids (or their own `advantage`), by
+    `compute_advantages(estimator, scale_by_std=, std_ddof=)`. Micro-batch
     m takes rows m, m + M, m + 2M, ... so every micro-batch has sequences from across the batch.
     Returns the batch (numpy arrays) and advantage statistics.
     """
@@ -146,7 +151,7 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         if len(t.prompt) + n > seq_len:
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
         seqs.append(list(t.prompt) + list(t.completion))
-    advantages, stats = _advantages(trajectories, advantage_estimator, scale_by_std)
+    advantages, stats = _advantages(trajectories, advantage_estimator, scale_by_std, std_ddof)
     out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in _FIELDS.items()}
     out["versions"][:] = -1
     next_segment = np.ones(num_rows, np.int32)
@@ -161,6 +166,7 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         out["behav_logp"][row, gen] = t.behav_logp
         out["versions"][row, gen] = t.versions
         out["advantages"][row, gen] = advantages[i]
+        out["rewards"][row, gen] = t.reward
     # Row r goes to micro-batch r % M.
     split = {k: v.reshape(num_rows // micro_batches, micro_batches, seq_len).swapaxes(0, 1)
              for k, v in out.items()}

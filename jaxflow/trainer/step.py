@@ -140,7 +140,7 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         elif prox is None:
             prox = jax.lax.stop_gradient(logp)
         loss, metrics = losses.loss_and_metrics(lc.name, lc, logp, mb.behav_logp, prox, mb.advantages,
-                                                mb.loss_mask, weights, ref)
+                                                mb.loss_mask, weights, ref, mb.rewards)
         mask = mb.loss_mask > 0
         metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
         return loss, metrics
