@@ -79,24 +79,37 @@ def loss_config(section: ml_collections.ConfigDict) -> losses.LossConfig:
     return losses.LossConfig(**values)
 
 
-def step_config(trainer: ml_collections.ConfigDict) -> StepConfig:
-    """What the jitted update computes, from the run config's trainer section: the loss (`trainer.loss.*`),
-    `minibatches`, `prox` and `remat`. A bad value raises ValueError naming its key."""
-    loss = loss_config(trainer.loss)
+def _check_step_fields(trainer: ml_collections.ConfigDict) -> None:
+    if trainer.minibatches < 1:
+        raise ValueError(f"trainer.minibatches must be >= 1, got {trainer.minibatches}")
     if trainer.prox not in PROX_MODES:
         raise _bad("prox", trainer.prox, " or ".join(PROX_MODES))
     if not isinstance(trainer.remat, bool):
         raise _bad("remat", trainer.remat, "True or False")
-    if trainer.minibatches < 1:
-        raise ValueError(f"trainer.minibatches must be >= 1, got {trainer.minibatches}")
+
+
+def step_config(trainer: ml_collections.ConfigDict) -> StepConfig:
+    """What the jitted update computes, from the run config's trainer section: the loss (`trainer.loss.*`),
+    `minibatches`, `prox` and `remat`. A bad value raises ValueError naming its key."""
+    loss = loss_config(trainer.loss)
+    _check_step_fields(trainer)
     return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=trainer.prox, remat=trainer.remat)
 
 
 def check_trainer_config(trainer: ml_collections.ConfigDict) -> None:
-    """Validates every update option of the trainer section (what RLTrainer reads); raises ValueError naming
-    the first bad key. Cheap: no model, no device work."""
-    step_config(trainer)
-    optimizer_config(trainer)
+    """Validates every update option of the trainer section (what RLTrainer reads); raises one ValueError
+    naming the bad keys (the first of each group: loss, step, optimizer, batch). No model, no device work."""
+    problems = []
+    for check in (lambda t: loss_config(t.loss), _check_step_fields, optimizer_config, _check_batch_fields):
+        try:
+            check(trainer)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _check_batch_fields(trainer: ml_collections.ConfigDict) -> None:
     if trainer.advantage not in ADVANTAGE_ESTIMATORS:
         raise _bad("advantage", trainer.advantage, ", ".join(ADVANTAGE_ESTIMATORS))
     if trainer.adv_std_ddof not in (0, 1):

@@ -80,10 +80,14 @@ def test_a_stale_base_is_rebuilt_in_place_but_a_foreign_model_is_kept(tmp_path, 
 
 def test_bad_values_are_named(tmp_path, capsys):
     assert main([f"--config={CONFIG}", "--config.rollout.engine=sglang", "--config.trainer.eta=-1",
-                 "--config.trainer.minibatches=0", f"--config.workdir={tmp_path / 'run'}"]) == 2
+                 "--config.trainer.minibatches=0", "--config.trainer.loss.aggregation=median",
+                 "--config.trainer.schedule=linear", f"--config.workdir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "rollout.engine 'sglang' is not one of ('jax', 'vllm')" in err and "trainer.eta must be >= 0" in err
     assert "trainer.minibatches must be >= 1" in err
+    # The update's options are checked with the rest, before anything starts (no workdir, no base model).
+    assert "trainer.loss.aggregation='median' is invalid" in err and "trainer.schedule='linear' is invalid" in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("minibatches", [1, 3])
