@@ -71,6 +71,9 @@ def optimizer_config(trainer: ml_collections.ConfigDict) -> ml_collections.Confi
 def loss_config(section: ml_collections.ConfigDict) -> losses.LossConfig:
     """The `trainer.loss` section as a LossConfig; fields it leaves out take LossConfig's defaults, a key
     that is not a LossConfig field or a bad value raises ValueError naming `trainer.loss.<key>`."""
+    if not isinstance(section, ml_collections.ConfigDict):
+        raise ValueError(f"trainer.loss must be a section of loss options (trainer.loss.name = ..., "
+                         f"trainer.loss.eps_high = ...), got {section!r}")
     unknown = sorted(set(section.keys()) - set(_LOSS_FIELDS))
     if unknown:
         raise ValueError(f"trainer.loss.{unknown[0]} is not a loss option; valid: {', '.join(_LOSS_FIELDS)}")

@@ -80,6 +80,9 @@ def test_an_unknown_loss_key_is_named():
         t.loss.eps_hihg = 0.3
     with pytest.raises(ValueError, match=r"trainer\.loss\.eps_hihg is not a loss option"):
         step_config(t)
+    old_style = ml_collections.ConfigDict({**t.to_dict(), "loss": "decoupled_ppo"})
+    with pytest.raises(ValueError, match=r"trainer\.loss must be a section of loss options"):
+        step_config(old_style)
 
 
 def test_micro_batch_rows_must_split_over_the_batch_shards():
