@@ -10,6 +10,9 @@ decoupled PPO, is the weights at the start of the call:
   batch computes it first.
 - prox="loglinear": AReaL's interpolation between μ and π_θ by per-token versions, no extra pass.
 
+With a KL penalty (loss.kl_coef > 0) the caller passes the reference policy's parameters and a
+forward-only pass over the batch computes its log-probs (no gradient) for the loss's `ref_logp_bt`.
+
 An update whose loss or gradient is not finite is skipped (parameters and optimizer state unchanged),
 counted in `state.skipped`, and reported; it never corrupts the state.
 """
