@@ -15,6 +15,7 @@ Commands:
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from jaxflow.coordination import config_section
 
@@ -96,6 +97,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Reward processes, and the seconds after which a reward call counts as failed.
     config.rollout.reward_workers = 1
     config.rollout.reward_timeout_s = 5.0
+    # vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
+    config.rollout.kv_cache_gib = 0.5
 
     config.trainer = ml_collections.ConfigDict()
     config.trainer.steps = 1000
@@ -107,20 +110,73 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Optimizer updates per train step, each on 1/minibatches of the batch (PPO minibatches; pi_prox is the
     # step's starting policy). About the same compute; 4 learned no faster than 1 on this task.
     config.trainer.minibatches = 1
+    # Rows per micro-batch: each minibatch's gradient is accumulated over micro-batches of this many rows
+    # (less activation memory, same update). The step is compiled once, at start-up, for room for every
+    # sequence of a batch; the micro-batches a batch leaves empty are skipped, so smaller ones waste less
+    # compute on padding. 0 = the whole minibatch in one micro-batch, padding included.
+    config.trainer.micro_batch_rows = 16
+    # pi_prox, decoupled PPO's proximal policy: "recompute" (the step's starting weights; an extra forward
+    # pass when minibatches > 1) or "loglinear" (AReaL's interpolation between mu and pi_theta, no pass).
+    config.trainer.prox = "recompute"
+    # Recompute each block's activations in the backward pass (less memory, ~1/3 more compute).
+    config.trainer.remat = False
     # Leave groups whose samples all scored the same out of the update: their advantage is 0 on every token,
     # so they cost trainer time and only dilute the token-mean loss. They are still consumed and accounted.
     config.trainer.skip_zero_signal = True
-    config.trainer.loss = "decoupled_ppo"
+    # Advantage estimator (grpo, dr_grpo, rloo); GRPO divides by the group's reward std (adv_scale_by_std),
+    # the population std (adv_std_ddof=0) or the unbiased one (1).
     config.trainer.advantage = "grpo"
-    # Cap on the behaviour importance weight pi_prox / mu (AReaL uses 5); None leaves it uncapped.
-    config.trainer.behav_weight_cap = 5.0
+    config.trainer.adv_scale_by_std = True
+    config.trainer.adv_std_ddof = 0
+    # AdamW behind global-norm clipping: linear warmup to lr, then "constant" or "cosine" decay to 0 at
+    # trainer.steps. Norm scales and biases are not weight-decayed.
     config.trainer.lr = 1e-4
     config.trainer.warmup_steps = 5
+    config.trainer.schedule = "constant"
+    config.trainer.b1 = 0.9
+    config.trainer.b2 = 0.999
+    config.trainer.adam_eps = 1e-8
+    config.trainer.weight_decay = 0.0
     config.trainer.max_grad_norm = 1.0
+    # Pack several sequences per row (segment ids keep them apart) instead of one padded row each.
     config.trainer.pack = True
-    # Rows per micro-batch (gradients are accumulated over micro-batches; 0: one per minibatch). The
-    # step is compiled once for room for every sequence; micro-batches a batch leaves empty are skipped.
-    config.trainer.micro_batch_rows = 16
+
+    # The policy loss (jaxflow.trainer.losses.LossConfig); u = pi_theta/pi_prox, w = pi_prox/mu, A = advantage.
+    config.trainer.loss = ml_collections.ConfigDict()
+    loss = config.trainer.loss
+    # decoupled_ppo, ppo, dual_clip, tis, cispo, topr or gspo.
+    loss.name = "decoupled_ppo"
+    # Trust region: u is clipped to [1 - eps_low, 1 + eps_high] (DAPO's clip-higher: eps_high = 0.28).
+    loss.eps_low = 0.2
+    loss.eps_high = 0.2
+    # Dual clip for A < 0: the loss is at most -c*A (c >= 1, typically 3). None = off.
+    loss.dual_clip_c = placeholder(float)
+    # Bounds on w (AReaL caps it at 5); behav_weight_mode "clamp" clips w to them, "mask" drops the token,
+    # "none" ignores them. A floor of None = no lower bound.
+    loss.behav_weight_cap = 5.0
+    loss.behav_weight_floor = placeholder(float)
+    loss.behav_weight_mode = "clamp"
+    # "tis": IS weight sg(clip(pi_theta/mu, tis_floor, tis_cap)).
+    loss.tis_cap = 2.0
+    loss.tis_floor = 0.0
+    # "cispo": IS weight sg(clip(u, 1 - cispo_eps_low, 1 + cispo_eps_high)) (1.0: no lower clip); with the
+    # unified mask, tokens with A > 0, u > 1 + eps_high or A < 0, u < 1 - eps_low are also dropped.
+    loss.cispo_eps_low = 1.0
+    loss.cispo_eps_high = 0.28
+    loss.cispo_unified_mask = False
+    # "topr": weight on positive sequences, and on negative ones (times sg(clip(pi_theta/mu, 0, 1)));
+    # topr_split: a sequence is positive when its "advantage" > 0 or its raw "reward" > 0.
+    loss.topr_pos_weight = 1.0
+    loss.topr_neg_weight = 1.0
+    loss.topr_split = "advantage"
+    # KL penalty to the initial policy (kept frozen when kl_coef > 0): + kl_coef * k(pi_theta, pi_ref)
+    # per token, with Schulman's estimator k1, k2 or k3. Reported as kl_ref.
+    loss.kl_coef = 0.0
+    loss.kl_estimator = "k3"
+    # How token losses become the batch loss: token_mean, seq_mean_token_mean, seq_mean_token_sum or
+    # constant (Dr.GRPO: sum / (sequences * constant_normalizer); None = the row length).
+    loss.aggregation = "token_mean"
+    loss.constant_normalizer = placeholder(float)
 
     config.eval = ml_collections.ConfigDict()
     # Held-out greedy accuracy every `every` steps (and at the start and the end).

@@ -49,7 +49,7 @@ from jaxflow.models import hf_io
 from jaxflow.data.param_service import ParameterService
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.rewards import RewardPool, group_reward_fn
-from jaxflow.trainer.rl_trainer import RLTrainer
+from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.state import abstract_train_state
@@ -117,8 +117,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         problems.append(f"rollout.engine {r.engine!r} is not one of {ENGINES}")
     for name, value, low in (("rollout.num_engines", r.num_engines, 1), ("rollout.group_size", r.group_size, 2),
                              ("trainer.batch_groups", t.batch_groups, 1), ("trainer.steps", t.steps, 1),
-                             ("trainer.eta", t.eta, 0), ("trainer.minibatches", t.minibatches, 1),
-                             ("trainer.micro_batch_rows", t.micro_batch_rows, 0),
+                             ("trainer.eta", t.eta, 0),
                              ("eval.num_prompts", config.eval.num_prompts, 1)):
         if value < low:
             problems.append(f"{name} must be >= {low}, got {value}")
@@ -128,6 +127,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         problems.append(f"rollout.coordination: {e}")
     if r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
+    if r.kv_cache_gib <= 0:
+        problems.append(f"rollout.kv_cache_gib must be > 0, got {r.kv_cache_gib}")
+    try:  # the update's options (loss, optimizer, prox, micro-batches...): each bad value names its key
+        check_trainer_config(t)
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 
@@ -140,7 +145,7 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
                          decode_chunk=r.decode_chunk, version=trainer.version, seed=config.seed)
     from rollout_bridge.vllm_engine import VllmEngine
     engine = VllmEngine(base_dir, max_model_len=r.max_len, max_num_seqs=r.max_slots,
-                        kv_cache_gib=r.get("kv_cache_gib", 0.5), seed=config.seed, enforce_eager=True)
+                        kv_cache_gib=r.kv_cache_gib, seed=config.seed, enforce_eager=True)
     if trainer.version != 0:
         engine.update_weights(trainer.version, trainer.hf_tensors())
     return engine

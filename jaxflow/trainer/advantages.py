@@ -26,19 +26,21 @@ class GroupStats(NamedTuple):
 
     count_b: jax.Array  # float32, size of the sequence's group
     mean_b: jax.Array  # float32, mean reward of the sequence's group
-    std_b: jax.Array  # float32, population std of the group's rewards
+    std_b: jax.Array  # float32, std of the group's rewards (population, or with the `ddof` of group_stats)
     zero_var_b: jax.Array  # bool, the group's rewards are all identical
     count_g: jax.Array  # float32, group sizes (0 for unused ids)
     zero_var_g: jax.Array  # bool, non-empty group with identical rewards
 
 
-def group_stats(rewards_b: jax.Array, group_ids_b: jax.Array, num_groups: int) -> GroupStats:
-    """Computes group sizes, means, population stds and zero-variance flags.
+def group_stats(rewards_b: jax.Array, group_ids_b: jax.Array, num_groups: int, ddof: int = 0) -> GroupStats:
+    """Computes group sizes, means, stds and zero-variance flags.
 
     Args:
       rewards_b: [B] float, one scalar reward per sequence.
       group_ids_b: [B] int, group of each sequence, in [0, num_groups).
       num_groups: static number of group ids (segments).
+      ddof: the std divides the squared deviations by n - ddof: 0 = population std (default), 1 = unbiased
+        sample std (torch.std's default, which some GRPO implementations use). A singleton group's std is 0.
     """
     seg = lambda x: jax.ops.segment_sum(x, group_ids_b, num_segments=num_groups)
     count_g = seg(jnp.ones_like(rewards_b))
@@ -46,7 +48,7 @@ def group_stats(rewards_b: jax.Array, group_ids_b: jax.Array, num_groups: int) -
     mean_g = seg(rewards_b) / safe_count_g
     mean_b = mean_g[group_ids_b]
     # Two-pass variance: numerically better than E[r^2] - E[r]^2 for rewards with a large common offset.
-    var_g = seg((rewards_b - mean_b) ** 2) / safe_count_g
+    var_g = seg((rewards_b - mean_b) ** 2) / jnp.maximum(count_g - ddof, 1.0)
     # Zero variance is decided exactly from max == min, not from var < tol: sum/n of identical values is not
     # always bit-equal to the value, so `r - mean` can be 1e-9 instead of 0, and we promise an exact 0.
     max_g = jax.ops.segment_max(rewards_b, group_ids_b, num_segments=num_groups)
@@ -65,7 +67,8 @@ def group_stats(rewards_b: jax.Array, group_ids_b: jax.Array, num_groups: int) -
 def grpo_advantages(rewards_b: jax.Array, gs: GroupStats, *, scale_by_std: bool, eps: float) -> jax.Array:
     """GRPO (DeepSeekMath): A = (r - mean_g) / (std_g + eps), or r - mean_g without std scaling.
 
-    std_g is the population std (divide by n) of the group's rewards. Returns [B] float32.
+    std_g is the group's reward std: population (divide by n) or unbiased (n - 1), per compute_advantages'
+    std_ddof. Returns [B] float32.
     """
     centred_b = rewards_b - gs.mean_b
     if not scale_by_std:
@@ -115,6 +118,7 @@ def compute_advantages(
     num_groups: int | None = None,
     scale_by_std: bool = True,
     eps: float = 1e-6,
+    std_ddof: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-sequence advantages from per-sequence rewards and group ids.
 
@@ -125,6 +129,7 @@ def compute_advantages(
       num_groups: static segment count; defaults to B, which is always enough for dense ids.
       scale_by_std: GRPO only: divide by (std_g + eps).
       eps: GRPO only: added to the std so low-variance groups don't blow up.
+      std_ddof: GRPO only: 0 divides by the population std, 1 by the unbiased sample std (n - 1).
 
     Returns:
       adv_b: [B] float32; exactly 0 for every member of a zero-variance group (incl. singletons).
@@ -137,6 +142,8 @@ def compute_advantages(
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"unknown advantage estimator {estimator!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}")
+    if std_ddof not in (0, 1):
+        raise ValueError(f"std_ddof must be 0 or 1, got {std_ddof!r}")
     rewards_b = jnp.asarray(rewards_b, jnp.float32)
     group_ids_b = jnp.asarray(group_ids_b, jnp.int32)
     if rewards_b.ndim != 1 or group_ids_b.shape != rewards_b.shape:
@@ -153,13 +160,13 @@ def compute_advantages(
             raise ValueError(
                 f"group_ids_b must lie in [0, {num_groups}); got min {ids.min()}, max {ids.max()}")
 
-    return _compute(rewards_b, group_ids_b, estimator, num_groups, scale_by_std, eps)
+    return _compute(rewards_b, group_ids_b, estimator, num_groups, scale_by_std, eps, int(std_ddof))
 
 
 # One compiled program per (shape, settings) instead of a dozen eagerly dispatched ops; inlined under an outer jit.
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _compute(rewards_b, group_ids_b, estimator, num_groups, scale_by_std, eps):
-    gs = group_stats(rewards_b, group_ids_b, num_groups)
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _compute(rewards_b, group_ids_b, estimator, num_groups, scale_by_std, eps, std_ddof):
+    gs = group_stats(rewards_b, group_ids_b, num_groups, std_ddof)
     adv_b = ADVANTAGE_ESTIMATORS[estimator](rewards_b, gs, scale_by_std=scale_by_std, eps=eps)
     adv_b = jnp.where(gs.zero_var_b, 0.0, adv_b).astype(jnp.float32)
     stats = {

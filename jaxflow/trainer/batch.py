@@ -42,7 +42,8 @@ class TrajectoryBatch:
     tokens int32; positions int32 rotary positions; segment_ids int32 (0 = padding); loss_mask float32
     (1 = generated token that is trained); behav_logp float32 log μ of the token (0 where not trained);
     versions int32 policy version that generated the token (-1 on prompt and padding); advantages
-    float32 advantage of the token's sequence (0 where not trained).
+    float32 advantage of the token's sequence (0 where not trained); rewards float32 raw reward of the
+    token's sequence (0 where not trained), for losses that look at the reward itself (TOPR's split).
     """
 
     tokens: jax.Array
@@ -52,6 +53,7 @@ class TrajectoryBatch:
     behav_logp: jax.Array
     versions: jax.Array
     advantages: jax.Array
+    rewards: jax.Array
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +62,8 @@ class TrajectoryBatch:
 
 # The batch's fields and their dtypes.
 FIELD_DTYPES = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32, "loss_mask": np.float32,
-           "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32}
+                "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32,
+                "rewards": np.float32}
 
 
 def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
@@ -93,7 +96,7 @@ def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
         raise ValueError("batch.behav_logp is not finite on a trained token")
 
 
-def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std: bool):
+def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std: bool, std_ddof: int):
     given = [t.advantage is not None for t in trajectories]
     if all(given):
         return np.asarray([t.advantage for t in trajectories], np.float32), {}
@@ -102,7 +105,8 @@ def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std
     ids = np.asarray([t.group_id for t in trajectories])
     _, dense = np.unique(ids, return_inverse=True)
     adv, stats = compute_advantages(np.asarray([t.reward for t in trajectories], np.float32),
-                                    dense.astype(np.int32), estimator, scale_by_std=scale_by_std)
+                                    dense.astype(np.int32), estimator, scale_by_std=scale_by_std,
+                                    std_ddof=std_ddof)
     return np.asarray(adv), {k: float(v) for k, v in stats.items()}
 
 
@@ -127,14 +131,16 @@ def _place(rows: list[list[int]], num_rows: int, seq_len: int, pack: bool) -> li
 
 def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: int,
                micro_batches: int = 1, pack: bool = False, advantage_estimator: str = "grpo",
-               scale_by_std: bool = True, minibatches: int = 1) -> tuple[TrajectoryBatch, dict[str, float]]:
+               scale_by_std: bool = True, std_ddof: int = 0,
+               minibatches: int = 1) -> tuple[TrajectoryBatch, dict[str, float]]:
     """Lays trajectories out as a [micro_batches, num_rows // micro_batches, seq_len] batch.
 
-    Advantages come from the trajectories' rewards and group ids (or their own `advantage`). Filled rows
-    are dealt to the `minibatches` (row r to minibatch r % K, the step's K consecutive groups of micro-
-    batches), and inside a minibatch they fill its micro-batches in order: rows beyond the trajectories
-    leave whole micro-batches empty at the end of each minibatch, which the step skips. A batch padded
-    to a fixed shape therefore costs compute for its trajectories only.
+    Advantages come from the trajectories' rewards and group ids (or their own `advantage`), by
+    `compute_advantages(estimator, scale_by_std=, std_ddof=)`. Filled rows are dealt to the
+    `minibatches` (row r to minibatch r % K, the step's K consecutive groups of micro-batches), and
+    inside a minibatch they fill its micro-batches in order: rows beyond the trajectories leave whole
+    micro-batches empty at the end of each minibatch, which the step skips. A batch padded to a fixed
+    shape therefore costs compute for its trajectories only.
     Returns the batch (numpy arrays) and advantage statistics.
     """
     if num_rows % micro_batches:
@@ -152,7 +158,7 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         if len(t.prompt) + n > seq_len:
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
         seqs.append(list(t.prompt) + list(t.completion))
-    advantages, stats = _advantages(trajectories, advantage_estimator, scale_by_std)
+    advantages, stats = _advantages(trajectories, advantage_estimator, scale_by_std, std_ddof)
     out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in FIELD_DTYPES.items()}
     out["versions"][:] = -1
     next_segment = np.ones(num_rows, np.int32)
@@ -167,6 +173,7 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         out["behav_logp"][row, gen] = t.behav_logp
         out["versions"][row, gen] = t.versions
         out["advantages"][row, gen] = advantages[i]
+        out["rewards"][row, gen] = t.reward
     # Row r goes to minibatch r % K, position r // K of that minibatch's rows, in micro-batch order.
     k, rows = minibatches, num_rows // micro_batches
     split = {name: v.reshape(num_rows // k, k, seq_len).swapaxes(0, 1).reshape(micro_batches, rows, seq_len)

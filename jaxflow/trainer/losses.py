@@ -31,7 +31,8 @@ MAX_LOG_RATIO = 20.0
 
 BEHAV_WEIGHT_MODES = ("clamp", "mask", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+TOPR_SPLITS = ("advantage", "reward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +48,28 @@ class LossConfig:
     eps_high: float = 0.2  # trust region 1 + eps_high above; DAPO "clip-higher" uses 0.28
     dual_clip_c: float | None = None  # dual clip for A < 0 (loss <= -c·A), c >= 1, typically 3.0
     behav_weight_cap: float | None = None  # cap on w = π_prox/μ (AReaL uses 5.0); None = uncapped
-    behav_weight_mode: str = "clamp"  # what happens above the cap: "clamp" w to it, "mask" the token, "none"
-    tis_cap: float = 2.0  # truncation of π_θ/μ for the "tis" loss
+    # Floor on w = π_prox/μ, applied like the cap: "clamp" gives w = max(w, floor), "mask" drops tokens with
+    # w < floor (tokens the behaviour policy liked far more than π_prox). None = no floor.
+    behav_weight_floor: float | None = None
+    behav_weight_mode: str = "clamp"  # what happens past the cap/floor: "clamp" w to it, "mask" the token, "none"
+    tis_cap: float = 2.0  # "tis": IS weight sg(clip(π_θ/μ, tis_floor, tis_cap))
+    tis_floor: float = 0.0  # "tis": lower truncation of π_θ/μ (0: none, as π_θ/μ >= 0)
     cispo_eps_low: float = 1.0  # CISPO IS-weight clip below (1.0: no lower clip)
     cispo_eps_high: float = 0.28  # CISPO IS-weight clip above
+    # CISPO's unified mask (MiniMax-M1): also drop tokens with A > 0 and u > 1 + eps_high or A < 0 and
+    # u < 1 - eps_low (u = π_θ/π_prox), i.e. PPO's trust region as a token mask on top of the clipped IS weight.
+    cispo_unified_mask: bool = False
+    # "topr": loss = -c·A·log π_θ with c = topr_pos_weight on positive sequences and
+    # topr_neg_weight·sg(clip(π_θ/μ, 0, 1)) on the others; topr_split picks what makes a sequence positive:
+    # "advantage" (A > 0) or "reward" (its raw reward > 0, as in the TOPR paper and ROLL).
+    topr_pos_weight: float = 1.0
+    topr_neg_weight: float = 1.0
+    topr_split: str = "advantage"
     kl_coef: float = 0.0  # weight of the KL(π_θ || π_ref) penalty; needs ref_logp_bt when > 0
     kl_estimator: str = "k3"  # per-token KL estimator: k1, k2 or k3 (Schulman's)
-    aggregation: str = "token_mean"  # token_mean, seq_mean_token_mean or constant (Dr.GRPO)
+    # token_mean, seq_mean_token_mean, seq_mean_token_sum (Σ over a sequence's tokens, mean over sequences)
+    # or constant (Dr.GRPO); see token_weights.
+    aggregation: str = "token_mean"
     constant_normalizer: float | None = None  # C for "constant" aggregation; None = T (the padded length)
 
     def __post_init__(self):
@@ -65,28 +81,37 @@ def _cfg(cfg: Any, field: str):
     return getattr(cfg, field) if hasattr(cfg, field) else _DEFAULTS[field]
 
 
-def validate_loss_config(cfg: Any) -> None:
-    """Raises ValueError naming the first invalid field of a loss config."""
+def validate_loss_config(cfg: Any, key_prefix: str = "loss config field ") -> None:
+    """Raises ValueError naming the first invalid field of a loss config as `{key_prefix}{field}`."""
     name = _cfg(cfg, "name")
     if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
+        raise ValueError(f"{key_prefix}name: unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
+    none_or = lambda f, ok: _cfg(cfg, f) is None or ok(_cfg(cfg, f))  # noqa: E731
+    cap = _cfg(cfg, "behav_weight_cap")
     checks = [
         ("behav_weight_mode", _cfg(cfg, "behav_weight_mode") in BEHAV_WEIGHT_MODES, BEHAV_WEIGHT_MODES),
         ("kl_estimator", _cfg(cfg, "kl_estimator") in KL_ESTIMATORS, KL_ESTIMATORS),
         ("aggregation", _cfg(cfg, "aggregation") in AGGREGATIONS, AGGREGATIONS),
+        ("topr_split", _cfg(cfg, "topr_split") in TOPR_SPLITS, TOPR_SPLITS),
         ("eps_low", 0.0 <= _cfg(cfg, "eps_low") <= 1.0, "[0, 1]"),
         ("eps_high", _cfg(cfg, "eps_high") >= 0.0, ">= 0"),
         ("cispo_eps_low", 0.0 <= _cfg(cfg, "cispo_eps_low") <= 1.0, "[0, 1]"),
         ("cispo_eps_high", _cfg(cfg, "cispo_eps_high") >= 0.0, ">= 0"),
+        ("cispo_unified_mask", isinstance(_cfg(cfg, "cispo_unified_mask"), bool), "True or False"),
         ("tis_cap", _cfg(cfg, "tis_cap") > 0.0, "> 0"),
-        ("dual_clip_c", _cfg(cfg, "dual_clip_c") is None or _cfg(cfg, "dual_clip_c") >= 1.0, "None or >= 1"),
-        ("behav_weight_cap", _cfg(cfg, "behav_weight_cap") is None or _cfg(cfg, "behav_weight_cap") > 0, "> 0"),
-        ("constant_normalizer",
-         _cfg(cfg, "constant_normalizer") is None or _cfg(cfg, "constant_normalizer") > 0, "None or > 0"),
+        ("tis_floor", 0.0 <= _cfg(cfg, "tis_floor") < _cfg(cfg, "tis_cap"), "[0, tis_cap)"),
+        ("topr_pos_weight", _cfg(cfg, "topr_pos_weight") >= 0.0, ">= 0"),
+        ("topr_neg_weight", _cfg(cfg, "topr_neg_weight") >= 0.0, ">= 0"),
+        ("kl_coef", _cfg(cfg, "kl_coef") >= 0.0, ">= 0"),
+        ("dual_clip_c", none_or("dual_clip_c", lambda c: c >= 1.0), "None or >= 1"),
+        ("behav_weight_cap", none_or("behav_weight_cap", lambda c: c > 0), "None or > 0"),
+        ("behav_weight_floor", none_or("behav_weight_floor", lambda f: f >= 0 and (cap is None or f < cap)),
+         "None or in [0, behav_weight_cap)"),
+        ("constant_normalizer", none_or("constant_normalizer", lambda c: c > 0), "None or > 0"),
     ]
     for field, ok, valid in checks:
         if not ok:
-            raise ValueError(f"loss config field {field}={_cfg(cfg, field)!r} is invalid; valid: {valid}")
+            raise ValueError(f"{key_prefix}{field}={_cfg(cfg, field)!r} is invalid; valid: {valid}")
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossConfig)}
@@ -116,20 +141,27 @@ def kl_estimate(logp_bt: jax.Array, ref_logp_bt: jax.Array, estimator: str = "k3
 
 
 def behaviour_weight(log_w, cfg: Any):
-    """The staleness weight w = π_prox/μ = exp(log_w), capped per `cfg.behav_weight_mode`.
+    """The staleness weight w = π_prox/μ = exp(log_w), bounded per `cfg.behav_weight_mode`.
 
     Works on any shape ([B, T] per token, [B] per sequence). Returns (w_used, w_raw, capped): w_used enters the
-    loss (min(w, cap) for "clamp"; 0 above the cap for "mask", which drops the token like AReaL's rejection
-    sampling; w for "none" or a None cap); w_raw is the uncapped weight, logged so its max shows the worst
-    staleness; capped is a bool array of the tokens the cap acted on.
+    loss (clip(w, floor, cap) for "clamp"; 0 above the cap or below the floor for "mask", which drops the token
+    like AReaL's rejection sampling; w for "none" or no bounds); w_raw is the unbounded weight, logged so its max
+    shows the worst staleness; capped is a bool array of the tokens a bound acted on.
     """
     w_raw = _exp_ratio(log_w)
-    cap, mode = _cfg(cfg, "behav_weight_cap"), _cfg(cfg, "behav_weight_mode")
-    if cap is None or mode == "none":
-        return w_raw, w_raw, jnp.zeros(w_raw.shape, bool)
-    over = w_raw > cap
-    w_used = jnp.minimum(w_raw, cap) if mode == "clamp" else jnp.where(over, 0.0, w_raw)
-    return w_used, w_raw, over
+    cap, floor = _cfg(cfg, "behav_weight_cap"), _cfg(cfg, "behav_weight_floor")
+    mode = _cfg(cfg, "behav_weight_mode")
+    none = jnp.zeros(w_raw.shape, bool)
+    if (cap is None and floor is None) or mode == "none":
+        return w_raw, w_raw, none
+    over = none if cap is None else w_raw > cap
+    under = none if floor is None else w_raw < floor
+    if mode == "clamp":
+        w_used = w_raw if cap is None else jnp.minimum(w_raw, cap)
+        w_used = w_used if floor is None else jnp.maximum(w_used, floor)
+    else:
+        w_used = jnp.where(over | under, 0.0, w_raw)
+    return w_used, w_raw, over | under
 
 
 def clipped_surrogate(ratio_bt, adv_bt, eps_low, eps_high, dual_clip_c=None):
@@ -168,15 +200,19 @@ def _metrics(behav_weight, behav_capped, approx_kl, clip_low=None, clip_high=Non
 POLICY_LOSSES: dict[str, Callable] = {}
 # name -> whether the loss reads prox_logp_bt (callers may skip computing π_prox when it does not).
 POLICY_LOSS_USES_PROX: dict[str, bool] = {}
+# name -> whether the loss takes a `rewards_bt` keyword (the raw reward of each token's sequence).
+POLICY_LOSS_USES_REWARDS: dict[str, bool] = {}
 
 
-def register_policy_loss(name: str, *, uses_prox: bool = True):
-    """Decorator adding a loss to POLICY_LOSSES; `uses_prox=False` lets callers pass prox_logp_bt=None."""
+def register_policy_loss(name: str, *, uses_prox: bool = True, uses_rewards: bool = False):
+    """Decorator adding a loss to POLICY_LOSSES; `uses_prox=False` lets callers pass prox_logp_bt=None;
+    `uses_rewards=True` makes `policy_loss` pass `rewards_bt=` (possibly None) to it."""
     def deco(fn):
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
         POLICY_LOSSES[name] = fn
         POLICY_LOSS_USES_PROX[name] = uses_prox
+        POLICY_LOSS_USES_REWARDS[name] = uses_rewards
         return fn
     return deco
 
@@ -230,14 +266,14 @@ def dual_clip_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
 def tis_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
     """Truncated importance sampling REINFORCE (ROLL pg_variant "tis"; slime --use-tis caps at 2.0).
 
-    loss = -sg(min(exp(logp - behav_logp), tis_cap))·A·logp. No trust region: the gradient is the truncated-IS
-    policy gradient. `behav_capped` marks tokens whose IS weight hit tis_cap.
+    loss = -sg(clip(exp(logp - behav_logp), tis_floor, tis_cap))·A·logp. No trust region: the gradient is the
+    truncated-IS policy gradient. `behav_capped` marks tokens whose IS weight hit tis_cap or tis_floor.
     """
     del prox_logp_bt, mask_bt
     r = _exp_ratio(logp_bt - behav_logp_bt)
-    tis_cap = _cfg(cfg, "tis_cap")
-    c = jax.lax.stop_gradient(jnp.minimum(r, tis_cap))
-    return -c * adv_bt * logp_bt, _metrics(r, r > tis_cap, kl_estimate(logp_bt, behav_logp_bt))
+    tis_cap, tis_floor = _cfg(cfg, "tis_cap"), _cfg(cfg, "tis_floor")
+    c = jax.lax.stop_gradient(jnp.clip(r, tis_floor, tis_cap))
+    return -c * adv_bt * logp_bt, _metrics(r, (r > tis_cap) | (r < tis_floor), kl_estimate(logp_bt, behav_logp_bt))
 
 
 @register_policy_loss("cispo")
@@ -245,8 +281,11 @@ def cispo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
     """CISPO (MiniMax-M1): clip the IS weight, never the gradient, so every token keeps contributing.
 
     u = exp(logp - prox_logp); loss = -w·sg(clip(u, 1-cispo_eps_low, 1+cispo_eps_high))·A·logp, with w the capped
-    behaviour weight of decoupled_ppo so stale samples are corrected too. clip_low/clip_high mark tokens whose
-    weight was clipped and A≠0 (for CISPO a clipped weight changes the loss whatever the sign of A).
+    behaviour weight of decoupled_ppo so stale samples are corrected too. With cfg.cispo_unified_mask (MiniMax-M1's
+    unified formulation) the loss is also multiplied by M = 0 where A > 0 and u > 1 + eps_high or A < 0 and
+    u < 1 - eps_low (PPO's trust region as a token mask; eps_low/eps_high, not the cispo_ bounds), else 1.
+    clip_low/clip_high mark tokens whose weight was clipped and A≠0 (for CISPO a clipped weight changes the loss
+    whatever the sign of A), or that the unified mask dropped.
     """
     del mask_bt
     u = _exp_ratio(logp_bt - prox_logp_bt)
@@ -254,22 +293,36 @@ def cispo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
     c = jax.lax.stop_gradient(jnp.clip(u, lo_b, hi_b))
     w, w_raw, capped = behaviour_weight(prox_logp_bt - behav_logp_bt, cfg)
     nonzero = adv_bt != 0
-    return -w * c * adv_bt * logp_bt, _metrics(w_raw, capped, kl_estimate(logp_bt, prox_logp_bt),
-                                               (u < lo_b) & nonzero, (u > hi_b) & nonzero)
+    lo, hi = (u < lo_b) & nonzero, (u > hi_b) & nonzero
+    loss = -w * c * adv_bt * logp_bt
+    if _cfg(cfg, "cispo_unified_mask"):
+        out_lo = (adv_bt < 0) & (u < 1.0 - _cfg(cfg, "eps_low"))
+        out_hi = (adv_bt > 0) & (u > 1.0 + _cfg(cfg, "eps_high"))
+        loss = jnp.where(out_lo | out_hi, 0.0, loss)
+        lo, hi = lo | out_lo, hi | out_hi
+    return loss, _metrics(w_raw, capped, kl_estimate(logp_bt, prox_logp_bt), lo, hi)
 
 
-@register_policy_loss("topr", uses_prox=False)
-def topr_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
+@register_policy_loss("topr", uses_prox=False, uses_rewards=True)
+def topr_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, rewards_bt=None):
     """Tapered Off-Policy REINFORCE (Le Roux et al. 2025; ROLL pg_variant "topr").
 
-    A > 0: loss = -A·logp (plain SFT-like push, never truncated); A <= 0: loss = -sg(clip(r, 0, 1))·A·logp with
-    r = exp(logp - behav_logp), so negatives are tapered off once the policy already avoids them.
-    `behav_capped` marks A<=0 tokens with r > 1.
+    Positive tokens: loss = -topr_pos_weight·A·logp (plain SFT-like push, never truncated); the others:
+    loss = -topr_neg_weight·sg(clip(r, 0, 1))·A·logp with r = exp(logp - behav_logp), so negatives are tapered
+    off once the policy already avoids them. A token is positive when A > 0 (cfg.topr_split="advantage") or
+    when its sequence's raw reward is > 0 ("reward", the paper's split; needs rewards_bt).
+    `behav_capped` marks negative tokens with r > 1.
     """
-    del prox_logp_bt, mask_bt, cfg
+    del prox_logp_bt, mask_bt
+    if _cfg(cfg, "topr_split") == "reward":
+        if rewards_bt is None:
+            raise ValueError("topr with topr_split='reward' needs rewards_bt (got None)")
+        pos = rewards_bt > 0
+    else:
+        pos = adv_bt > 0
     r = _exp_ratio(logp_bt - behav_logp_bt)
-    pos = adv_bt > 0
-    c = jnp.where(pos, 1.0, jax.lax.stop_gradient(jnp.clip(r, 0.0, 1.0)))
+    c = jnp.where(pos, _cfg(cfg, "topr_pos_weight"),
+                  _cfg(cfg, "topr_neg_weight") * jax.lax.stop_gradient(jnp.clip(r, 0.0, 1.0)))
     return -c * adv_bt * logp_bt, _metrics(r, (~pos) & (r > 1.0), kl_estimate(logp_bt, behav_logp_bt))
 
 
@@ -307,11 +360,13 @@ def _check_shapes(**arrays) -> None:
             raise ValueError(f"{name} has shape {tuple(jnp.shape(x))} but {ref_name} has shape {ref_shape}")
 
 
-def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt=None):
+def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt=None,
+                rewards_bt=None):
     """Per-token policy loss `name` (a key of POLICY_LOSSES) plus the optional KL penalty.
 
     Args: all [B, T]: logp_bt (log π_θ, differentiable), behav_logp_bt (log μ), prox_logp_bt (log π_prox; may be
-      None for ppo/tis/topr), adv_bt, mask_bt (1 = trained token), ref_logp_bt (log π_ref, optional). All but
+      None for ppo/tis/topr), adv_bt, mask_bt (1 = trained token), ref_logp_bt (log π_ref, optional),
+      rewards_bt (raw reward of the token's sequence; only topr with topr_split="reward" reads it). All but
       logp_bt are treated as constants. cfg: a LossConfig or any object with its fields.
     Returns: loss_bt [B, T] float32, zero on masked tokens, = loss of `name` + kl_coef·k(π_θ, π_ref); and per-token
       metrics [B, T] float32 (zero on masked tokens): clip_low, clip_high, behav_weight (uncapped), behav_capped,
@@ -323,7 +378,7 @@ def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg
         raise ValueError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
     validate_loss_config(cfg)
     _check_shapes(logp_bt=logp_bt, behav_logp_bt=behav_logp_bt, prox_logp_bt=prox_logp_bt, adv_bt=adv_bt,
-                  mask_bt=mask_bt, ref_logp_bt=ref_logp_bt)
+                  mask_bt=mask_bt, ref_logp_bt=ref_logp_bt, rewards_bt=rewards_bt)
     if prox_logp_bt is None:
         if POLICY_LOSS_USES_PROX[name]:
             raise ValueError(f"policy loss {name!r} needs prox_logp_bt (got None)")
@@ -338,7 +393,10 @@ def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg
     const = lambda x: jax.lax.stop_gradient(clean(x))
     logp = clean(logp_bt)
     behav, prox, adv = const(behav_logp_bt), const(prox_logp_bt), const(adv_bt)
-    loss_bt, metrics = POLICY_LOSSES[name](logp, behav, prox, adv, m.astype(jnp.float32), cfg)
+    extra = {}
+    if POLICY_LOSS_USES_REWARDS[name]:
+        extra["rewards_bt"] = None if rewards_bt is None else const(rewards_bt)
+    loss_bt, metrics = POLICY_LOSSES[name](logp, behav, prox, adv, m.astype(jnp.float32), cfg, **extra)
 
     if ref_logp_bt is not None:
         kl_bt = kl_estimate(logp, const(ref_logp_bt), _cfg(cfg, "kl_estimator"))
@@ -360,6 +418,7 @@ def token_weights(mask_bt: jax.Array, aggregation: str, constant_normalizer: flo
     batch loss. With m = (mask_bt > 0), len_b = Σ_t m, N = number of sequences with len_b > 0:
       token_mean:          w = m / Σ_bt m
       seq_mean_token_mean: w = m / (len_b · N)        (empty sequences get weight 0)
+      seq_mean_token_sum:  w = m / N                  (a sequence's token losses summed, then averaged)
       constant:            w = m / (B · C)            (Dr.GRPO; C = constant_normalizer, default T)
     Without sequence_ids_bt a row is a sequence. With it (packed rows: several sequences per row), a sequence is
     the set of masked tokens sharing an id, len is counted per id, and B in "constant" becomes N, the number of
@@ -387,19 +446,23 @@ def token_weights(mask_bt: jax.Array, aggregation: str, constant_normalizer: flo
         num_seqs = jnp.maximum(jnp.sum(len_s > 0), 1).astype(jnp.float32)
         if aggregation == "seq_mean_token_mean":
             denom_n = jnp.maximum(len_s[dense_n], 1.0) * num_seqs
+        elif aggregation == "seq_mean_token_sum":
+            denom_n = num_seqs
         else:
             denom_n = num_seqs * (m.shape[1] if constant_normalizer is None else constant_normalizer)
         return (m_n / denom_n).reshape(m.shape)
-    if aggregation == "seq_mean_token_mean":
+    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum"):
         len_b = jnp.sum(m, axis=1)
         num_seqs = jnp.maximum(jnp.sum(len_b > 0), 1).astype(jnp.float32)
+        if aggregation == "seq_mean_token_sum":
+            return m / num_seqs
         return m / (jnp.maximum(len_b, 1.0)[:, None] * num_seqs)
     c = m.shape[1] if constant_normalizer is None else constant_normalizer
     return m / (m.shape[0] * c)
 
 
 def loss_and_metrics(name, cfg, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, weights_bt,
-                     ref_logp_bt=None):
+                     ref_logp_bt=None, rewards_bt=None):
     """Scalar loss Σ_bt weights_bt·loss_bt (weights from `token_weights` on the full batch) and scalar metrics.
 
     Inputs as in `policy_loss`; weights_bt [B, T]. Metrics are plain masked means over this (micro-)batch's
@@ -408,7 +471,8 @@ def loss_and_metrics(name, cfg, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, ma
     All metrics are 0 when the mask is empty.
     """
     _check_shapes(logp_bt=logp_bt, weights_bt=weights_bt)
-    loss_bt, tok = policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt)
+    loss_bt, tok = policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt,
+                               rewards_bt)
     m = jnp.asarray(mask_bt) > 0
     loss = jnp.sum(jnp.where(m, weights_bt, 0.0) * loss_bt)
     n = jnp.sum(m).astype(jnp.float32)

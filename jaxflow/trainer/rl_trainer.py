@@ -10,37 +10,121 @@ Metrics per step: the step's own (loss, grad norm, importance-weight stats...), 
 response lengths, and the staleness histogram {v - token version: tokens} of the trained tokens. With
 `trainer.skip_zero_signal`, groups whose samples all scored the same (advantage 0 on every token) are
 consumed and accounted but left out of the update.
+
+Every option of the update is a key of the run config's trainer section: `step_config` and
+`optimizer_config` read them all and `check_trainer_config` validates them, naming the bad key, before a
+run starts. With `trainer.loss.kl_coef > 0` the trainer keeps a frozen copy of the parameters it was built
+with as the KL reference policy (on resume: the base model, not the restored step).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
 
 from jaxflow.trainer import losses
+from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models import hf_io
 from jaxflow.data.records import FinishedGroup
 from jaxflow.trainer.state import TrainState, create_train_state, train_state_shardings
-from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer
+from jaxflow.trainer.step import PROX_MODES, StepConfig, TrainStep, make_optimizer
 from jaxflow.data.records import ConsumedBatch
+
+SCHEDULES = ("constant", "cosine")
+_LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(losses.LossConfig))
+
+
+def _bad(key: str, value, valid: str) -> ValueError:
+    return ValueError(f"trainer.{key}={value!r} is invalid; valid: {valid}")
 
 
 logger = logging.getLogger(__name__)
 
 
 def optimizer_config(trainer: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The optimizer fields `make_optimizer` reads, from the run config's trainer section."""
-    return ml_collections.ConfigDict(dict(
-        lr=trainer.lr, warmup_steps=trainer.warmup_steps, schedule="constant", total_steps=trainer.steps,
-        b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=trainer.max_grad_norm))
+    """The optimizer fields `make_optimizer` reads, from the run config's trainer section (validated:
+    a bad value raises ValueError naming its `trainer.` key)."""
+    cfg = ml_collections.ConfigDict(dict(
+        lr=trainer.lr, warmup_steps=trainer.warmup_steps, schedule=trainer.schedule, total_steps=trainer.steps,
+        b1=trainer.b1, b2=trainer.b2, eps=trainer.adam_eps, weight_decay=trainer.weight_decay,
+        max_grad_norm=trainer.max_grad_norm))
+    checks = [("schedule", cfg.schedule, cfg.schedule in SCHEDULES, " or ".join(SCHEDULES)),
+              ("lr", cfg.lr, cfg.lr > 0, "> 0"),
+              ("warmup_steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0"),
+              ("b1", cfg.b1, 0 <= cfg.b1 < 1, "[0, 1)"),
+              ("b2", cfg.b2, 0 <= cfg.b2 < 1, "[0, 1)"),
+              ("adam_eps", cfg.eps, cfg.eps > 0, "> 0"),
+              ("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+              ("max_grad_norm", cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0")]
+    for key, value, ok, valid in checks:
+        if not ok:
+            raise _bad(key, value, valid)
+    return cfg
+
+
+def loss_config(section: ml_collections.ConfigDict) -> losses.LossConfig:
+    """The `trainer.loss` section as a LossConfig; fields it leaves out take LossConfig's defaults, a key
+    that is not a LossConfig field or a bad value raises ValueError naming `trainer.loss.<key>`."""
+    if not isinstance(section, ml_collections.ConfigDict):
+        raise ValueError(f"trainer.loss must be a section of loss options (trainer.loss.name = ..., "
+                         f"trainer.loss.eps_high = ...), got {section!r}")
+    unknown = sorted(set(section.keys()) - set(_LOSS_FIELDS))
+    if unknown:
+        raise ValueError(f"trainer.loss.{unknown[0]} is not a loss option; valid: {', '.join(_LOSS_FIELDS)}")
+    values = {f: section[f] for f in _LOSS_FIELDS if f in section}
+    losses.validate_loss_config(ml_collections.ConfigDict(values), key_prefix="trainer.loss.")
+    return losses.LossConfig(**values)
+
+
+def _check_step_fields(trainer: ml_collections.ConfigDict) -> None:
+    if trainer.minibatches < 1:
+        raise ValueError(f"trainer.minibatches must be >= 1, got {trainer.minibatches}")
+    if trainer.prox not in PROX_MODES:
+        raise _bad("prox", trainer.prox, " or ".join(PROX_MODES))
+    if not isinstance(trainer.remat, bool):
+        raise _bad("remat", trainer.remat, "True or False")
+
+
+def step_config(trainer: ml_collections.ConfigDict) -> StepConfig:
+    """What the jitted update computes, from the run config's trainer section: the loss (`trainer.loss.*`),
+    `minibatches`, `prox` and `remat`. A bad value raises ValueError naming its key."""
+    loss = loss_config(trainer.loss)
+    _check_step_fields(trainer)
+    return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=trainer.prox, remat=trainer.remat)
+
+
+def check_trainer_config(trainer: ml_collections.ConfigDict) -> None:
+    """Validates every update option of the trainer section (what RLTrainer reads); raises one ValueError
+    naming the bad keys (the first of each group: loss, step, optimizer, batch). No model, no device work."""
+    problems = []
+    for check in (lambda t: loss_config(t.loss), _check_step_fields, optimizer_config, _check_batch_fields):
+        try:
+            check(trainer)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _check_batch_fields(trainer: ml_collections.ConfigDict) -> None:
+    if trainer.advantage not in ADVANTAGE_ESTIMATORS:
+        raise _bad("advantage", trainer.advantage, ", ".join(ADVANTAGE_ESTIMATORS))
+    if trainer.adv_std_ddof not in (0, 1):
+        raise _bad("adv_std_ddof", trainer.adv_std_ddof, "0 or 1")
+    if not isinstance(trainer.adv_scale_by_std, bool):
+        raise _bad("adv_scale_by_std", trainer.adv_scale_by_std, "True or False")
+    if trainer.micro_batch_rows < 0:
+        raise _bad("micro_batch_rows", trainer.micro_batch_rows, ">= 0 (0: one micro-batch per minibatch)")
 
 
 def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
@@ -71,7 +155,7 @@ class RLTrainer:
     """Owns the policy's TrainState and the jitted step.
 
     model: the policy (a Transformer on `mesh`). trainer: the run config's trainer section (loss,
-    advantage, lr, pack, micro_batch_rows...). seq_len: tokens per row (the rollout context).
+    advantage, optimizer, pack, micro_batch_rows...). seq_len: tokens per row (the rollout context).
     max_sequences: the most trajectories a batch holds (batch_groups x group_size).
 
     The train step is compiled once, here, for one padded batch shape (`batch_shape`): a run pays one
@@ -80,6 +164,12 @@ class RLTrainer:
     """
 
     def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int, max_sequences: int):
+        check_trainer_config(trainer)
+        shards = mesh.shape["data"] * mesh.shape["fsdp"]
+        self.micro_batch_rows = trainer.micro_batch_rows
+        if self.micro_batch_rows % shards:
+            raise _bad("micro_batch_rows", self.micro_batch_rows,
+                       f"0 or a multiple of the {shards} data x fsdp shards")
         self.mesh, self.seq_len, self.cfg = mesh, seq_len, trainer
         self.graphdef = nnx.graphdef(model)
         self._rest = nnx.state(model, nnx.Not(nnx.Param))
@@ -87,13 +177,13 @@ class RLTrainer:
         self.state: TrainState = create_train_state(model, self.tx, mesh)
         self.shardings = train_state_shardings(self.state.params, self.tx, mesh)
         self.minibatches = trainer.minibatches
-        step_cfg = StepConfig(loss=losses.LossConfig(name=trainer.loss,
-                                                    behav_weight_cap=trainer.behav_weight_cap),
-                              minibatches=self.minibatches)
-        self._step = TrainStep(self.graphdef, self.tx, step_cfg, mesh, self.shardings)
-        self.batch_shape = batch_shape(max_sequences, seq_len, self.minibatches, trainer.micro_batch_rows,
-                                       mesh.shape["data"] * mesh.shape["fsdp"])
-        seconds = self._step.compile(self.state, self.batch_shape)
+        self.step_config = step_config(trainer)
+        # The KL reference: the initial policy, frozen (a copy: the state's arrays are donated to the step).
+        self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.step_config.loss.kl_coef > 0
+                           else None)
+        self._step = TrainStep(self.graphdef, self.tx, self.step_config, mesh, self.shardings)
+        self.batch_shape = batch_shape(max_sequences, seq_len, self.minibatches, self.micro_batch_rows, shards)
+        seconds = self._step.compile(self.state, self.batch_shape, with_ref=self.ref_params is not None)
         logger.info("train step compiled for batches of %s in %.1f s", self.batch_shape, seconds)
 
     @property
@@ -129,7 +219,9 @@ class RLTrainer:
             try:
                 batch, adv_stats = make_batch(trajs, num_rows=micro * rows, seq_len=self.seq_len,
                                               pack=self.cfg.pack, micro_batches=micro,
-                                              minibatches=self.minibatches, advantage_estimator=self.cfg.advantage)
+                                              minibatches=self.minibatches, advantage_estimator=self.cfg.advantage,
+                                              scale_by_std=self.cfg.adv_scale_by_std,
+                                              std_ddof=self.cfg.adv_std_ddof)
                 break
             except ValueError as e:  # more sequences than max_sequences: a deeper shape, compiled once
                 if "do not fit" not in str(e):
@@ -138,7 +230,7 @@ class RLTrainer:
                 logger.warning("%d trajectories do not fit the compiled batch shape %s; trying %d micro-batches",
                                len(trajs), self.batch_shape, micro)
         self.batch_shape = (micro, rows, self.seq_len)  # a deeper shape, once needed, is kept
-        self.state, step_metrics = self._step(self.state, batch)
+        self.state, step_metrics = self._step(self.state, batch, self.ref_params)
         step_metrics = {k: float(x) for k, x in jax.device_get(step_metrics).items()}
         step_s = time.perf_counter() - start
         staleness = collections.Counter()

@@ -10,6 +10,9 @@ decoupled PPO, is the weights at the start of the call:
   batch computes it first.
 - prox="loglinear": AReaL's interpolation between μ and π_θ by per-token versions, no extra pass.
 
+With a KL penalty (loss.kl_coef > 0) the caller passes the reference policy's parameters and a
+forward-only pass over the batch computes its log-probs (no gradient) for the loss's `ref_logp_bt`.
+
 An update whose loss or gradient is not finite is skipped (parameters and optimizer state unchanged),
 counted in `state.skipped`, and reported; it never corrupts the state.
 """
@@ -153,7 +156,7 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         elif prox is None:
             prox = jax.lax.stop_gradient(logp)
         loss, metrics = losses.loss_and_metrics(lc.name, lc, logp, mb.behav_logp, prox, mb.advantages,
-                                                mb.loss_mask, weights, ref)
+                                                mb.loss_mask, weights, ref, mb.rewards)
         mask = mb.loss_mask > 0
         metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
         return loss, metrics

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from jaxflow.jobs import warm_start
-from jaxflow.config import ConfigError, load_config
+from jaxflow.config import ConfigError, flat_keys, load_config
 from jaxflow.main import main
 from jaxflow.models.hf_io import load_model
 
@@ -81,11 +81,15 @@ def test_a_stale_base_is_rebuilt_in_place_but_a_foreign_model_is_kept(tmp_path, 
 def test_bad_values_are_named(tmp_path, capsys):
     assert main([f"--config={CONFIG}", "--config.rollout.engine=sglang", "--config.trainer.eta=-1",
                  "--config.trainer.minibatches=0", "--config.rollout.coordination.sync_mode=drop",
+                 "--config.trainer.loss.aggregation=median", "--config.trainer.schedule=linear",
                  f"--config.workdir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "rollout.engine 'sglang' is not one of ('jax', 'vllm')" in err and "trainer.eta must be >= 0" in err
     assert "trainer.minibatches must be >= 1" in err and "rollout.coordination: " in err
     assert "sync_mode 'drop' is not one of keep, abort" in err
+    # The update's options are checked with the rest, before anything starts (no workdir, no base model).
+    assert "trainer.loss.aggregation='median' is invalid" in err and "trainer.schedule='linear' is invalid" in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("minibatches", [1, 3])
@@ -153,6 +157,65 @@ def test_batches_beyond_max_sequences_get_one_deeper_shape(tmp_path, base_dir, c
     assert "do not fit the compiled batch shape" in caplog.text
     metrics, _ = trainer.train(batch(1))  # the next batch of that size reuses it
     assert metrics["train_step_compiles"] == 2
+
+
+# Keys a plain `rl.run` (JAX engine, one worker per engine) legitimately does not read, each with its reason.
+UNREAD_BY_RL_RUN = {
+    "job": "read by jaxflow.main to pick the job module; rl.run is that module's entry point",
+}
+
+
+def record_key_reads(monkeypatch, config):
+    """Returns a set that fills with the dotted keys of `config` read from now on: by attribute, item, get,
+    items/values (all go through __getitem__) or to_dict (reads everything under the node)."""
+    import ml_collections
+
+    prefixes = {}
+
+    def walk(node, prefix):
+        prefixes[id(node)] = prefix
+        for key, value in node._fields.items():
+            if isinstance(value, ml_collections.ConfigDict):
+                walk(value, f"{prefix}{key}.")
+
+    walk(config, "")
+    read = set()
+    getitem, to_dict = ml_collections.ConfigDict.__getitem__, ml_collections.ConfigDict.to_dict
+
+    def recording_getitem(self, key):
+        if id(self) in prefixes and isinstance(key, str):
+            read.add(prefixes[id(self)] + key)
+        return getitem(self, key)
+
+    def recording_to_dict(self, *args, **kwargs):
+        if id(self) in prefixes:
+            read.update(prefixes[id(self)] + k for k in flat_keys(self))
+        return to_dict(self, *args, **kwargs)
+
+    monkeypatch.setattr(ml_collections.ConfigDict, "__getitem__", recording_getitem)
+    monkeypatch.setattr(ml_collections.ConfigDict, "to_dict", recording_to_dict)
+    return read
+
+
+def unread_keys(config, read, exempt=UNREAD_BY_RL_RUN):
+    return sorted(k for k in flat_keys(config) if k not in read and not any(
+        k == e or (e.endswith(".") and k.startswith(e)) for e in exempt))
+
+
+def test_the_run_reads_every_config_key(tmp_path, base_dir, monkeypatch):
+    """A key nobody reads is an option that silently does nothing: a short run must read every leaf key of the
+    config (but the explicit exemptions). A planted `trainer.never_read` shows the check catches one."""
+    from jaxflow.jobs import rl
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "2", "eval.every": "100"})
+    with config.trainer.unlocked():
+        config.trainer.never_read = 1
+    read = record_key_reads(monkeypatch, config)
+    assert rl.run(config) == 0
+    monkeypatch.undo()  # stop recording: listing the keys below reads them all
+    assert unread_keys(config, read) == ["trainer.never_read"]
+    # Every exemption is needed: it names keys this run did not read (a stale one would hide a real miss).
+    unexempted = unread_keys(config, read, exempt={})
+    assert all(any(k == e or (e.endswith(".") and k.startswith(e)) for k in unexempted) for e in UNREAD_BY_RL_RUN)
 
 
 def test_unknown_key_names_the_nearest():

@@ -18,13 +18,16 @@ from hypothesis import given, settings, strategies as st
 
 from jaxflow.trainer import losses as L
 CLAMP = 20.0  # MAX_LOG_RATIO, part of the documented formula
-AGGS = ("token_mean", "seq_mean_token_mean", "constant")
+AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+MEANS = ("token_mean", "seq_mean_token_mean")  # the aggregations whose weights sum to 1
 CFGS = {
     "clamp": L.LossConfig(eps_low=0.2, eps_high=0.28, behav_weight_cap=5.0, behav_weight_mode="clamp",
-                          kl_coef=0.1, kl_estimator="k3", tis_cap=2.0, constant_normalizer=16.0),
+                          kl_coef=0.1, kl_estimator="k3", tis_cap=2.0, constant_normalizer=16.0,
+                          behav_weight_floor=0.3, tis_floor=0.2),
     "mask_dual": L.LossConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=3.0, behav_weight_cap=2.0,
                               behav_weight_mode="mask", kl_coef=0.05, kl_estimator="k1", tis_cap=1.5,
-                              cispo_eps_low=0.5, cispo_eps_high=0.2),
+                              cispo_eps_low=0.5, cispo_eps_high=0.2, behav_weight_floor=0.5, tis_floor=0.5,
+                              cispo_unified_mask=True, topr_pos_weight=1.5, topr_neg_weight=0.5),
     "none_small_eps": L.LossConfig(eps_low=3e-4, eps_high=4e-4, behav_weight_cap=2.0, behav_weight_mode="none",
                                    kl_coef=0.0, kl_estimator="k2"),
 }
@@ -70,12 +73,14 @@ def np_surr(r, a, el, eh, c):
 
 def np_behav(logw, cfg):
     raw = np_exp(logw)
-    if cfg.behav_weight_cap is None or cfg.behav_weight_mode == "none":
+    cap, floor = cfg.behav_weight_cap, cfg.behav_weight_floor
+    if (cap is None and floor is None) or cfg.behav_weight_mode == "none":
         return raw, raw, np.zeros(raw.shape, bool)
-    over = raw > cfg.behav_weight_cap
+    cap, floor = np.inf if cap is None else cap, 0.0 if floor is None else floor
+    out = (raw > cap) | (raw < floor)
     if cfg.behav_weight_mode == "clamp":
-        return np.minimum(raw, cfg.behav_weight_cap), raw, over
-    return np.where(over, 0.0, raw), raw, over
+        return np.clip(raw, floor, cap), raw, out
+    return np.where(out, 0.0, raw), raw, out
 
 
 def np_reference(name, cfg, c):
@@ -98,8 +103,9 @@ def np_reference(name, cfg, c):
         loss, grad, kl = w * s, w * dldr * np_dexp(lp - px), np_kl(lp, px, "k3")[0]
     elif name == "tis":
         r = np_exp(lp - be)
-        coef = np.minimum(r, cfg.tis_cap)
-        loss, grad, bw, capped, kl = -coef * a * lp, -coef * a, r, r > cfg.tis_cap, np_kl(lp, be, "k3")[0]
+        coef = np.clip(r, cfg.tis_floor, cfg.tis_cap)
+        capped = (r > cfg.tis_cap) | (r < cfg.tis_floor)
+        loss, grad, bw, kl = -coef * a * lp, -coef * a, r, np_kl(lp, be, "k3")[0]
     elif name == "cispo":
         u = np_exp(lp - px)
         lo_b, hi_b = 1 - cfg.cispo_eps_low, 1 + cfg.cispo_eps_high
@@ -107,9 +113,13 @@ def np_reference(name, cfg, c):
         w, bw, capped = np_behav(px - be, cfg)
         loss, grad, kl = -w * coef * a * lp, -w * coef * a, np_kl(lp, px, "k3")[0]
         lo, hi = (u < lo_b) & (a != 0), (u > hi_b) & (a != 0)
+        if cfg.cispo_unified_mask:  # PPO's trust region as a token mask
+            out_lo, out_hi = (a < 0) & (u < 1 - el), (a > 0) & (u > 1 + eh)
+            loss, grad = np.where(out_lo | out_hi, 0.0, loss), np.where(out_lo | out_hi, 0.0, grad)
+            lo, hi = lo | out_lo, hi | out_hi
     elif name == "topr":
         r = np_exp(lp - be)
-        coef = np.where(a > 0, 1.0, np.clip(r, 0, 1))
+        coef = np.where(a > 0, cfg.topr_pos_weight, cfg.topr_neg_weight * np.clip(r, 0, 1))
         loss, grad, bw, capped, kl = -coef * a * lp, -coef * a, r, (a <= 0) & (r > 1), np_kl(lp, be, "k3")[0]
     elif name == "gspo":
         n = np.maximum(m.sum(1, keepdims=True), 1)
@@ -136,6 +146,8 @@ def np_token_weights(mask, agg, const=None):
         lens = m.sum(1)
         n_seq = (lens > 0).sum()
         return np.stack([m[b] / (lens[b] * n_seq) if lens[b] else m[b] for b in range(m.shape[0])])
+    if agg == "seq_mean_token_sum":
+        return m / (m.sum(1) > 0).sum()
     return m / (m.shape[0] * (m.shape[1] if const is None else const))
 
 
@@ -150,6 +162,7 @@ def _near_boundary(c, cfg, margin=1e-4):
             np.where(m, lp - px, 0).sum(1) / n, np.where(m, px - be, 0).sum(1) / n]
     bounds = [np.log1p(cfg.eps_high), np.log(cfg.dual_clip_c or 3.0), CLAMP, -CLAMP, np.log(cfg.tis_cap),
               np.log1p(cfg.cispo_eps_high), np.log(cfg.behav_weight_cap or 5.0)]
+    bounds += [np.log(f) for f in (cfg.behav_weight_floor, cfg.tis_floor) if f]
     for e in (cfg.eps_low, cfg.cispo_eps_low):
         if e < 1:
             bounds.append(np.log1p(-e))
@@ -381,7 +394,7 @@ def test_token_weights_make_micro_batches_exact(seed, agg, split):
     parts = sum(np.sum(w[i:i + split] * loss_bt[i:i + split]) for i in range(0, 6, split))
     np.testing.assert_allclose(parts, np.sum(w * loss_bt), rtol=1e-12)
     np.testing.assert_allclose(w, np_token_weights(mask, agg), rtol=1e-6)
-    if agg != "constant":
+    if agg in MEANS:
         np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-5)
 
 
@@ -401,12 +414,14 @@ def test_token_weights_with_sequence_ids_for_packed_rows(seed, agg):
         want = mask / mask.sum()
     elif agg == "seq_mean_token_mean":
         want = mask / (np.vectorize(lambda i: max(lens[i], 1))(ids) * n_seq)
+    elif agg == "seq_mean_token_sum":
+        want = mask / n_seq
     else:
         want = mask / (n_seq * 7.0)
     got = jax.jit(functools.partial(L.token_weights, aggregation=agg, constant_normalizer=7.0))(
         mask, sequence_ids_bt=ids)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    if agg != "constant":
+    if agg in MEANS:
         np.testing.assert_allclose(np.sum(got), 1.0, rtol=1e-5)
     # One sequence per row: the same as the row-based weights (up to empty rows in "constant").
     rows = np.repeat(np.arange(5)[:, None], 9, axis=1)
