@@ -4,7 +4,10 @@
 and per-token versions) into a packed `TrajectoryBatch`, runs the jitted staleness-aware step from
 version v to v+1 (`trainer.minibatches` optimizer updates, each on an equal share of the rows), and
 `publish()` then makes v+1 available to the rollout fleet in the order the trajectory service's
-contract asks for: `mark_published(v+1)` first, then the weights.
+contract asks for: `mark_published(v+1)` first, then the weights: to the optional `DeviceParamSource`
+(arrays on device, for JAX engines in this process: no host round trip) and to a parameter service
+when one is given (HF-named host tensors, for vLLM and other processes; skipped when there is none, so
+an all-in-process run never converts weights to the host).
 
 Metrics per step: the step's own (loss, grad norm, importance-weight stats...), the batch's rewards and
 response lengths, and the staleness histogram {v - token version: tokens} of the trained tokens. With
@@ -26,6 +29,7 @@ from flax import nnx
 from jaxflow.trainer import losses
 from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models import hf_io
+from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.records import FinishedGroup
 from jaxflow.trainer.state import TrainState, create_train_state, train_state_shardings
 from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer
@@ -66,11 +70,14 @@ class RLTrainer:
     """Owns the policy's TrainState and the jitted step.
 
     model: the policy (a Transformer on `mesh`). trainer: the run config's trainer section (loss,
-    advantage, lr, pack...). seq_len: tokens per row (the rollout context).
+    advantage, lr, pack...). seq_len: tokens per row (the rollout context). device_weights: a source
+    that `publish` puts each version's params in, on device (for JAX engines in this process).
     """
 
-    def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int):
+    def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int,
+                 device_weights: DeviceParamSource | None = None):
         self.mesh, self.seq_len, self.cfg = mesh, seq_len, trainer
+        self.device_weights = device_weights
         self.graphdef = nnx.graphdef(model)
         self._rest = nnx.state(model, nnx.Not(nnx.Param))
         self.tx = make_optimizer(optimizer_config(trainer))
@@ -149,9 +156,20 @@ class RLTrainer:
         }
         return metrics, dict(sorted(staleness.items()))
 
-    def publish(self, trajectories, params) -> int:
+    def publish(self, trajectories, params=None) -> int:
         """Makes the current version available: the service first (its contract), then the weights."""
         v = self.version
         trajectories.mark_published(v)
-        params.publish(v, self.hf_tensors())
+        self.publish_weights(params)
+        return v
+
+    def publish_weights(self, params=None) -> int:
+        """Publishes the current version's weights: on device to `device_weights` (copied there, so the
+        next step's donation of the state leaves them intact), and as HF host tensors to `params` (a
+        ParameterService or client) unless None. Returns the version."""
+        v = self.version
+        if self.device_weights is not None:
+            self.device_weights.publish(v, self.state.params)
+        if params is not None:
+            params.publish(v, self.hf_tensors())
         return v
