@@ -22,14 +22,12 @@ A rollout driver sees the parameter service's interface: `latest()`, `versions()
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxflow.data.param_service import UnknownVersionError
 
@@ -88,24 +86,55 @@ def _holds_every_slice(x: jax.Array, target: jax.sharding.Sharding) -> bool:
     return all(_slice_key(i, x.shape) in have for i in target.devices_indices_map(x.shape).values())
 
 
-@functools.lru_cache(maxsize=512)
-def _relayout(out_sharding: jax.sharding.Sharding):
-    return jax.jit(lambda a: a, out_shardings=out_sharding)
+def _join(pieces: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.Array:
+    """The array tiled by `pieces` ((offset per dimension, block)), a regular grid."""
+    if len(pieces) == 1:
+        return pieces[0][1]
+    offsets = sorted({offset[dim] for offset, _ in pieces})
+    if len(offsets) == 1:
+        return _join(pieces, dim + 1)
+    rows = [_join([p for p in pieces if p[0][dim] == o], dim + 1) for o in offsets]
+    return jnp.concatenate(rows, axis=dim)
 
 
-def _tiled_like(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
-    """`x` re-laid out on its own devices so that its shards are the slices `target` needs (each held by
-    several devices when `target` spans fewer): a collective on the devices that hold `x`. When the
-    device counts do not divide, the whole array gathered on one of them (sliced from there)."""
-    devices = list(x.sharding._device_assignment)  # jit wants the devices in the input's order
-    n, m = len(devices), target.num_devices
-    if isinstance(target, NamedSharding) and n % m == 0:
-        grid = np.asarray(devices, dtype=object).reshape(n // m, *target.mesh.devices.shape)
-        names = ("copies", *target.mesh.axis_names)
-        mesh = Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
-        return _relayout(NamedSharding(mesh, target.spec))(x)
-    gathered = _relayout(NamedSharding(Mesh(np.asarray(devices, dtype=object), ("all",)), P()))(x)
-    return gathered.addressable_shards[0].data
+# One call per source shard cuts all its blocks, one per target shard joins them: bounds and grid are
+# static (eager indexing would send them from the host), and few calls keep dispatch overhead low.
+_cut = jax.jit(lambda buffer, bounds: tuple(jax.lax.slice(buffer, lo, hi) for lo, hi in bounds),
+               static_argnums=1)
+_glue = jax.jit(lambda blocks, offsets: _join(list(zip(offsets, blocks))), static_argnums=1)
+
+
+def _assembled(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
+    """`x` on `target`, each target shard built on its device from the blocks of the source shards that
+    overlap it: cut on the source device, copied device to device, joined on the target device. Every
+    byte crosses once and the array is never whole anywhere (unless the target holds it whole)."""
+    shape = x.shape
+    sources: dict[tuple, list[jax.Array]] = {}
+    for shard in x.addressable_shards:  # replicas share a key
+        sources.setdefault(_slice_key(shard.index, shape), []).append(shard.data)
+    cuts: dict[int, tuple[jax.Array, list]] = {}  # id(source buffer) -> (buffer, [(lo, hi)])
+    plan = []  # per target device: (device, [(offset in its shard, source buffer id, cut number)])
+    for device, index in target.addressable_devices_indices_map(shape).items():
+        want = _slice_key(index, shape)
+        pieces = []
+        for have, buffers in sources.items():
+            overlap = [(max(h[0], w[0]), min(h[1], w[1])) for h, w in zip(have, want)]
+            if any(lo >= hi for lo, hi in overlap):
+                continue
+            buffer = next((b for b in buffers if b.devices() == {device}), buffers[0])
+            bounds = cuts.setdefault(id(buffer), (buffer, []))[1]
+            bounds.append((tuple(lo - h[0] for (lo, _), h in zip(overlap, have)),
+                           tuple(hi - h[0] for (_, hi), h in zip(overlap, have))))
+            pieces.append((tuple(lo - w[0] for (lo, _), w in zip(overlap, want)), id(buffer), len(bounds) - 1))
+        plan.append((device, pieces))
+    blocks = {key: _cut(buffer, tuple(bounds)) for key, (buffer, bounds) in cuts.items()}
+    wanted = [(blocks[key][n], device) for device, pieces in plan for _, key, n in pieces]
+    moved = iter(jax.device_put([b for b, _ in wanted], [d for _, d in wanted]))
+    shards = []
+    for device, pieces in plan:
+        here = [next(moved) for _ in pieces]
+        shards.append(here[0] if len(here) == 1 else _glue(tuple(here), tuple(o for o, _, _ in pieces)))
+    return jax.make_array_from_single_device_arrays(shape, target, shards)
 
 
 def _buffers(x: jax.Array) -> set[int]:
@@ -116,12 +145,12 @@ def _reshard_leaf(x: jax.Array, target: jax.sharding.Sharding, copy: bool) -> ja
     if x.sharding.is_equivalent_to(target, x.ndim):
         return jax.device_put(x, target, may_alias=False if copy else None)
     # `jax.device_put` moves shards device to device only when each slice the target needs is a shard
-    # already (or the source is one device, sliced in place); otherwise it goes through the host. So
-    # the slices are made on the source devices first.
-    if len(x.sharding.device_set) > 1 and not _holds_every_slice(x, target):
-        x_tiled = _tiled_like(x, target)
-        return jax.device_put(x_tiled, target)  # fresh buffers: shares nothing with x
-    y = jax.device_put(x, target)
+    # already (or the source is one device, sliced in place); otherwise it goes through the host (it
+    # gathers the whole array there and scatters it again). So those are cut and joined on devices.
+    if x.size and len(x.sharding.device_set) > 1 and not _holds_every_slice(x, target):
+        y = _assembled(x, target)
+    else:
+        y = jax.device_put(x, target)
     if copy and _buffers(y) & _buffers(x):  # shards already in place were reused
         y = jax.device_put(y, target, may_alias=False)
     return y
@@ -132,8 +161,9 @@ def reshard(params, target_shardings, *, copy: bool = False):
     `sharding.state_shardings(params, engine_mesh)`), device to device.
 
     Where the target's slices are shards already (or the source is one device), each is copied to its
-    device by `jax.device_put`; otherwise a jitted relayout on the source devices cuts those slices
-    first (`jax.device_put` alone would gather the array on the host and scatter it again). Arrays
+    device by `jax.device_put`; otherwise each target shard is cut from the overlapping source shards
+    on their devices, copied, and joined on its device (`jax.device_put` alone would gather the array
+    on the host and scatter it again). Arrays
     already laid out as asked are returned as is (same buffers) unless `copy`; with `copy` nothing in
     the result shares a buffer with `params`. Nothing is donated: the inputs stay valid. Transfers from
     the host are refused (transfer guard), so a path through the host fails loudly.
