@@ -230,8 +230,9 @@ def run(config: ml_collections.ConfigDict) -> int:
         task.examples("train", config.data.train_prompts, seed=config.seed + 1000), tokenizer)
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     # JAX engines and the evaluator (this process) take each version on device; only vLLM needs the HF
-    # host tensors of a parameter service (see `params` below).
-    device_weights = DeviceParamSource()
+    # host tensors of a parameter service (see `params` below). Two versions kept, as the parameter
+    # service does, so that a driver pulling the version it just saw as latest still finds it.
+    device_weights = DeviceParamSource(keep=2)
     trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh), config.trainer, mesh,
                         seq_len=config.rollout.max_len, device_weights=device_weights)
     t = config.trainer
