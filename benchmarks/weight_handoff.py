@@ -128,9 +128,9 @@ def bench_case(case, model, repeats: int) -> dict:
 def main(argv=None) -> int:
     args = parse(argv)
     # Before jax is imported: its backend reads these once.
-    if args.platform == "cpu" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_force_host_platform_device_count=8").strip()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.platform == "cpu" and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
     os.environ["JAX_PLATFORMS"] = args.platform
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     from jaxflow.models.transformer import Transformer
 
     d, f, n_layers, h, g, k, v = SIZES[args.size]
-    cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=v, hidden_size=d, intermediate_size=f, num_layers=n_layers,
-                      num_heads=h, num_kv_heads=g, head_dim=k, qk_norm=True, tie_word_embeddings=True,
+    cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=v, hidden_size=d, intermediate_size=f,
+                      num_layers=n_layers, num_heads=h, num_kv_heads=g, head_dim=k, qk_norm=True, tie_word_embeddings=True,
                       dtype="float32")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     n = jax.device_count()

@@ -3,12 +3,13 @@
 The parameter service carries each version as HF-named host tensors: what vLLM and other processes need,
 but for a JAX engine in the same process it is a detour (device -> host -> HF layout -> host -> device).
 `DeviceParamSource` keeps the newest published versions as arrays on device instead, and
-`DeviceWeights.placed(shardings)` moves a version onto an engine's own mesh with `jax.device_put`:
-device to device, never through the host.
+`DeviceWeights.placed(shardings)` moves a version onto an engine's own mesh with `reshard`: device to
+device, never through the host (`jax.device_put` alone gathers an array on the host when the engine's
+slices are not shards of the source; `reshard` cuts and joins them on the devices instead).
 
 Why the source copies at publish: the train step donates its state, so the arrays the trainer holds when
 it publishes are invalidated by its next step, which may run before an engine gets to pull. `publish`
-therefore makes an on-device copy (`may_alias=False`), once per version, and straight onto each
+therefore makes an on-device copy, once per version, and straight onto each
 registered target's shardings (`add_target`): an engine whose mesh differs from the trainer's then gets
 its arrays in that one transfer, not in a copy followed by a reshard. Without targets the copy keeps
 the trainer's shardings and the first `placed` for another layout reshards it. A placement is shared by
@@ -106,8 +107,9 @@ _glue = jax.jit(lambda blocks, offsets: _join(list(zip(offsets, blocks))), stati
 
 def _assembled(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
     """`x` on `target`, each target shard built on its device from the blocks of the source shards that
-    overlap it: cut on the source device, copied device to device, joined on the target device. Every
-    byte crosses once and the array is never whole anywhere (unless the target holds it whole)."""
+    overlap it: cut on the source device, copied device to device, joined on the target device. Only the
+    bytes a target device needs reach it, and the array is never whole anywhere unless the target holds
+    it whole."""
     shape = x.shape
     sources: dict[tuple, list[jax.Array]] = {}
     for shard in x.addressable_shards:  # replicas share a key
@@ -123,9 +125,12 @@ def _assembled(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
                 continue
             buffer = next((b for b in buffers if b.devices() == {device}), buffers[0])
             bounds = cuts.setdefault(id(buffer), (buffer, []))[1]
-            bounds.append((tuple(lo - h[0] for (lo, _), h in zip(overlap, have)),
-                           tuple(hi - h[0] for (_, hi), h in zip(overlap, have))))
-            pieces.append((tuple(lo - w[0] for (lo, _), w in zip(overlap, want)), id(buffer), len(bounds) - 1))
+            bound = (tuple(lo - h[0] for (lo, _), h in zip(overlap, have)),
+                     tuple(hi - h[0] for (_, hi), h in zip(overlap, have)))
+            if bound not in bounds:  # a block that several target devices need is cut once
+                bounds.append(bound)
+            offset = tuple(lo - w[0] for (lo, _), w in zip(overlap, want))
+            pieces.append((offset, id(buffer), bounds.index(bound)))
         plan.append((device, pieces))
     blocks = {key: _cut(buffer, tuple(bounds)) for key, (buffer, bounds) in cuts.items()}
     wanted = [(blocks[key][n], device) for device, pieces in plan for _, key, n in pieces]

@@ -36,7 +36,8 @@ def batch(version: int, seed: int) -> ConsumedBatch:
     for g in range(4):
         samples = [Sample(rng.integers(3, 60, n).tolist(), [-2.0] * n, [version] * n, "stop")
                    for n in rng.integers(3, 20, 4)]
-        groups.append(FinishedGroup(g, rng.integers(3, 60, 8).tolist(), version, samples, [1.0, 0.0, 0.0, 1.0]))
+        prompt = rng.integers(3, 60, 8).tolist()
+        groups.append(FinishedGroup(g, prompt, version, samples, [1.0, 0.0, 0.0, 1.0]))
     return ConsumedBatch(version, groups, "full")
 
 
