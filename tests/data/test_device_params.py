@@ -114,7 +114,8 @@ def _mesh(kind):
             "tp3 on 0-2": lambda: sharding.make_mesh(fsdp=1, tensor=3, devices=d[:3]),
             "one device 7": lambda: sharding.make_mesh(devices=d[7:]),
             "fsdp4 x tp2": lambda: sharding.make_mesh(fsdp=4, tensor=2),
-            "tp8 reversed": lambda: sharding.make_mesh(fsdp=1, tensor=8, devices=d[::-1])}[kind]()
+            "tp8 reversed": lambda: sharding.make_mesh(fsdp=1, tensor=8, devices=d[::-1]),
+            "data2 x tp4": lambda: sharding.make_mesh(data=2, fsdp=1, tensor=4)}[kind]()
 
 
 @pytest.mark.parametrize("source,target", [
@@ -122,6 +123,8 @@ def _mesh(kind):
     ("fsdp8", "tp3 on 0-2"),      # a device count that does not divide the source's
     ("one device 7", "fsdp4 x tp2"),
     ("fsdp4 x tp2", "tp8 reversed"),  # the same devices in another order
+    ("data2 x tp4", "tp2 on 4,5"),  # every source shard held twice (data replicas)
+    ("tp2 on 4,5", "data2 x tp4"),  # and every target shard wanted twice
     ("fsdp8", "fsdp8"),
 ])
 def test_reshard_onto_another_mesh_without_host_transfer(model, source, target):
