@@ -187,6 +187,7 @@ class Engine(abc.ABC):
     def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
         """Swaps in HF-named weights of `version` with requests kept in flight (their KV is recomputed
         under the new weights). Raises WeightsRejected, changing nothing, on a wrong name/shape/dtype.
+        The JAX engine also takes `jaxflow.data.device_params.DeviceWeights` (no host round trip).
         """
 
     @abc.abstractmethod

@@ -24,8 +24,9 @@ Log-probabilities: by default each token's log-probability under the model's unm
 importance weights compare like with like. `logprobs_mode="processed"` reports the log-probability
 under the distribution actually sampled from instead.
 
-Weight updates keep requests in flight: the new weights are checked against the HF name table before
-anything changes, swapped in between decode calls, and every in-flight sequence's cache is recomputed
+Weight updates keep requests in flight: the new weights are checked (against the HF name table, or for
+`DeviceWeights` from a trainer in this process, against the engine's own parameter tree) before anything
+changes, swapped in between decode calls, and every in-flight sequence's cache is recomputed
 under them (prompt + tokens so far), so the tokens after the swap are exactly what the new weights
 produce from that prefix; each token records the version that produced it.
 """
@@ -47,6 +48,7 @@ from flax import nnx
 from jaxflow import sharding
 from jaxflow.models import hf_io
 from jaxflow.models.transformer import Transformer
+from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
 from rollout_bridge import jax_decode, jax_slots
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
@@ -113,8 +115,8 @@ class JaxEngine(Engine):
         self._graphdef, params = nnx.split(model)
         # Placed exactly as update_weights places new weights, so a swap never triggers a recompile; and
         # copied, so that a trainer donating its own params (one process, same mesh) leaves ours intact.
-        self._params = jax.device_put(params, sharding.state_shardings(params, self._mesh, rules),
-                                      may_alias=False)
+        self._param_shardings = sharding.state_shardings(params, self._mesh, rules)
+        self._params = jax.device_put(params, self._param_shardings, may_alias=False)
         self._cast_weights = cast_weights
         self._version = version
         self.max_slots, self.max_len, self.decode_chunk = max_slots, max_len, decode_chunk
@@ -173,23 +175,64 @@ class JaxEngine(Engine):
                 pass  # the loop stopped before getting to it: nothing runs now, take them directly
         return self._abort(ids)
 
-    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
-        """Checks `tensors` (HF names, shapes, dtypes) against the model's table, places them on the mesh,
-        then waits for the loop to swap them in between decode calls and recompute the in-flight caches.
-        Raises WeightsRejected, with nothing changed, on any mismatch.
+    @property
+    def param_shardings(self):
+        """The shardings the engine serves its parameters with (an nnx.State of NamedShardings on its
+        mesh): the target to register with a `DeviceParamSource`, so that each version is copied
+        straight onto this layout when the trainer publishes it."""
+        return self._param_shardings
+
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray] | DeviceWeights) -> None:
+        """Checks the new weights, places them on the mesh, then waits for the loop to swap them in
+        between decode calls and recompute the in-flight caches. Raises WeightsRejected, with nothing
+        changed, on any mismatch.
+
+        tensors: HF-named host arrays (checked against the model's name table: names, shapes, dtypes),
+        or `DeviceWeights` from a trainer in this process (checked against the engine's parameter tree:
+        structure, shapes, dtypes), moved onto this engine's mesh device to device.
         """
         self._raise_if_down()
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise WeightsRejected(f"version must be an int, got {version!r}")
-        params = hf_io.params_from_hf(self.config, tensors, self._mesh, param_dtype=self._param_dtype,
-                                      cast=self._cast_weights, rules=self._rules, error=WeightsRejected,
-                                      source=f"weights of version {version}")
+        if isinstance(tensors, DeviceWeights):
+            params = self._device_params(int(version), tensors)
+        else:
+            params = hf_io.params_from_hf(self.config, tensors, self._mesh, param_dtype=self._param_dtype,
+                                          cast=self._cast_weights, rules=self._rules, error=WeightsRejected,
+                                          source=f"weights of version {version}")
         future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_down()
             self._commands.append(("weights", (int(version), params), future))
             self._wake.notify()
         future.result()
+
+    def _device_params(self, version: int, weights: DeviceWeights) -> nnx.State:
+        """`weights` placed on this engine's parameter shardings (device to device), after checking that
+        they are this model's parameters; a dtype other than the serving one is cast on device when
+        `cast_weights`, else refused."""
+        source = f"device weights of version {weights.version}"
+        if weights.version != version:
+            raise WeightsRejected(f"{source} handed over as version {version}")
+        got, want = jax.tree.structure(weights.params), jax.tree.structure(self._params)
+        if got != want:
+            raise WeightsRejected(f"{source} have parameter tree {got}, this engine's model has {want}")
+        flat = jax.tree_util.tree_flatten_with_path(weights.params)[0]
+        cast = False
+        for (path, new), old in zip(flat, jax.tree.leaves(self._params)):
+            where = f"{source}: parameter {jax.tree_util.keystr(path)}"
+            if tuple(new.shape) != tuple(old.shape):
+                raise WeightsRejected(f"{where} has shape {tuple(new.shape)}, expected {tuple(old.shape)}")
+            if new.dtype != old.dtype:
+                if not self._cast_weights:
+                    raise WeightsRejected(f"{where} has dtype {new.dtype}, expected {old.dtype} (the "
+                                          f"serving dtype; casting was not asked for)")
+                cast = True
+        params = weights.placed(self._param_shardings)
+        if cast:  # a new array per parameter, relabelled with our shardings so no program recompiles
+            params = jax.device_put(jax.tree.map(lambda a, old: a.astype(old.dtype), params, self._params),
+                                    self._param_shardings)
+        return params
 
     def pause(self, mode: str = "keep") -> list[Completion]:
         """Stops generating at the next decode-call boundary (see `Engine.pause`). Kept sequences keep

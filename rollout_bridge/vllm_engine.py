@@ -51,6 +51,7 @@ import numpy as np
 
 from jaxflow.models import hf_io, names
 from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config
+from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
                                    WeightsRejected, check_pause_mode, request_error)
@@ -265,6 +266,11 @@ class VllmEngine(Engine):
         with nothing changed, on any mismatch; EngineError if the transfer fails (a failure before the
         reload leaves the old weights serving; one during it stops the engine).
         """
+        if isinstance(tensors, DeviceWeights):
+            raise WeightsRejected(
+                f"weights of version {version} are DeviceWeights (arrays on this process's JAX devices); "
+                f"a vLLM engine loads HF-named host tensors: publish to a ParameterService and pull from "
+                f"it (DeviceWeights are for in-process JAX engines)")
         self._raise_if_down()
         check_weights(self.config, self._layer_names, self._expected, tensors, self._dtype,
                       cast=self._cast_weights, source=f"weights of version {version}")

@@ -5,8 +5,9 @@
 Pieces, all in this process (vLLM engines run their own processes):
 
 - the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
-- a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts,
-  and a parameter service holding the newest weights;
+- a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts;
+- the newest weights: on device (`jaxflow.data.device_params`) for the JAX engines, which take them device
+  to device, plus, with vLLM engines only, a parameter service of HF-named host tensors;
 - `rollout.num_engines` engines (jaxflow's JAX engine, or vLLM), all driven by one coordinator
   (`jaxflow.coordination`) that places every request and syncs weights by the options of
   `rollout.coordination`, with rewards scored in a process pool (a crashing or hanging reward scores
@@ -46,6 +47,7 @@ from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.jobs.evaluation import evaluate
 from jaxflow.models import hf_io
+from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.param_service import ParameterService
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.rewards import RewardPool, group_reward_fn
@@ -154,18 +156,19 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
 class _Evaluator:
     """Held-out greedy accuracy of the current policy, on a JAX engine of its own."""
 
-    def __init__(self, config, trainer: RLTrainer, task, tokenizer, pool):
+    def __init__(self, config, trainer: RLTrainer, weights: DeviceParamSource, task, tokenizer, pool):
         from rollout_bridge.jax_engine import JaxEngine
         e, r = config.eval, config.rollout
         self.records = task.to_prompt_records(task.examples("eval", e.num_prompts, seed=0), tokenizer)
         self.engine = JaxEngine(trainer.model(), max_slots=min(r.max_slots, 64), max_len=r.max_len,
                                 decode_chunk=r.decode_chunk, version=trainer.version)
-        self.trainer, self.task, self.tokenizer, self.pool, self.max_tokens = trainer, task, tokenizer, pool, \
-            r.max_tokens
+        weights.add_target(self.engine.param_shardings)
+        self.trainer, self.weights, self.task, self.tokenizer, self.pool, self.max_tokens = \
+            trainer, weights, task, tokenizer, pool, r.max_tokens
 
     def __call__(self) -> float:
         if self.engine.version != self.trainer.version:
-            self.engine.update_weights(self.trainer.version, self.trainer.hf_tensors())
+            self.engine.update_weights(*self.weights.pull(self.trainer.version))
         result = evaluate(self.engine, self.records, decode=self.tokenizer.decode,
                           reward_ref=self.task.reward_ref, max_tokens=self.max_tokens,
                           stop_token_ids=[self.tokenizer.eos_id], pool=self.pool,
@@ -211,8 +214,12 @@ def run(config: ml_collections.ConfigDict) -> int:
     train_records = task.to_prompt_records(
         task.examples("train", config.data.train_prompts, seed=config.seed + 1000), tokenizer)
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    # JAX engines and the evaluator (this process) take each version on device; only vLLM needs the HF
+    # host tensors of a parameter service (see `params` below). Two versions kept, as the parameter
+    # service does, so that a driver pulling the version it just saw as latest still finds it.
+    device_weights = DeviceParamSource(keep=2)
     trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh), config.trainer, mesh,
-                        seq_len=config.rollout.max_len,
+                        seq_len=config.rollout.max_len, device_weights=device_weights,
                         max_sequences=config.trainer.batch_groups * config.rollout.group_size)
     t = config.trainer
     strategy = Coordination.from_config(config.rollout.coordination)
@@ -235,11 +242,13 @@ def run(config: ml_collections.ConfigDict) -> int:
 
     ledger = Ledger(workdir / "ledger.jsonl", start_step)
     run_log = RunLog(workdir, total_steps=t.steps, start_step=start_step, resume=start_step > 0)
-    params = ParameterService(keep=2)
-    params.publish(trainer.version, trainer.hf_tensors())
-    pool = RewardPool(num_workers=config.rollout.reward_workers, timeout_s=config.rollout.reward_timeout_s)
-    evaluator = _Evaluator(config, trainer, task, tokenizer, pool)
     r = config.rollout
+    params = ParameterService(keep=2) if r.engine == "vllm" else None
+    trainer.publish_weights(params)
+    # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
+    weights = params if params is not None else device_weights
+    pool = RewardPool(num_workers=config.rollout.reward_workers, timeout_s=config.rollout.reward_timeout_s)
+    evaluator = _Evaluator(config, trainer, device_weights, task, tokenizer, pool)
     sampling = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                               stop_token_ids=(tokenizer.eos_id,))
     engines: list = []
@@ -252,7 +261,9 @@ def run(config: ml_collections.ConfigDict) -> int:
             run_log.log_eval(0, result["base_accuracy"])
         for _ in range(r.num_engines):
             engines.append(_make_engine(config, trainer, base_dir))
-        coordinator = Coordinator("coord", engines, service, params, strategy=strategy, eta=t.eta,
+            if r.engine == "jax":  # each version is then copied straight onto the engine's layout
+                device_weights.add_target(engines[-1].param_shardings)
+        coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
                                   sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
         result.update(_train_loop(config, trainer, service, params, coordinator, ckpt, ledger, run_log,
                                   evaluator, start_step, result["base_accuracy"]))
@@ -266,7 +277,9 @@ def run(config: ml_collections.ConfigDict) -> int:
             e.close()
         evaluator.close()
         pool.close()
-        params.close()
+        if params is not None:
+            params.close()
+        device_weights.close()
         ckpt.close()
         ledger.close()
         run_log.close()

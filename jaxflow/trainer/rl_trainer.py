@@ -4,7 +4,10 @@
 and per-token versions) into a packed `TrajectoryBatch`, runs the jitted staleness-aware step from
 version v to v+1 (`trainer.minibatches` optimizer updates, each on an equal share of the rows), and
 `publish()` then makes v+1 available to the rollout fleet in the order the trajectory service's
-contract asks for: `mark_published(v+1)` first, then the weights.
+contract asks for: `mark_published(v+1)` first, then the weights: to the optional `DeviceParamSource`
+(arrays on device, for JAX engines in this process: no host round trip) and to a parameter service
+when one is given (HF-named host tensors, for vLLM and other processes; skipped when there is none, so
+an all-in-process run never converts weights to the host).
 
 Metrics per step: the step's own (loss, grad norm, importance-weight stats...), the batch's rewards and
 response lengths, and the staleness histogram {v - token version: tokens} of the trained tokens. With
@@ -35,6 +38,7 @@ from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models import hf_io
+from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.records import FinishedGroup
 from jaxflow.trainer.state import TrainState, create_train_state, train_state_shardings
 from jaxflow.trainer.step import PROX_MODES, StepConfig, TrainStep, make_optimizer
@@ -156,14 +160,16 @@ class RLTrainer:
 
     model: the policy (a Transformer on `mesh`). trainer: the run config's trainer section (loss,
     advantage, optimizer, pack, micro_batch_rows...). seq_len: tokens per row (the rollout context).
-    max_sequences: the most trajectories a batch holds (batch_groups x group_size).
+    max_sequences: the most trajectories a batch holds (batch_groups x group_size). device_weights: a
+    source that `publish` puts each version's params in, on device (for JAX engines in this process).
 
     The train step is compiled once, here, for one padded batch shape (`batch_shape`): a run pays one
     compile before its first step, whatever its batches hold. A batch with more sequences than
     `max_sequences` gets a shape twice as deep, compiled when it arrives (with a warning).
     """
 
-    def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int, max_sequences: int):
+    def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int, max_sequences: int,
+                 device_weights: DeviceParamSource | None = None):
         check_trainer_config(trainer)
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
         self.micro_batch_rows = trainer.micro_batch_rows
@@ -171,6 +177,7 @@ class RLTrainer:
             raise _bad("micro_batch_rows", self.micro_batch_rows,
                        f"0 or a multiple of the {shards} data x fsdp shards")
         self.mesh, self.seq_len, self.cfg = mesh, seq_len, trainer
+        self.device_weights = device_weights
         self.graphdef = nnx.graphdef(model)
         self._rest = nnx.state(model, nnx.Not(nnx.Param))
         self.tx = make_optimizer(optimizer_config(trainer))
@@ -258,9 +265,20 @@ class RLTrainer:
         }
         return metrics, dict(sorted(staleness.items()))
 
-    def publish(self, trajectories, params) -> int:
+    def publish(self, trajectories, params=None) -> int:
         """Makes the current version available: the service first (its contract), then the weights."""
         v = self.version
         trajectories.mark_published(v)
-        params.publish(v, self.hf_tensors())
+        self.publish_weights(params)
+        return v
+
+    def publish_weights(self, params=None) -> int:
+        """Publishes the current version's weights: on device to `device_weights` (copied there, so the
+        next step's donation of the state leaves them intact), and as HF host tensors to `params` (a
+        ParameterService or client) unless None. Returns the version."""
+        v = self.version
+        if self.device_weights is not None:
+            self.device_weights.publish(v, self.state.params)
+        if params is not None:
+            params.publish(v, self.hf_tensors())
         return v
