@@ -221,6 +221,8 @@ def run(config: ml_collections.ConfigDict) -> int:
     trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh), config.trainer, mesh,
                         seq_len=config.rollout.max_len, device_weights=device_weights,
                         max_sequences=config.trainer.batch_groups * config.rollout.group_size)
+    print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
+          f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
     t = config.trainer
     strategy = Coordination.from_config(config.rollout.coordination)
     service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),
@@ -294,6 +296,7 @@ def run(config: ml_collections.ConfigDict) -> int:
         "surplus": counts["surplus"],
         "in_flight": sum(v for k, v in stats["groups"].items() if k not in ("consumed", "failed", "surplus")),
         "ledger_groups": len(ids), "ledger_duplicates": len(ids) - len(set(ids))}
+    result["train_step_compiles"], result["train_step_compile_s"] = trainer.compiles, round(trainer.compile_s, 2)
     hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True)
     (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     a = result["accounting"]
@@ -301,7 +304,8 @@ def run(config: ml_collections.ConfigDict) -> int:
           f"{result['final_accuracy']:.1%} after {t.steps} steps; policy exported to {workdir / 'export'}\n"
           f"jaxflow: groups created {a['created']} = consumed {a['consumed']} + in flight {a['in_flight']} + "
           f"failed {a['failed']} + surplus {a['surplus']}; the ledger holds {a['ledger_groups']} trained groups, "
-          f"{a['ledger_duplicates']} trained twice", flush=True)
+          f"{a['ledger_duplicates']} trained twice\n"
+          f"jaxflow: train-step compiles: {trainer.compiles} ({trainer.compile_s:.1f}s)", flush=True)
     return 0
 
 

@@ -194,6 +194,15 @@ class RLTrainer:
         logger.info("train step compiled for batches of %s in %.1f s", self.batch_shape, seconds)
 
     @property
+    def compiles(self) -> int:
+        """Train-step compiles so far (1 after construction unless a batch outgrew the shape)."""
+        return self._step.compiles
+
+    @property
+    def compile_s(self) -> float:
+        return self._step.compile_s
+
+    @property
     def version(self) -> int:
         return int(self.state.version)
 

@@ -235,7 +235,11 @@ def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
         assert 0 <= r["reward_mean"] <= 1 and r["trained_tokens"] > 0
         assert max(int(k) for k in r["staleness"]) <= 2  # the staleness bound, token by token
     assert "step 3/4" in out and "held-out accuracy" in out
+    # One train-step compile, before the first step, whatever the four batches held.
+    assert out.index("train step compiled for batches of") < out.index("step 0/4")
+    assert "train-step compiles: 1 (" in out and all(r["train_step_compiles"] == 1 for r in steps)
     result = json.loads((workdir / "result.json").read_text())
+    assert result["train_step_compiles"] == 1
     a = result["accounting"]
     assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"]
     assert a["consumed"] == a["ledger_groups"] == 4 * 2 and a["ledger_duplicates"] == 0
