@@ -18,8 +18,9 @@ eta = 0 with the "full" batch rule is synchronous RL through the same code: engi
 with the weights being trained.
 
 Output in config.workdir: metrics.jsonl + TensorBoard + plots (`jaxflow.jobs.run_log`), orbax checkpoints
-(with the trajectory service's state), ledger.jsonl (the groups each step trained), export/ (the final
-policy as an HF model), result.json and coordinator_trace.json (engine loads,
+(with the trajectory service's state; a damaged newest one is reported, kept aside as
+checkpoints/damaged-<step>, and the run resumes from the one before), ledger.jsonl (the groups each step
+trained), export/ (the final policy as an HF model), result.json and coordinator_trace.json (engine loads,
 group lengths and weight-sync times: what benchmarks/simulate.py fits the simulator to). Ctrl-C stops
 after the step in progress and checkpoints (a second Ctrl-C stops at once); rerunning the same command
 resumes from the newest checkpoint, with no group lost or trained twice.
@@ -44,7 +45,7 @@ from jaxflow import sharding
 from jaxflow.config import ConfigError, check_float, check_int, number_problems
 
 from jaxflow.jobs import warm_start
-from jaxflow.trainer.checkpoint import Checkpointer
+from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.jobs.evaluation import evaluate
 from jaxflow.models import hf_io
@@ -264,7 +265,14 @@ def run(config: ml_collections.ConfigDict) -> int:
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
     start_step, extra = 0, {}
     if ckpt.latest_step() is not None:
-        state, extra = ckpt.restore(abstract_train_state(trainer.model(), trainer.tx, mesh))
+        try:
+            state, extra = ckpt.restore(abstract_train_state(trainer.model(), trainer.tx, mesh))
+        except (CheckpointDamaged, ValueError) as e:
+            ckpt.close()
+            print(f"jaxflow: error: cannot resume {workdir}: {e}", file=sys.stderr)
+            return 2
+        for step, why in ckpt.damaged:  # kept for inspection, out of the way of the steps redone now
+            print(f"jaxflow: {why}; kept as {ckpt.set_aside(step)}, not used", file=sys.stderr, flush=True)
         trainer.state = state
         service.restore(extra["trajectories"])
         start_step = trainer.version
