@@ -57,6 +57,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import msgpack
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -521,12 +522,8 @@ class RewardPool:
 def _kill(process: multiprocessing.process.BaseProcess, marker: str = "") -> None:
     """SIGKILLs a worker with its process group, its descendants and every process carrying its marker (what
     its reward functions started, in sessions of their own or not), then reaps it."""
-    try:
-        import psutil
-    except ImportError:  # orbax depends on it, so only a stripped install lacks it: the group is all we reach
-        psutil = None
     descendants = []
-    if psutil is not None and process.is_alive():
+    if process.is_alive():
         with contextlib.suppress(psutil.Error):  # listed before the worker dies, while they are its tree
             descendants = psutil.Process(process.pid).children(recursive=True)
     if process.is_alive():
@@ -537,12 +534,12 @@ def _kill(process: multiprocessing.process.BaseProcess, marker: str = "") -> Non
     for child in descendants:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    if psutil is not None and marker:
-        _kill_marked(psutil, marker)
+    if marker:
+        _kill_marked(marker)
     process.join()
 
 
-def _kill_marked(psutil, marker: str) -> None:
+def _kill_marked(marker: str) -> None:
     """SIGKILLs every other process whose environment holds MARKER_ENV=marker, until a scan finds none (a
     marked process may fork while it is scanned)."""
     for _ in range(5):

@@ -128,7 +128,9 @@ class Checkpointer:
         skipped (False); the first save into an empty directory always happens (orbax's policy), and
         `force` onto an existing step raises orbax's StepAlreadyExistsError (a ValueError) rather than
         overwrite it. extra: JSON-serialisable dict, saved atomically with the state. Raises TypeError
-        for an extra that JSON cannot encode, before anything is written.
+        for an extra that JSON cannot encode and ValueError for one using the reserved checksum key, before
+        anything is written. The checksums are computed here, from a host copy of each array (one pass over
+        the state's bytes; the arrays must be addressable from this process, as on one machine).
         """
         extra = {} if extra is None else extra
         if not isinstance(extra, Mapping):
