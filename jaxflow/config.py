@@ -75,21 +75,33 @@ def check_float(problems: list[str], key: str, value, low: float, *, open_low: b
         problems.append(f"{key} must be {'>' if open_low else '>='} {low}, got {value}")
 
 
+# Any integer in a config must fit an int64 (numpy, JAX and the wire formats hold nothing wider).
+_ANY_INT_LIMIT = 2 ** 63 - 1
+
+
+def _leaves(config: ml_collections.ConfigDict, prefix: str = ""):
+    """(dotted key, value) of every leaf, read from the fields directly: a validation pass over all keys
+    is not a use of them (tests record which keys a job reads through ConfigDict's accessors)."""
+    for name, field in config._fields.items():
+        value = field.get() if isinstance(field, FieldReference) else field
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from _leaves(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
+
+
 def number_problems(config: ml_collections.ConfigDict, already: list[str] = ()) -> list[str]:
-    """Every float leaf must be finite and every integer leaf within +-INT_LIMIT; keys that a message in
+    """Every float leaf must be finite and every integer leaf must fit an int64; keys that a message in
     `already` names are skipped (one message per key)."""
     named = " ".join(already)
     problems = []
-    for key in flat_keys(config):
+    for key, value in _leaves(config):
         if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", named):
             continue
-        value = config
-        for part in key.split("."):
-            value = value[part]
         if isinstance(value, float) and not math.isfinite(value):
             problems.append(f"{key} must be a finite number, got {value}")
-        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
-            problems.append(f"{key}={value} is out of range (|value| <= {INT_LIMIT})")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > _ANY_INT_LIMIT:
+            problems.append(f"{key}={value} is out of range (an int64 holds |value| <= {_ANY_INT_LIMIT})")
     return problems
 
 
@@ -153,7 +165,11 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> 
 
 
 def load_config(spec: str, overrides: dict[str, str] | None = None) -> ml_collections.ConfigDict:
-    """Loads `path[:arg]`, applies `{dotted key: text}` overrides, and returns the locked config."""
+    """Loads `path[:arg]`, applies `{dotted key: text}` overrides, and returns the locked config.
+
+    Raises ConfigError for a file that does not load, an unknown key or unparsable override, and any float
+    that is not finite or integer beyond int64, each named by its key.
+    """
     path, _, arg = spec.partition(":")
     module = _load_module(pathlib.Path(path))
     try:
@@ -165,4 +181,7 @@ def load_config(spec: str, overrides: dict[str, str] | None = None) -> ml_collec
     config.lock()
     for dotted, raw in (overrides or {}).items():
         apply_override(config, dotted, raw)
+    problems = number_problems(config)  # each job checks its ranges; no job has a use for nan, inf or 10**30
+    if problems:
+        raise ConfigError(f"bad config {path}: " + "; ".join(problems))
     return config

@@ -121,10 +121,14 @@ _INT_FIELDS = (("seed", 0), ("data.train_prompts", 1),
                ("rollout.reward_workers", 1),
                ("trainer.batch_groups", 1), ("trainer.steps", 1), ("trainer.eta", 0),
                ("eval.num_prompts", 1), ("eval.every", 1),
-               ("checkpoint.every", 1), ("checkpoint.max_to_keep", 1))
+               ("checkpoint.every", 1), ("checkpoint.max_to_keep", 1),
+               # what the warm start builds the base model with (first run, or stale cache)
+               ("base.steps", 1), ("base.batch_size", 1), ("base.num_examples", 1), ("base.seed", 0),
+               ("model.hidden_size", 1), ("model.intermediate_size", 1), ("model.num_layers", 1),
+               ("model.num_heads", 1), ("model.num_kv_heads", 1), ("model.head_dim", 1), ("model.vocab_size", 1))
 # Float fields: (key, lower bound, whether the bound itself is excluded); all must be finite.
 _FLOAT_FIELDS = (("rollout.temperature", 0.0, False), ("rollout.reward_timeout_s", 0.0, True),
-                 ("rollout.kv_cache_gib", 0.0, True))
+                 ("rollout.kv_cache_gib", 0.0, True), ("base.lr", 0.0, True))
 
 
 def _get(config: ml_collections.ConfigDict, key: str):
@@ -155,7 +159,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         check_trainer_config(t)
     except ValueError as e:
         problems.append(str(e))
-    problems += number_problems(config, problems)  # any other float that is nan/inf, int out of range
+    # Any other float that is nan or inf (trainer.lr=inf passes its "> 0"), or int beyond int64: load_config
+    # refuses them too; this catches a config built or changed in code.
+    problems += number_problems(config, problems)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 

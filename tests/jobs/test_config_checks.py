@@ -33,18 +33,37 @@ CONFIG = "configs/arithmetic_tiny.py"
     ("seed", "-1", "seed must be >= 0"),
 ])
 def test_bad_value_is_named(key, raw, says):
-    config = load_config(CONFIG, {key: raw})
-    with pytest.raises(ConfigError, match="bad config: .*" + says.replace(".", r"\.")) as e:
-        rl.check_config(config)
+    """Refused when loaded (nan, inf, beyond int64: whatever the job) or by the rl job's check."""
+    with pytest.raises(ConfigError, match="bad config.*: .*" + says.replace(".", r"\.")) as e:
+        rl.check_config(load_config(CONFIG, {key: raw}))
     assert key in str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [("lr", float("inf")), ("lr", float("nan")), ("adam_eps", float("inf")),
+                                        ("max_grad_norm", float("inf")), ("eta", 10 ** 23), ("steps", 2 ** 40)])
+def test_check_config_also_catches_values_set_in_code(key, value):
+    config = load_config(CONFIG)
+    with config.trainer.unlocked():
+        config.trainer[key] = value
+    with pytest.raises(ConfigError, match=rf"bad config: .*trainer\.{key}\b"):
+        rl.check_config(config)
+
+
+def test_load_refuses_non_finite_and_int64_overflow_for_any_job():
+    with pytest.raises(ConfigError, match=r"bad config configs/arithmetic_tiny\.py: ") as e:
+        load_config(CONFIG, {"base.lr": "nan", "seed": str(2 ** 64)})
+    assert "base.lr must be a finite number, got nan" in str(e.value)
+    assert f"seed={2 ** 64} is out of range" in str(e.value)
 
 
 def test_every_problem_at_once_and_good_config_passes():
     rl.check_config(load_config(CONFIG))
-    config = load_config(CONFIG, {"trainer.lr": "inf", "checkpoint.every": "0", "rollout.reward_workers": "0"})
+    config = load_config(CONFIG, {"trainer.eta": "-1", "checkpoint.every": "0", "rollout.reward_workers": "0",
+                                  "base.steps": "0", "model.num_layers": "0"})
     with pytest.raises(ConfigError) as e:
         rl.check_config(config)
-    assert all(k in str(e.value) for k in ("trainer.lr", "checkpoint.every", "rollout.reward_workers"))
+    assert all(k in str(e.value) for k in ("trainer.eta", "checkpoint.every", "rollout.reward_workers",
+                                           "base.steps", "model.num_layers"))
 
 
 def _with(config, section, key, value):
