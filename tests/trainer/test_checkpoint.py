@@ -1,6 +1,8 @@
-"""Checkpointer: exact round trips across mesh shapes, retention, atomicity and clear errors."""
+"""Checkpointer: exact round trips across mesh shapes, retention, atomicity, clear errors, and damaged steps
+(checksummed, reported by name, the previous intact step used)."""
 
 import dataclasses
+import json
 import shutil
 
 import jax
@@ -267,3 +269,28 @@ def test_checksums_stay_out_of_extra_and_set_aside(two_steps, tmp_path, mesh):
         assert ckpt.save(2, restored, {"s": 22}, force=True)  # the step number is free again
         ckpt.wait_until_finished()
         assert ckpt.restore(_target(mesh))[1] == {"s": 22}
+
+
+def test_restore_into_another_dtype_verifies_the_saved_bytes(two_steps, mesh):
+    """The checksum is of the saved dtype's bytes: arrays are read in it, verified, then cast."""
+    directory, _, host2 = two_steps
+    bf16 = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16, sharding=s.sharding)
+                        if s.dtype == jnp.float32 else s, _target(mesh))
+    with Checkpointer(directory) as ckpt:
+        restored, _ = ckpt.restore(bf16)
+        assert ckpt.damaged == [] and ckpt.restored_step == 2
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(host2)):
+        expected = want.astype(jnp.bfloat16) if want.dtype == np.float32 else want
+        np.testing.assert_array_equal(np.asarray(got), expected, strict=True)
+
+
+def test_a_step_without_checksums_restores_with_a_warning(two_steps, tmp_path, mesh, caplog):
+    """A step saved before checksums existed (its extra without them) is read, and said to be unverified."""
+    directory, _, host2 = two_steps
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    meta = tmp_path / "2" / "extra" / "metadata"
+    meta.write_text(json.dumps({"s": 2}))
+    with caplog.at_level("WARNING"), Checkpointer(tmp_path) as ckpt:
+        restored, extra = ckpt.restore(_target(mesh))
+    assert extra == {"s": 2} and "step 2" in caplog.text and "restored unverified" in caplog.text
+    _assert_restored(restored, host2, _target(mesh))
