@@ -90,6 +90,8 @@ byte that is not UTF-8 is reported with its line and column (not as a codec erro
                 yield number, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:  # json recurses per nesting level
+                raise ValueError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
 
 
 def _parquet_rows(path: pathlib.Path, columns: list[str]):

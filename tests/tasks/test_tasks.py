@@ -370,6 +370,14 @@ def test_jsonl_qa_non_utf8_byte_names_the_line(tmp_path, bad, column):
         jsonl_qa.load_qa(path)
 
 
+def test_jsonl_qa_deeply_nested_line_names_the_line(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    good = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})
+    path.write_text(good + "\n" + '{"question": ' + "[" * 100_000 + "]" * 100_000 + "}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"deep\.jsonl:2: invalid JSON \(nested too deeply\)"):
+        jsonl_qa.load_qa(path)
+
+
 def test_jsonl_qa_empty_file(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n", encoding="utf-8")
     with pytest.raises(ValueError, match="empty.jsonl: no rows"):
