@@ -3,7 +3,10 @@
 A config file defines `get_config(arg=None) -> ml_collections.ConfigDict`; `path:arg` selects a variant.
 Overrides are `--config.a.b=value`, parsed by the type of the existing field. A key that does not exist
 is an error naming it and the nearest valid keys, never a silently added field. Jobs validate the
-loaded config before they change anything and raise `ConfigError` listing every bad key at once.
+loaded config before they change anything and raise `ConfigError` listing every bad key at once; the
+helpers below (`check_int`, `check_float`, `number_problems`) give their range, type and finiteness checks
+one wording. A config file that raises while it is imported or in get_config is a `ConfigError` naming the
+file and the exception, not a traceback.
 
 Why not `ml_collections.config_flags`? Tried (ml_collections 1.1): it cannot set an optional field back
 to None (`--config.trainer.behav_weight_cap=None` is refused: "could not convert string to float"),
@@ -16,7 +19,9 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib.util
+import math
 import pathlib
+import re
 
 import ml_collections
 from ml_collections.config_dict import FieldReference
@@ -31,10 +36,73 @@ def _load_module(path: pathlib.Path):
         raise ConfigError(f"config file {path} does not exist")
     spec = importlib.util.spec_from_file_location(f"jaxflow_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 -- whatever the user's file raises, said as the file's error
+        raise ConfigError(f"config file {path} raised {_describe(e)} while it was loaded") from e
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(arg=None)")
     return module
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, SyntaxError):
+        return f"SyntaxError: {error.msg} (line {error.lineno})"
+    return f"{type(error).__name__}: {error}"
+
+
+# Integers beyond this are typos, not counts, steps or sizes (and overflow the int32 counters on device).
+INT_LIMIT = 2 ** 31 - 1
+
+
+def check_int(problems: list[str], key: str, value, low: int, high: int = INT_LIMIT) -> None:
+    """Appends why `value` is not an integer in [low, high] (naming `key`) to `problems`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(f"{key} must be an integer, got {value!r}")
+    elif value < low:
+        problems.append(f"{key} must be >= {low}, got {value}")
+    elif value > high:
+        problems.append(f"{key} must be <= {high}, got {value}")
+
+
+def check_float(problems: list[str], key: str, value, low: float, *, open_low: bool = False) -> None:
+    """Appends why `value` is not a finite number >= low (> low with open_low), naming `key`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problems.append(f"{key} must be a number, got {value!r}")
+    elif not math.isfinite(value):
+        problems.append(f"{key} must be a finite number, got {value}")
+    elif value < low or (open_low and value == low):
+        problems.append(f"{key} must be {'>' if open_low else '>='} {low}, got {value}")
+
+
+# Any integer in a config must fit an int64 (numpy, JAX and the wire formats hold nothing wider).
+_ANY_INT_LIMIT = 2 ** 63 - 1
+
+
+def _leaves(config: ml_collections.ConfigDict, prefix: str = ""):
+    """(dotted key, value) of every leaf, read from the fields directly: a validation pass over all keys
+    is not a use of them (tests record which keys a job reads through ConfigDict's accessors)."""
+    for name, field in config._fields.items():
+        value = field.get() if isinstance(field, FieldReference) else field
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from _leaves(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
+
+
+def number_problems(config: ml_collections.ConfigDict, already: list[str] = ()) -> list[str]:
+    """Every float leaf must be finite and every integer leaf must fit an int64; keys that a message in
+    `already` names are skipped (one message per key)."""
+    named = " ".join(already)
+    problems = []
+    for key, value in _leaves(config):
+        if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", named):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key} must be a finite number, got {value}")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > _ANY_INT_LIMIT:
+            problems.append(f"{key}={value} is out of range (an int64 holds |value| <= {_ANY_INT_LIMIT})")
+    return problems
 
 
 def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -97,13 +165,23 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, raw: str) -> 
 
 
 def load_config(spec: str, overrides: dict[str, str] | None = None) -> ml_collections.ConfigDict:
-    """Loads `path[:arg]`, applies `{dotted key: text}` overrides, and returns the locked config."""
+    """Loads `path[:arg]`, applies `{dotted key: text}` overrides, and returns the locked config.
+
+    Raises ConfigError for a file that does not load, an unknown key or unparsable override, and any float
+    that is not finite or integer beyond int64, each named by its key.
+    """
     path, _, arg = spec.partition(":")
     module = _load_module(pathlib.Path(path))
-    config = module.get_config(arg or None)
+    try:
+        config = module.get_config(arg or None)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"config file {path}: get_config({arg or None!r}) raised {_describe(e)}") from e
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(f"get_config in {path} returned {type(config).__name__}, not a ConfigDict")
     config.lock()
     for dotted, raw in (overrides or {}).items():
         apply_override(config, dotted, raw)
+    problems = number_problems(config)  # each job checks its ranges; no job has a use for nan, inf or 10**30
+    if problems:
+        raise ConfigError(f"bad config {path}: " + "; ".join(problems))
     return config

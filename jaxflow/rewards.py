@@ -6,9 +6,8 @@ per worker at a time, so that:
 
 - a call that raises scores `failed_value`, is counted in `stats()["raised"]`, and each distinct error message
   is logged once;
-- a call still running after `timeout_s` has its worker killed (SIGKILL, with any processes it started: each
-  worker leads its own process group) and replaced; the sample scores `failed_value` and is counted in
-  `stats()["timed_out"]`;
+- a call still running after `timeout_s` has its worker killed (SIGKILL, with any processes it started, see
+  below) and replaced; the sample scores `failed_value` and is counted in `stats()["timed_out"]`;
 - a worker that dies during a call (os._exit, a segfault, the OOM killer) is replaced; the sample scores
   `failed_value` and is counted in `stats()["crashed"]`;
 - a result that is not a finite real number scores `failed_value` and is counted in `stats()["invalid"]`.
@@ -25,6 +24,14 @@ first call of a function in a worker imports its module first, under its own lim
 worker reports when the import is done, and `timeout_s` runs from then (or list the references in `preload`
 to import them at start-up).
 
+What a reward function starts dies with its worker (on a timeout, a crash, or `close()`): each worker leads
+its own process group, which is killed; its descendants (found with psutil while it lives, a `setsid` child
+included) are killed; and every process whose environment carries the worker's marker
+(`JAXFLOW_REWARD_WORKER`, set in the worker before any call, inherited by whatever it executes) is killed,
+which also finds a `setsid` daemon whose parent has exited. Without cgroups one escape remains: a process
+that leaves the worker's tree (its parent exits) after a fork with no exec, or execs with the marker removed
+from its environment, is not found.
+
 Spawned workers re-import the main module of the parent, as with any `multiprocessing` spawn: a script that
 creates a pool must guard its entry point with `if __name__ == "__main__":`.
 """
@@ -32,6 +39,7 @@ creates a pool must guard its entry point with `if __name__ == "__main__":`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -40,6 +48,7 @@ import multiprocessing
 import multiprocessing.connection
 import numbers
 import os
+import secrets
 import signal
 import threading
 import time
@@ -48,6 +57,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import msgpack
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,9 @@ _MAX_ERROR_CHARS = 500
 _MAX_REMEMBERED_ERRORS = 1000
 # Consecutive workers that die before reporting ready after which the pool stops restarting them.
 _MAX_START_FAILURES = 3
+
+# The environment variable marking every process a reward worker starts (value: that worker's marker).
+MARKER_ENV = "JAXFLOW_REWARD_WORKER"
 
 STAT_KEYS = ("submitted", "scored", "raised", "timed_out", "crashed", "invalid", "workers_started")
 
@@ -109,7 +122,7 @@ def _error_text(e: BaseException) -> str:
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, preload: Sequence[str],
-                 memory_limit_mb: int | None) -> None:
+                 memory_limit_mb: int | None, marker: str = "") -> None:
     """A reward worker: reports ready, then answers [job id, fn_ref, response, meta] calls until told to stop.
 
     Answers are [job id, status, payload]: ("ok", float), ("invalid", repr of the result) or ("raised", error
@@ -120,6 +133,8 @@ def _worker_main(conn: multiprocessing.connection.Connection, preload: Sequence[
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A group of its own, so that killing a hung call also kills any processes the reward function started.
     os.setpgid(0, 0)
+    if marker:  # inherited by what reward functions execute: the pool finds them by it, setsid or not
+        os.environ[MARKER_ENV] = marker
     if memory_limit_mb is not None:
         import resource
         limit = memory_limit_mb << 20
@@ -179,6 +194,7 @@ class _Worker:
     # fn_refs this worker has imported: a call of another one gets import_timeout_s until the worker says
     # "loaded", then timeout_s.
     loaded: set[str] = dataclasses.field(default_factory=set)
+    marker: str = ""
 
 
 class RewardPool:
@@ -216,6 +232,7 @@ class RewardPool:
         self._lock = threading.Lock()
         self._pending: collections.deque[_Job] = collections.deque()
         self._stats = dict.fromkeys(STAT_KEYS, 0)
+        self._marker_prefix = f"{os.getpid()}-{secrets.token_hex(6)}"
         self._logged: set[str] = set()
         self._next_job_id = 0
         self._closing = False
@@ -317,14 +334,16 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(target=_worker_main, args=(child_conn, self._preload, self._memory_limit_mb),
+        marker = f"{self._marker_prefix}-{self._stats['workers_started']}"
+        process = self._context.Process(target=_worker_main,
+                                        args=(child_conn, self._preload, self._memory_limit_mb, marker),
                                         name="jaxflow-reward-worker", daemon=True)
         process.start()
         # The child holds its own copy; closing ours lets a dead child show up as EOF on parent_conn.
         child_conn.close()
         with self._lock:
             self._stats["workers_started"] += 1
-        return _Worker(process, parent_conn, loaded=set(self._preload))
+        return _Worker(process, parent_conn, loaded=set(self._preload), marker=marker)
 
     def _run(self) -> None:
         try:
@@ -431,7 +450,7 @@ class RewardPool:
         if reason != "timed_out":
             # Its pipe closed as it died; give the exit a moment to complete so the exit code is its own.
             worker.process.join(timeout=1.0)
-        _kill(worker.process)
+        _kill(worker.process, worker.marker)
         worker.conn.close()
         if worker.job is not None:
             if reason == "crashed":
@@ -487,7 +506,7 @@ class RewardPool:
                 pass
         for worker in self._workers:
             worker.process.join(timeout=1.0 if worker.ready and worker.job is None else 0.0)
-            _kill(worker.process)
+            _kill(worker.process, worker.marker)
             worker.conn.close()
         message = self._broken or "RewardPool closed before the call finished"
         with self._lock:
@@ -500,14 +519,40 @@ class RewardPool:
                 job.future.set_exception(RuntimeError(message))
 
 
-def _kill(process: multiprocessing.process.BaseProcess) -> None:
-    """SIGKILLs a worker and its process group (what its reward function started), then reaps it."""
+def _kill(process: multiprocessing.process.BaseProcess, marker: str = "") -> None:
+    """SIGKILLs a worker with its process group, its descendants and every process carrying its marker (what
+    its reward functions started, in sessions of their own or not), then reaps it."""
+    descendants = []
+    if process.is_alive():
+        with contextlib.suppress(psutil.Error):  # listed before the worker dies, while they are its tree
+            descendants = psutil.Process(process.pid).children(recursive=True)
     if process.is_alive():
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except OSError:  # not yet its own group leader (killed during start-up), or already gone
             process.kill()
+    for child in descendants:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    if marker:
+        _kill_marked(marker)
     process.join()
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILLs every other process whose environment holds MARKER_ENV=marker, until a scan finds none (a
+    marked process may fork while it is scanned)."""
+    for _ in range(5):
+        found = False
+        for proc in psutil.process_iter():
+            if proc.pid == os.getpid():
+                continue
+            with contextlib.suppress(psutil.Error, OSError):
+                if proc.environ().get(MARKER_ENV) == marker:
+                    proc.kill()
+                    found = True
+        if not found:
+            return
 
 
 def group_reward_fn(pool: RewardPool, fn_ref: str, decode: Callable[[Sequence[int]], str]):

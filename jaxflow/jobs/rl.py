@@ -18,8 +18,9 @@ eta = 0 with the "full" batch rule is synchronous RL through the same code: engi
 with the weights being trained.
 
 Output in config.workdir: metrics.jsonl + TensorBoard + plots (`jaxflow.jobs.run_log`), orbax checkpoints
-(with the trajectory service's state), ledger.jsonl (the groups each step trained), export/ (the final
-policy as an HF model), result.json and coordinator_trace.json (engine loads,
+(with the trajectory service's state; a damaged newest one is reported, kept aside as
+checkpoints/damaged-<step>, and the run resumes from the one before), ledger.jsonl (the groups each step
+trained), export/ (the final policy as an HF model), result.json and coordinator_trace.json (engine loads,
 group lengths and weight-sync times: what benchmarks/simulate.py fits the simulator to). Ctrl-C stops
 after the step in progress and checkpoints (a second Ctrl-C stops at once); rerunning the same command
 resumes from the newest checkpoint, with no group lost or trained twice.
@@ -33,6 +34,7 @@ import logging
 import pathlib
 import signal
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -40,10 +42,10 @@ import jax
 import ml_collections
 
 from jaxflow import sharding
-from jaxflow.config import ConfigError
+from jaxflow.config import ConfigError, check_float, check_int, number_problems
 
 from jaxflow.jobs import warm_start
-from jaxflow.trainer.checkpoint import Checkpointer
+from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.jobs.evaluation import evaluate
 from jaxflow.models import hf_io
@@ -112,31 +114,68 @@ class Ledger:
         self._file.close()
 
 
+# Integer fields and their lower bounds (each at most config.INT_LIMIT).
+_INT_FIELDS = (("seed", 0), ("data.train_prompts", 1),
+               ("rollout.num_engines", 1), ("rollout.group_size", 2), ("rollout.max_tokens", 1),
+               ("rollout.max_len", 2), ("rollout.max_slots", 1), ("rollout.decode_chunk", 1),
+               ("rollout.reward_workers", 1),
+               ("trainer.batch_groups", 1), ("trainer.steps", 1), ("trainer.eta", 0),
+               ("eval.num_prompts", 1), ("eval.every", 1),
+               ("checkpoint.every", 1), ("checkpoint.max_to_keep", 1),
+               # what the warm start builds the base model with (first run, or stale cache)
+               ("base.steps", 1), ("base.batch_size", 1), ("base.num_examples", 1), ("base.seed", 0),
+               ("model.hidden_size", 1), ("model.intermediate_size", 1), ("model.num_layers", 1),
+               ("model.num_heads", 1), ("model.num_kv_heads", 1), ("model.head_dim", 1), ("model.vocab_size", 1))
+# Float fields: (key, lower bound, whether the bound itself is excluded); all must be finite.
+_FLOAT_FIELDS = (("rollout.temperature", 0.0, False), ("rollout.reward_timeout_s", 0.0, True),
+                 ("rollout.kv_cache_gib", 0.0, True), ("base.lr", 0.0, True))
+
+
+def _get(config: ml_collections.ConfigDict, key: str):
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
+    """Checks every value the run uses (types, ranges, finiteness) before anything starts; raises one
+    ConfigError naming each bad key."""
     r, t = config.rollout, config.trainer
-    problems = []
+    problems: list[str] = []
     if r.engine not in ENGINES:
         problems.append(f"rollout.engine {r.engine!r} is not one of {ENGINES}")
-    for name, value, low in (("rollout.num_engines", r.num_engines, 1), ("rollout.group_size", r.group_size, 2),
-                             ("trainer.batch_groups", t.batch_groups, 1), ("trainer.steps", t.steps, 1),
-                             ("trainer.eta", t.eta, 0),
-                             ("eval.num_prompts", config.eval.num_prompts, 1)):
-        if value < low:
-            problems.append(f"{name} must be >= {low}, got {value}")
+    for key, low in _INT_FIELDS:
+        check_int(problems, key, _get(config, key), low)
+    for key, low, open_low in _FLOAT_FIELDS:
+        check_float(problems, key, _get(config, key), low, open_low=open_low)
     try:
         Coordination.from_config(r.coordination)
     except (TypeError, ValueError) as e:
         problems.append(f"rollout.coordination: {e}")
-    if r.max_tokens >= r.max_len:
+    if not any(k in " ".join(problems) for k in ("rollout.max_tokens", "rollout.max_len")) \
+            and r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
-    if r.kv_cache_gib <= 0:
-        problems.append(f"rollout.kv_cache_gib must be > 0, got {r.kv_cache_gib}")
     try:  # the update's options (loss, optimizer, prox, micro-batches...): each bad value names its key
         check_trainer_config(t)
     except ValueError as e:
         problems.append(str(e))
+    # Any other float that is nan or inf (trainer.lr=inf passes its "> 0"), or int beyond int64: load_config
+    # refuses them too; this catches a config built or changed in code.
+    problems += number_problems(config, problems)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
+
+
+def check_workdir(workdir: pathlib.Path) -> None:
+    """Creates the workdir and writes a file in it, so that a path that cannot be written fails now, not
+    after the base model is built and loaded."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as e:
+        raise ConfigError(f"workdir {workdir} cannot be written ({e.strerror or e}); set --config.workdir "
+                          f"to a directory this user can write") from None
 
 
 def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
@@ -200,14 +239,14 @@ def _consume(service: TrajectoryService, version: int, stop: _Stop):
 
 def run(config: ml_collections.ConfigDict) -> int:
     """Runs (or resumes) the RL job; see the module docstring. Returns the process exit code."""
+    workdir = pathlib.Path(config.workdir)
     try:
         check_config(config)
+        check_workdir(workdir)
         base_dir = warm_start.ensure_base_model(config)
     except (ValueError, warm_start.BaseModelMissing) as e:
         print(f"jaxflow: error: {e}", file=sys.stderr)
         return 2
-    workdir = pathlib.Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.from_dir(base_dir)
     task = warm_start.make_task(config)
     # A seed apart from the warm start's: RL prompts are train-split problems the base model has not seen.
@@ -232,7 +271,14 @@ def run(config: ml_collections.ConfigDict) -> int:
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
     start_step, extra = 0, {}
     if ckpt.latest_step() is not None:
-        state, extra = ckpt.restore(abstract_train_state(trainer.model(), trainer.tx, mesh))
+        try:
+            state, extra = ckpt.restore(abstract_train_state(trainer.model(), trainer.tx, mesh))
+        except (CheckpointDamaged, ValueError) as e:
+            ckpt.close()
+            print(f"jaxflow: error: cannot resume {workdir}: {e}", file=sys.stderr)
+            return 2
+        for step, why in ckpt.damaged:  # kept for inspection, out of the way of the steps redone now
+            print(f"jaxflow: {why}; kept as {ckpt.set_aside(step)}, not used", file=sys.stderr, flush=True)
         trainer.state = state
         service.restore(extra["trajectories"])
         start_step = trainer.version

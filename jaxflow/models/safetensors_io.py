@@ -114,6 +114,8 @@ class SafetensorsFile:
             header = json.loads(header_bytes.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise self._invalid(f"header is not valid UTF-8 JSON ({e})") from None
+        except RecursionError:  # json recurses per nesting level; a hostile header can nest 100k deep
+            raise self._invalid("header is not valid UTF-8 JSON (nested too deeply)") from None
         if not isinstance(header, dict):
             raise self._invalid(f"header is a JSON {type(header).__name__}, expected an object")
 
@@ -367,6 +369,8 @@ class CheckpointReader:
             content = json.loads(index.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise CheckpointError(f"{index}: not valid JSON (nested too deeply)") from None
         weight_map = content.get("weight_map") if isinstance(content, dict) else None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):

@@ -75,15 +75,23 @@ def parse_reference(answer: Any) -> tuple[str, str | None] | None:
 
 
 def _jsonl_rows(path: pathlib.Path):
-    """(1-based line number, parsed row) for each non-blank line."""
-    with path.open("r", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    """(1-based line number, parsed row) for each non-blank line. Lines are decoded one by one, so that a
+byte that is not UTF-8 is reported with its line and column (not as a codec error at a file offset)."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                 f"{len(raw[:e.start].decode('utf-8')) + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:  # json recurses per nesting level
+                raise ValueError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
 
 
 def _parquet_rows(path: pathlib.Path, columns: list[str]):

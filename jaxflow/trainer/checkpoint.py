@@ -12,23 +12,57 @@ metadata (logical axes, ...) that is code, not data. On restore the exact pytree
 metadata included) comes from the caller's target, usually `train_state.abstract_train_state` on the
 mesh to restore onto; orbax reads each array straight into the target's sharding, so a checkpoint
 written on one mesh shape can be read onto another.
+
+Every step also carries a sha256 per array (of its host bytes, dtype and shape, in the extra JSON under a
+reserved key), because orbax itself does not notice every damage: random bytes written into a data chunk
+can decompress to wrong weights with no error. `restore` verifies them. A damaged step (unreadable
+metadata, truncated or missing data, a checksum that does not match) is reported by name (a warning in
+the log) and the previous step is tried; `damaged` and `restored_step` say what happened, and
+`set_aside` moves a damaged step out of the step list without deleting it. Only when no step is intact
+does `restore` raise `CheckpointDamaged`, naming the directory and every step's damage.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxflow.trainer.state import TrainState
 
 _STATE, _EXTRA = "state", "extra"
+# The extra key holding {array name: sha256 hex}; refused in a caller's extra, removed from what restore returns.
+_CHECKSUMS = "_jaxflow_checksums"
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointDamaged(RuntimeError):
+    """A checkpoint step cannot be restored as saved; the message names the directory, step and damage."""
+
+
+def _digest(value) -> str:
+    """sha256 of an array's dtype, shape and C-order host bytes: the same for any sharding of it."""
+    host = np.asarray(value)
+    h = hashlib.sha256(f"{host.dtype.str}{host.shape}".encode())
+    h.update(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
+def _brief(error: BaseException) -> str:
+    """An exception as one short line (TensorStore errors run to pages of spec)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text if len(text) <= 300 else text[:300] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _key_name(entry) -> str:
@@ -79,6 +113,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                                save_interval_steps=save_interval_steps, create=True)
         # Naming the handlers lets a fresh process read metadata (for the shape check) before any save.
+        self.damaged: list[tuple[int, str]] = []  # (step, why) passed over by the last restore
+        self.restored_step: int | None = None  # the step the last restore read
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={_STATE: ocp.StandardCheckpointHandler(),
@@ -92,18 +128,26 @@ class Checkpointer:
         skipped (False); the first save into an empty directory always happens (orbax's policy), and
         `force` onto an existing step raises orbax's StepAlreadyExistsError (a ValueError) rather than
         overwrite it. extra: JSON-serialisable dict, saved atomically with the state. Raises TypeError
-        for an extra that JSON cannot encode, before anything is written.
+        for an extra that JSON cannot encode and ValueError for one using the reserved checksum key, before
+        anything is written. The checksums are computed here, from a host copy of each array (one pass over
+        the state's bytes; the arrays must be addressable from this process, as on one machine).
         """
         extra = {} if extra is None else extra
         if not isinstance(extra, Mapping):
             raise TypeError(f"checkpoint extra must be a dict, got {type(extra).__name__}")
+        if _CHECKSUMS in extra:
+            raise ValueError(f"checkpoint extra key {_CHECKSUMS!r} is reserved for the arrays' checksums")
         try:
             json.dumps(extra)
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint extra for step {step} in {self.directory} is not "
                             f"JSON-serialisable: {e}") from e
-        args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(_nest(_flatten(state))),
-                                     _EXTRA: ocp.args.JsonSave(dict(extra))})
+        if not force and not self._manager.should_save(int(step)):
+            return False
+        flat = _flatten(state)
+        extra = {**extra, _CHECKSUMS: {name: _digest(value) for name, value in flat.items()}}
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(_nest(flat)),
+                                     _EXTRA: ocp.args.JsonSave(extra)})
         return self._manager.save(int(step), args=args, force=force)
 
     def latest_step(self) -> int | None:
@@ -115,35 +159,80 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
-        """Reads checkpoint `step` (default: the latest) into the structure and shardings of `target`.
+        """Reads checkpoint `step` (default: the newest intact one) into the structure and shardings of
+        `target`, verifying every array against the checksum saved with it.
 
         target: a TrainState of ShapeDtypeStructs with shardings (`abstract_train_state` on the mesh to
         restore onto) or of arrays; the result has its pytree structure, Variable metadata, dtypes and
-        shardings. Returns (state, extra). Raises FileNotFoundError if there is no such checkpoint and
-        ValueError if the saved arrays do not match the target's names or shapes.
+        shardings. Returns (state, extra). Without `step`, a damaged step is logged by name and the one
+        before it is tried; afterwards `restored_step` is the step read and `damaged` lists
+        (step, why) for each damaged step passed over. Raises FileNotFoundError if there is no such
+        checkpoint, ValueError if the saved arrays do not match the target's names or shapes, and
+        CheckpointDamaged if the named step (or, without `step`, every step) is damaged.
         """
         self._manager.wait_until_finished()  # A step still being written is not readable yet.
         self._manager.reload()  # Another process may have written or pruned steps since.
         steps = self.all_steps()
+        self.damaged, self.restored_step = [], None
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        step = steps[-1] if step is None else int(step)
-        if step not in steps:
+        if step is not None and int(step) not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
                                     f"available steps: {steps}")
         wanted = _flatten(target)
-        self._check_matches(step, wanted)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{
-            _STATE: ocp.args.StandardRestore(_nest(wanted)), _EXTRA: ocp.args.JsonRestore()}))
-        arrays = _flatten(restored[_STATE])
-        state = jax.tree.unflatten(jax.tree.structure(target), [arrays[name] for name in wanted])
-        return state, dict(restored[_EXTRA] or {})
+        for candidate in ([int(step)] if step is not None else steps[::-1]):
+            try:
+                arrays, extra = self._restore_step(candidate, wanted)
+            except CheckpointDamaged as e:
+                self.damaged.append((candidate, str(e)))
+                log.warning("%s", e)
+                continue
+            if self.damaged:
+                log.warning("checkpoint: restored step %d instead of damaged step(s) %s in %s", candidate,
+                            [s for s, _ in self.damaged], self.directory)
+            self.restored_step = candidate
+            return jax.tree.unflatten(jax.tree.structure(target), [arrays[n] for n in wanted]), extra
+        if step is not None:
+            raise CheckpointDamaged(self.damaged[0][1])
+        raise CheckpointDamaged(
+            f"no intact checkpoint in {self.directory}: " + "; ".join(why for _, why in self.damaged)
+            + ". Nothing was restored; move the damaged steps aside (or use another workdir) to start afresh")
 
-    def _check_matches(self, step: int, wanted: dict[str, Any]) -> None:
+    def _restore_step(self, step: int, wanted: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+        """The verified arrays (by name, cast to the target's dtypes) and extra of one step."""
+        where = f"checkpoint step {step} in {self.directory}"
+        try:
+            saved = _flatten(self._manager.item_metadata(step)[_STATE])
+        except Exception as e:  # noqa: BLE001 -- whatever orbax raises on unreadable metadata is damage
+            raise CheckpointDamaged(f"{where} is damaged: its metadata cannot be read ({_brief(e)})") from e
+        self._check_matches(where, saved, wanted)
+        # Read each array in its saved dtype (its checksum is of those bytes), cast to the target's after.
+        read = {name: want if saved[name].dtype == want.dtype else
+                jax.ShapeDtypeStruct(want.shape, saved[name].dtype, sharding=getattr(want, "sharding", None))
+                for name, want in wanted.items()}
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{
+                _STATE: ocp.args.StandardRestore(_nest(read)), _EXTRA: ocp.args.JsonRestore()}))
+            arrays = _flatten(restored[_STATE])
+            extra = dict(restored[_EXTRA] or {})
+        except Exception as e:  # noqa: BLE001 -- truncated, missing or undecodable data is damage
+            raise CheckpointDamaged(f"{where} is damaged: reading it failed ({_brief(e)})") from e
+        sums = extra.pop(_CHECKSUMS, None)
+        if sums is None:
+            log.warning("%s has no checksums (saved by an older jaxflow): restored unverified", where)
+        else:
+            bad = [name for name in wanted if not isinstance(sums, Mapping)
+                   or sums.get(name) != _digest(arrays[name])]
+            if bad:
+                raise CheckpointDamaged(f"{where} is damaged: {len(bad)} array(s) differ from the checksums "
+                                        f"saved with them: {bad[:5]}")
+        arrays = {name: arrays[name] if arrays[name].dtype == want.dtype else arrays[name].astype(want.dtype)
+                  for name, want in wanted.items()}
+        return arrays, extra
+
+    def _check_matches(self, where: str, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
         """Compares target names/shapes against the saved metadata, so that a wrong model size fails
         with the parameter's name before any array is read (orbax's own error names neither)."""
-        saved = _flatten(self._manager.item_metadata(step)[_STATE])
-        where = f"checkpoint step {step} in {self.directory}"
         for name, want in wanted.items():
             if name not in saved:
                 raise ValueError(f"{where} has no array {name!r} that the restore target expects")
@@ -154,6 +243,21 @@ class Checkpointer:
         if unexpected:
             raise ValueError(f"{where} has array(s) {unexpected[:5]} that the restore target lacks "
                              f"(a different model or optimizer?)")
+
+    def set_aside(self, step: int) -> pathlib.Path:
+        """Renames step `step`'s directory to `damaged-<step>[-n]` (kept, no longer a step), so that the
+        run can save that step number again; returns the new path."""
+        self._manager.wait_until_finished()
+        source = self.directory / str(int(step))
+        if not source.is_dir():
+            raise FileNotFoundError(f"no checkpoint directory for step {step} in {self.directory}")
+        dest, n = self.directory / f"damaged-{int(step)}", 0
+        while dest.exists():
+            n += 1
+            dest = self.directory / f"damaged-{int(step)}-{n}"
+        source.rename(dest)
+        self._manager.reload()
+        return dest
 
     def wait_until_finished(self) -> None:
         """Blocks until every started save is fully written (and old steps pruned)."""

@@ -384,3 +384,28 @@ def test_coordinated_two_engine_run_keeps_the_staleness_bound_and_the_accounting
     trace = json.loads((workdir / "coordinator_trace.json").read_text())
     assert trace["loads"] and {row[1] for row in trace["loads"]} == {0, 1}
     assert all(len(g) == 4 for g in trace["group_lengths"])
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, base_dir, capsys):
+    """The newest checkpoint damaged: the run says so, keeps it aside and resumes from the step before, each
+    step trained once; with no intact checkpoint left it stops with the directory named."""
+    from jaxflow.jobs import rl
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "2", "eval.every": "100"})
+    assert rl.run(config) == 0
+    workdir = pathlib.Path(config.workdir)
+    ckpts = workdir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["1", "2"]
+    (ckpts / "2" / "state" / "_METADATA").write_text('{"tree_metadata": ')
+    capsys.readouterr()
+    longer = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "eval.every": "100"})
+    assert rl.run(longer) == 0
+    out, err = capsys.readouterr()
+    assert f"checkpoint step 2 in {ckpts} is damaged" in err and f"kept as {ckpts / 'damaged-2'}" in err
+    assert f"resuming {workdir} from step 1" in out
+    assert (ckpts / "damaged-2" / "state").is_dir()
+    check_each_step_once(workdir, 3, 2)
+    for step in ("2", "3"):
+        (ckpts / step / "state" / "_METADATA").write_text("")
+    assert rl.run(small_config(tmp_path, base_dir, **{"trainer.steps": "4"})) == 2
+    err = capsys.readouterr().err
+    assert f"no intact checkpoint in {ckpts}" in err and "step 3" in err and "step 2" in err

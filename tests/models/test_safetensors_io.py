@@ -308,6 +308,10 @@ CORRUPTIONS = {
                     "non-negative integers"),
     "bad metadata": (lambda p: _corrupt(p, {"__metadata__": {"n": 1}}), "__metadata__"),
     "entry not an object": (lambda p: _corrupt(p, {"w": 3}), "'w': entry is not an object"),
+    "header nested 100k deep": (lambda p: _corrupt(p, b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+                                "nested too deeply"),
+    "metadata nested 100k deep": (lambda p: _corrupt(p, b'{"__metadata__": ' + b'{"a": ' * 100_000
+                                                     + b"1" + b"}" * 100_000 + b"}"), "nested too deeply"),
 }
 
 
@@ -336,3 +340,11 @@ def test_unknown_tensor_names_file_and_tensor(tmp_path):
     write_safetensors(path, {"a": np.zeros(1, np.float32)})
     with SafetensorsFile(path) as f, pytest.raises(CheckpointError, match=f"{path}: no tensor 'b'"):
         f.get("b")
+
+
+def test_deeply_nested_index_is_a_checkpoint_error(tmp_path):
+    write_checkpoint(tmp_path, _model_tensors(), max_shard_bytes=600)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match=f"{index}: not valid JSON .*nested too deeply"):
+        CheckpointReader(tmp_path)

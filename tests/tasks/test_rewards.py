@@ -42,6 +42,28 @@ def hanging_reward_with_a_child(response, meta):
     time.sleep(3600)
 
 
+def _start_escaped_sleep(pid_file):
+    """`sleep 3600` in a session of its own whose parent shell exits at once: no process group, session or
+    parent links it to the worker any more."""
+    subprocess.run(["setsid", "sh", "-c", f"sleep 3600 >/dev/null 2>&1 & echo $! > {pid_file}"], check=True)
+
+
+def hanging_reward_with_a_setsid_grandchild(response, meta):
+    subprocess.Popen(["sleep", "3600"], start_new_session=True)  # a new session: its own group too
+    _start_escaped_sleep(response)
+    time.sleep(3600)
+
+
+def reward_leaving_a_setsid_daemon(response, meta):
+    _start_escaped_sleep(response)
+    return 1.0
+
+
+def crashing_reward_leaving_a_setsid_daemon(response, meta):
+    _start_escaped_sleep(response)
+    os._exit(9)
+
+
 def crashing_reward(response, meta):
     os._exit(7)
 
@@ -160,6 +182,45 @@ def test_a_timeout_also_kills_what_the_reward_started(pool, tmp_path):
         time.sleep(0.01)
     assert gone(child)
     still_works(pool)
+
+
+def _wait_gone(pid, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return gone(pid)
+
+
+def _escaped_pid(pid_file):
+    deadline = time.monotonic() + 5
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pid = int(pid_file.read_text())
+    assert psutil.Process(pid).ppid() != os.getpid() and os.getsid(pid) != os.getsid(0)
+    return pid
+
+
+def test_a_timeout_kills_a_setsid_grandchild(pool, tmp_path):
+    pid_file = tmp_path / "escaped.pid"
+    assert pool.score_group(ref(hanging_reward_with_a_setsid_grandchild), [str(pid_file)], {}) == [0.0]
+    assert _wait_gone(_escaped_pid(pid_file))
+    still_works(pool)
+
+
+def test_a_crash_kills_a_setsid_grandchild(pool, tmp_path):
+    pid_file = tmp_path / "escaped.pid"
+    assert pool.score_group(ref(crashing_reward_leaving_a_setsid_daemon), [str(pid_file)], {}) == [0.0]
+    assert _wait_gone(_escaped_pid(pid_file))
+    still_works(pool)
+
+
+def test_closing_the_pool_kills_a_setsid_daemon_a_reward_left(tmp_path):
+    pid_file = tmp_path / "escaped.pid"
+    with RewardPool(num_workers=1, timeout_s=5.0) as pool:
+        assert pool.score_group(ref(reward_leaving_a_setsid_daemon), [str(pid_file)], {}) == [1.0]
+        daemon = _escaped_pid(pid_file)
+        assert not gone(daemon)  # a reward may leave a helper running while the pool is in use
+    assert _wait_gone(daemon)
 
 
 @pytest.mark.parametrize("fn", [crashing_reward, segfaulting_reward])

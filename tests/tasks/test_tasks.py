@@ -360,6 +360,24 @@ def test_jsonl_qa_bad_rows_name_the_line(tmp_path, line, message):
         jsonl_qa.load_qa(path)
 
 
+@pytest.mark.parametrize("bad, column", [(b"\xff", 15), (b"\xc3(", 15), (b"\xe2\x82", 15)],
+                         ids=["ff", "bad-continuation", "cut-sequence"])
+def test_jsonl_qa_non_utf8_byte_names_the_line(tmp_path, bad, column):
+    good = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}).encode()
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(good + b"\n" + good + b"\n" + b'{"question": "' + bad + b'?", "answer": "#### 3"}\n' + good + b"\n")
+    with pytest.raises(ValueError, match=rf"latin\.jsonl:3: not valid UTF-8 \(byte 0x{bad[0]:02x} at column {column}\)"):
+        jsonl_qa.load_qa(path)
+
+
+def test_jsonl_qa_deeply_nested_line_names_the_line(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    good = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})
+    path.write_text(good + "\n" + '{"question": ' + "[" * 100_000 + "]" * 100_000 + "}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"deep\.jsonl:2: invalid JSON \(nested too deeply\)"):
+        jsonl_qa.load_qa(path)
+
+
 def test_jsonl_qa_empty_file(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n", encoding="utf-8")
     with pytest.raises(ValueError, match="empty.jsonl: no rows"):

@@ -1,0 +1,127 @@
+"""Config values are checked at load time, before anything expensive: ranges, finiteness and integer types
+(each bad key named), a config file that raises, and a workdir that cannot be written."""
+
+import os
+import re
+
+import ml_collections
+import pytest
+
+from jaxflow.config import ConfigError, load_config
+from jaxflow.jobs import rl
+from jaxflow.main import main
+
+CONFIG = "configs/arithmetic_tiny.py"
+
+
+@pytest.mark.parametrize("key, raw, says", [
+    ("trainer.lr", "nan", "trainer.lr"),
+    ("trainer.lr", "inf", "trainer.lr"),
+    ("trainer.eta", str(10 ** 23), "trainer.eta"),
+    ("trainer.steps", str(2 ** 70), "trainer.steps"),
+    ("rollout.reward_workers", "0", "rollout.reward_workers must be >= 1"),
+    ("checkpoint.every", "0", "checkpoint.every must be >= 1"),
+    ("checkpoint.max_to_keep", "0", "checkpoint.max_to_keep must be >= 1"),
+    ("eval.every", "0", "eval.every must be >= 1"),
+    ("rollout.max_slots", "0", "rollout.max_slots must be >= 1"),
+    ("rollout.temperature", "nan", "rollout.temperature"),
+    ("rollout.temperature", "-1.0", "rollout.temperature must be >= 0"),
+    ("rollout.reward_timeout_s", "inf", "rollout.reward_timeout_s"),
+    ("rollout.reward_timeout_s", "0", "rollout.reward_timeout_s must be > 0"),
+    ("trainer.loss.kl_coef", "inf", "trainer.loss.kl_coef"),
+    ("data.train_prompts", "0", "data.train_prompts must be >= 1"),
+    ("seed", "-1", "seed must be >= 0"),
+])
+def test_bad_value_is_named(key, raw, says):
+    """Refused when loaded (nan, inf, beyond int64: whatever the job) or by the rl job's check."""
+    with pytest.raises(ConfigError, match="bad config.*: .*" + says.replace(".", r"\.")) as e:
+        rl.check_config(load_config(CONFIG, {key: raw}))
+    assert key in str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [("lr", float("inf")), ("lr", float("nan")), ("adam_eps", float("inf")),
+                                        ("max_grad_norm", float("inf")), ("eta", 10 ** 23), ("steps", 2 ** 40)])
+def test_check_config_also_catches_values_set_in_code(key, value):
+    config = load_config(CONFIG)
+    with config.trainer.unlocked():
+        config.trainer[key] = value
+    with pytest.raises(ConfigError, match=rf"bad config: .*trainer\.{key}\b"):
+        rl.check_config(config)
+
+
+def test_load_refuses_non_finite_and_int64_overflow_for_any_job():
+    with pytest.raises(ConfigError, match=r"bad config configs/arithmetic_tiny\.py: ") as e:
+        load_config(CONFIG, {"base.lr": "nan", "seed": str(2 ** 64)})
+    assert "base.lr must be a finite number, got nan" in str(e.value)
+    assert f"seed={2 ** 64} is out of range" in str(e.value)
+
+
+def test_every_problem_at_once_and_good_config_passes():
+    rl.check_config(load_config(CONFIG))
+    config = load_config(CONFIG, {"trainer.eta": "-1", "checkpoint.every": "0", "rollout.reward_workers": "0",
+                                  "base.steps": "0", "model.num_layers": "0"})
+    with pytest.raises(ConfigError) as e:
+        rl.check_config(config)
+    assert all(k in str(e.value) for k in ("trainer.eta", "checkpoint.every", "rollout.reward_workers",
+                                           "base.steps", "model.num_layers"))
+
+
+def _with(config, section, key, value):
+    """A copy of `config` with a field of another type (what a config file may write)."""
+    d = config.to_dict()
+    d[section][key] = value
+    return ml_collections.ConfigDict(d)
+
+
+@pytest.mark.parametrize("value", [1e23, 4.0, True, "4"])
+def test_an_integer_field_given_another_type(value):
+    config = _with(load_config(CONFIG), "trainer", "eta", value)
+    with pytest.raises(ConfigError, match=re.escape(f"trainer.eta must be an integer, got {value!r}")):
+        rl.check_config(config)
+
+
+@pytest.mark.parametrize("body, says", [
+    ("def get_config(arg=None):\n    raise RuntimeError('boom')\n", "RuntimeError: boom"),
+    ("import no_such_module_here\n", "ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("def get_config(arg=None:\n", "SyntaxError"),
+    ("def get_config(arg=None):\n    return {}['x']\n", "KeyError: 'x'"),
+])
+def test_a_config_file_that_raises_is_a_config_error(tmp_path, capsys, body, says):
+    path = tmp_path / "broken.py"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=f"config file {path}") as e:
+        load_config(str(path))
+    assert says in str(e.value)
+    assert main([f"--config={path}"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and says in err and "Traceback" not in err
+
+
+def test_a_bad_variant_names_the_file():
+    with pytest.raises(ConfigError, match=r"arithmetic_tiny\.py.*unknown variant 'fast'"):
+        load_config(CONFIG + ":fast")
+
+
+def test_unwritable_workdir_fails_before_the_base_model(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    config = load_config(CONFIG, {"workdir": str(blocker / "run"), "base.dir": str(tmp_path / "base"),
+                                  "base.build_if_missing": "False"})
+    assert rl.run(config) == 2
+    err = capsys.readouterr().err
+    assert f"workdir {blocker / 'run'} cannot be written" in err and "base" not in err.split("written")[1]
+    assert not (tmp_path / "base").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_read_only_workdir_fails_before_the_base_model(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o500)
+    try:
+        config = load_config(CONFIG, {"workdir": str(run), "base.dir": str(tmp_path / "base"),
+                                      "base.build_if_missing": "False"})
+        assert rl.run(config) == 2
+        assert f"workdir {run} cannot be written" in capsys.readouterr().err
+    finally:
+        run.chmod(0o700)
