@@ -39,6 +39,11 @@ class RemoteError(RuntimeError):
         self.remote_message = message
 
 
+class TooManyConnections(ConnectionError):
+    """A server refused a connection because it already holds as many as its `max_connections` allows.
+    Nothing was called; trying again after other connections close may succeed."""
+
+
 def _type_name(cls: type) -> str:
     return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
@@ -57,6 +62,8 @@ def register_remote_error(cls: type[BaseException]) -> type[BaseException]:
 
 register_remote_error(wire.WireError)
 register_remote_error(wire.FrameTooLarge)
+register_remote_error(wire.FrameTimeout)
+register_remote_error(TooManyConnections)
 register_remote_error(UnknownVersionError)  # the services never import the transport: it registers theirs
 
 

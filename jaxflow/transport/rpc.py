@@ -45,6 +45,7 @@ import hmac
 import ipaddress
 import itertools
 import logging
+import math
 import select
 import socket
 import threading
@@ -54,17 +55,25 @@ from typing import Any
 from jaxflow.transport import wire
 from jaxflow.transport.errors import (
     RemoteError,
+    TooManyConnections,
     error_payload,
     exception_from_payload,
     register_remote_error,
 )
 
-__all__ = ["Client", "RemoteError", "Server", "check_bind", "is_loopback", "register_remote_error"]
+__all__ = ["Client", "RemoteError", "Server", "TooManyConnections", "check_bind", "is_loopback",
+           "register_remote_error"]
 
 logger = logging.getLogger(__name__)
 
 # The handshake is tiny; before a connection has authenticated it may not make the server buffer more.
 _HANDSHAKE_MAX_BYTES = 1 << 16
+
+# Server limits. A client's pooled connection that the server closed while idle is noticed and replaced
+# by the client before its next call, so the idle timeout costs a reconnect, never a call.
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+DEFAULT_FRAME_TIMEOUT_S = 120.0
+DEFAULT_MAX_CONNECTIONS = 512
 
 
 def is_loopback(host: str) -> bool:
@@ -101,14 +110,33 @@ class Server:
 
     host/port: where to listen (port 0 picks a free one; see `address`). token: a shared secret every
     connection must present first; required for any non-loopback host. max_frame_bytes: the largest
-    request accepted; a larger one gets an error and its connection is closed.
+    request accepted; a larger one gets an error and its connection is closed (a request's buffer grows
+    only as its bytes arrive).
+
+    Limits against slow, silent and greedy clients, each logged when it closes a connection:
+    idle_timeout_s: a connection that starts no request for this long after its last reply is closed
+    (a client reconnects by itself). frame_timeout_s: a request must arrive whole within this many
+    seconds of its first byte, and a connection with a token must send its handshake within this long of
+    connecting; else it is closed. max_connections: connections beyond this many are refused with an
+    error frame naming the cap (the client raises TooManyConnections). A call running in the served
+    object is not limited by these: a blocking call's duration is its own `timeout` argument's business.
     """
 
     def __init__(self, obj: Any, methods: Iterable[str], *, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
+                 token: str | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
         if isinstance(methods, str):
             raise TypeError("methods must be an iterable of method names, not a string")
         check_bind(host, token)
+        for name, value in (("idle_timeout_s", idle_timeout_s), ("frame_timeout_s", frame_timeout_s)):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        for name, value in (("max_connections", max_connections), ("max_frame_bytes", max_frame_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self._methods: dict[str, Any] = {}
         for name in methods:
             if not isinstance(name, str) or not name or name.startswith("_"):
@@ -122,6 +150,9 @@ class Server:
         self._port = port
         self._token = token.encode() if token is not None else None
         self._max_frame_bytes = max_frame_bytes
+        self._idle_timeout_s = float(idle_timeout_s)
+        self._frame_timeout_s = float(frame_timeout_s)
+        self._max_connections = max_connections
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()
@@ -195,10 +226,34 @@ class Server:
                 if self._closing:
                     conn.close()
                     return
-                self._connections.add(conn)
+                full = len(self._connections) >= self._max_connections
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                self._refuse_over_cap(conn, peer)
+                continue
             _set_nodelay(conn)
             threading.Thread(target=self._serve_connection, args=(conn, peer),
                              name=f"rpc-conn-{peer}", daemon=True).start()
+
+    def _refuse_over_cap(self, conn: socket.socket, peer: Any) -> None:
+        """Tells a connection over the cap why, without blocking the accept loop on it, and closes it."""
+        logger.warning("rpc: refusing connection from %s: already %d connections (max_connections=%d)",
+                       peer, self._max_connections, self._max_connections)
+        try:
+            conn.settimeout(0.5)
+            wire.send_message(conn, _error_response(None, TooManyConnections(
+                f"the server at {self.address[0]}:{self.address[1]} already has {self._max_connections} "
+                f"connections, its cap (max_connections={self._max_connections}); try again later")))
+            # FIN after the error, and take what the client already sent, so that closing does not reset
+            # the connection before the client has read why.
+            conn.shutdown(socket.SHUT_WR)
+            conn.setblocking(False)
+            conn.recv(_HANDSHAKE_MAX_BYTES)
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
         authenticated = self._token is None
@@ -207,12 +262,20 @@ class Server:
             while True:
                 limit = self._max_frame_bytes if authenticated else min(_HANDSHAKE_MAX_BYTES,
                                                                         self._max_frame_bytes)
+                idle = self._idle_timeout_s if authenticated else min(self._idle_timeout_s,
+                                                                      self._frame_timeout_s)
                 try:
-                    frame = wire.read_frame(conn, limit)
-                except wire.FrameTooLarge as exc:
-                    logger.warning("rpc: closing connection from %s: %s", peer, exc)
+                    frame = wire.read_frame(conn, limit, idle_timeout=idle, frame_timeout=self._frame_timeout_s)
+                except (wire.FrameTooLarge, wire.FrameTimeout) as exc:
+                    idle = isinstance(exc, wire.FrameTimeout) and exc.received is None
+                    logger.log(logging.INFO if idle else logging.WARNING,
+                               "rpc: closing connection from %s: %s", peer, exc)
+                    conn.settimeout(min(self._frame_timeout_s, 5.0))
                     wire.send_message(conn, _error_response(None, exc))
                     return
+                # A reply, like a request, must get through within the frame timeout: a client that
+                # stops reading cannot hold the thread either.
+                conn.settimeout(self._frame_timeout_s)
                 try:
                     message = wire.decode(frame)
                 except wire.WireError as exc:

@@ -21,7 +21,8 @@ buffer alive, so copy a small array out of a large message if it must outlive th
 Tuples decode as lists (msgpack has one sequence type). Dict keys may be str, int or bytes.
 
 Socket framing is independent of the message format: `write_frame` sends an 8-byte big-endian length
-and then the payload; `read_frame` reads one such frame into a fresh buffer.
+and then the payload; `read_frame` reads one such frame into a fresh buffer that grows as the bytes
+arrive, never ahead of them by more than 1 MiB, with optional idle and per-frame timeouts.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 import socket
 import struct
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -391,38 +393,106 @@ def write_frame(sock: socket.socket, payload: bytes | bytearray | memoryview | S
         _send_gathered(sock, [memoryview(length), *views])
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview) -> int:
-    """Fills `view` from `sock`; returns the bytes read, fewer only when the peer closed the connection."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return got
-        got += n
-    return got
+class FrameTimeout(TimeoutError):
+    """A frame did not arrive in time: no frame began within the idle timeout (`received` is None), or
+    a begun frame was not complete within the frame timeout (`received` of `size` bytes had come; `size`
+    is None when even the 8-byte length was incomplete). Either way the stream is out of step and the
+    connection must be closed.
+    """
+
+    def __init__(self, message: str, seconds: float, received: int | None = None, size: int | None = None):
+        super().__init__(message)
+        self.seconds = seconds
+        self.received = received
+        self.size = size
 
 
-def read_frame(sock: socket.socket, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytearray:
+# A frame's buffer grows by at most this many bytes ahead of the bytes received, so a length prefix alone
+# (up to the reader's limit) costs no memory until its body actually arrives.
+_GROW_BYTES = 1 << 20
+_ZEROS = memoryview(bytes(_GROW_BYTES))
+
+
+class _Deadline:
+    """Socket timeouts for one frame: `idle` seconds for its first byte, then `frame` seconds in all for
+    the rest (a deadline, so a peer dripping a byte at a time cannot hold the reader). Both None: the
+    socket's own timeout applies, unchanged."""
+
+    def __init__(self, sock: socket.socket, idle: float | None, frame: float | None):
+        self.sock = sock
+        self.idle = idle
+        self.frame = frame
+        self.active = idle is not None or frame is not None
+        self.deadline: float | None = None
+        if self.active:
+            sock.settimeout(idle)
+
+    def started(self) -> None:
+        if self.active and self.frame is not None:
+            self.deadline = time.monotonic() + self.frame
+
+    def recv_into(self, view: memoryview, got: int, size: int | None) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise self.stalled(got, size)
+            self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(view)
+        except TimeoutError:
+            if not self.active:
+                raise
+            if self.deadline is None:
+                raise FrameTimeout(f"no frame began within the idle timeout of {self.idle} s",
+                                   self.idle) from None
+            raise self.stalled(got, size) from None
+
+    def stalled(self, got: int, size: int | None) -> FrameTimeout:
+        of = f"{size} bytes" if size is not None else f"its {_FRAME_LENGTH.size}-byte length"
+        return FrameTimeout(f"a frame stalled: {got} of {of} arrived within the frame timeout of "
+                            f"{self.frame} s", self.frame, got, size)
+
+
+def read_frame(sock: socket.socket, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, *,
+               idle_timeout: float | None = None, frame_timeout: float | None = None) -> bytearray:
     """Reads one frame written by `write_frame` and returns its payload (a bytearray, so that its
     memory can be viewed without a copy).
 
+    The payload's buffer grows as its bytes arrive (at most 1 MiB ahead of them), so a peer that declares
+    a large frame and sends nothing costs nothing. idle_timeout: seconds to wait for a frame's first byte;
+    frame_timeout: seconds for the whole rest of the frame once begun; either raises FrameTimeout (both
+    None: the socket's own timeout, as it was set, applies to each receive and raises TimeoutError).
     Raises FrameTooLarge, before reading the body, when the declared length exceeds `max_bytes`;
-    ConnectionClosed when the peer closed between frames; ConnectionError when it closed mid-frame.
-    Socket timeouts propagate as TimeoutError and leave the stream out of step.
+    ConnectionClosed when the peer closed between frames; ConnectionError when it closed mid-frame. After
+    any of these errors the stream is out of step.
     """
+    reader = _Deadline(sock, idle_timeout, frame_timeout)
     head = bytearray(_FRAME_LENGTH.size)
-    got = _recv_exactly(sock, memoryview(head))
-    if got == 0:
-        raise ConnectionClosed("the peer closed the connection")
-    if got < len(head):
-        raise ConnectionError(f"connection closed after {got} of the {len(head)} bytes of a frame length")
+    got = 0
+    with memoryview(head) as view:
+        while got < len(head):
+            n = reader.recv_into(view[got:], got, None)
+            if n == 0:
+                if got == 0:
+                    raise ConnectionClosed("the peer closed the connection")
+                raise ConnectionError(f"connection closed after {got} of the {len(head)} bytes of a frame "
+                                      f"length")
+            if got == 0:
+                reader.started()
+            got += n
     (size,) = _FRAME_LENGTH.unpack(head)
     if size > max_bytes:
         raise FrameTooLarge(size, max_bytes)
-    body = bytearray(size)
-    got = _recv_exactly(sock, memoryview(body))
-    if got < size:
-        raise ConnectionError(f"connection closed after {got} of the {size} bytes of a frame")
+    body = bytearray()
+    got = 0
+    while got < size:
+        if got == len(body):
+            body += _ZEROS[:min(_GROW_BYTES, size - got)]
+        with memoryview(body) as view:
+            n = reader.recv_into(view[got:], got, size)
+        if n == 0:
+            raise ConnectionError(f"connection closed after {got} of the {size} bytes of a frame")
+        got += n
     return body
 
 
