@@ -229,26 +229,84 @@ def encode(obj: Any) -> bytes:
 
 # --- decoding ----------------------------------------------------------------------------------------
 
-def _unpack(data, ext_hook):
-    return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False, use_list=True)
+# Decoding limits. One msgpack byte can become a Python object of 56 to 72 bytes (an empty array or map),
+# and each level of nested records (msgpack extensions) is a copy of all it holds, so a few MB of hostile
+# header could cost hundreds of MB or more. What decoding builds is therefore charged against a budget
+# proportional to the header: the containers (arrays, maps) at their Python size, the extension payloads
+# while they are decoded, the inline arrays' bytes. Ordinary messages (lists of token ids, log-probs,
+# records) cost 1 to 4 bytes per header byte by this count.
+DECODE_BASE_BYTES = 1 << 20
+DECODE_BYTES_PER_HEADER_BYTE = 8
+
+
+def _check_complete(data) -> None:
+    """Walks `data` without building anything and raises WireError unless it is exactly one complete
+    msgpack object.
+
+    msgpack allocates an array's item slots when it reads the array's length, before the items: a header
+    of nested arrays each declaring millions of items it does not hold would cost memory in proportion to
+    the declared lengths times the depth. In a complete object every declared item takes at least a byte
+    that follows, so once this check passes those allocations are bounded by the data's size."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    try:
+        unpacker.skip()
+    except msgpack.OutOfData:
+        raise WireError(f"incomplete msgpack data: its {len(data)} bytes end inside an object that "
+                        f"declares more") from None
+    except (ValueError, TypeError) as exc:
+        raise WireError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
+    if unpacker.tell() != len(data):
+        raise WireError(f"{len(data) - unpacker.tell()} bytes of extra data after the msgpack object")
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise WireError(f"msgpack extension type {code} inside an inline array")
 
 
 class _Decoder:
-    """Unpacks one message whose tensor region lies in `buffer` from `region_start` on."""
+    """Unpacks one message whose tensor region lies in `buffer` from `region_start` on, within a budget
+    proportional to its `header_bytes` (see DECODE_BYTES_PER_HEADER_BYTE)."""
 
-    def __init__(self, buffer, region_start: int, region_bytes: int):
+    def __init__(self, buffer, region_start: int, region_bytes: int, header_bytes: int):
         self.buffer = buffer
         self.region_start = region_start
         self.region_bytes = region_bytes
+        self.header_bytes = header_bytes
+        self.budget = DECODE_BASE_BYTES + DECODE_BYTES_PER_HEADER_BYTE * header_bytes
+        self.spent = 0
+
+    def _charge(self, nbytes: int) -> None:
+        self.spent += nbytes
+        if self.spent > self.budget:
+            raise WireError(
+                f"message too costly to decode: its {self.header_bytes}-byte header would build more than "
+                f"{self.budget} bytes of objects (the limit is {DECODE_BASE_BYTES} + "
+                f"{DECODE_BYTES_PER_HEADER_BYTE} x the header bytes)")
+
+    def _container(self, value: Any) -> Any:
+        self._charge(sys.getsizeof(value))
+        return value
+
+    def unpack(self, data, ext_hook=None) -> Any:
+        _check_complete(data)
+        return msgpack.unpackb(data, ext_hook=ext_hook or _no_ext, list_hook=self._container,
+                               object_hook=self._container, raw=False, strict_map_key=False,
+                               use_list=True)
 
     def ext_hook(self, code: int, data: bytes) -> Any:
-        if code == _EXT_ARRAY_INLINE:
-            return self._inline_array(data)
-        if code == _EXT_ARRAY_REF:
-            return self._region_array(data)
-        if code == _EXT_DATACLASS:
-            return self._dataclass(data)
-        raise WireError(f"unknown msgpack extension type {code}")
+        # The payload is a copy that lives while it is decoded, nested ones inside it included.
+        self._charge(len(data))
+        try:
+            if code == _EXT_ARRAY_INLINE:
+                return self._inline_array(data)
+            if code == _EXT_ARRAY_REF:
+                return self._region_array(data)
+            if code == _EXT_DATACLASS:
+                return self._dataclass(data)
+            raise WireError(f"unknown msgpack extension type {code}")
+        finally:
+            self.spent -= len(data)
 
     @staticmethod
     def _dtype_and_shape(name: Any, shape: Any) -> tuple[np.dtype, tuple[int, ...], int]:
@@ -261,9 +319,10 @@ class _Decoder:
         return dtype, tuple(shape), math.prod(shape) * dtype.itemsize
 
     def _inline_array(self, data: bytes) -> np.ndarray | np.generic:
-        fields = _unpack(data, None)
+        fields = self.unpack(data)
         if not (isinstance(fields, list) and len(fields) == 3 and isinstance(fields[2], bytes)):
             raise WireError("malformed inline array")
+        self._charge(len(fields[2]))
         name, shape, raw = fields
         scalar = shape is None
         dtype, shape, nbytes = self._dtype_and_shape(name, [] if scalar else shape)
@@ -274,7 +333,7 @@ class _Decoder:
         return arr[()] if scalar else arr
 
     def _region_array(self, data: bytes) -> np.ndarray:
-        fields = _unpack(data, None)
+        fields = self.unpack(data)
         if not (isinstance(fields, list) and len(fields) == 4):
             raise WireError("malformed array reference")
         name, shape, offset, count = fields
@@ -290,7 +349,7 @@ class _Decoder:
         return arr
 
     def _dataclass(self, data: bytes) -> Any:
-        fields = _unpack(data, self.ext_hook)
+        fields = self.unpack(data, self.ext_hook)
         if not (isinstance(fields, list) and len(fields) == 2 and isinstance(fields[1], dict)):
             raise WireError("malformed dataclass record")
         name, values = fields
@@ -318,7 +377,8 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
 
     Arrays come back as read-only views into `data` (see the module docstring). Raises WireError for
     anything that is not a valid message: a bad prefix, truncation, an unknown dtype or an unregistered
-    type name; no bytes are ever interpreted as code.
+    type name, or a header that would build more than DECODE_BASE_BYTES + DECODE_BYTES_PER_HEADER_BYTE x
+    its size in objects; no bytes are ever interpreted as code.
     """
     view = memoryview(data)
     if view.format != "B" or view.ndim != 1:
@@ -333,9 +393,9 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
     if len(view) != region_start + region_bytes:
         raise WireError(f"message is {len(view)} bytes but its prefix declares "
                         f"{region_start + region_bytes} (header {header_bytes}, tensors {region_bytes})")
-    decoder = _Decoder(view, region_start, region_bytes)
+    decoder = _Decoder(view, region_start, region_bytes, header_bytes)
     try:
-        return _unpack(view[_PREFIX.size:header_end], decoder.ext_hook)
+        return decoder.unpack(view[_PREFIX.size:header_end], decoder.ext_hook)
     except WireError:
         raise
     except (TypeError, ValueError, RecursionError) as exc:
