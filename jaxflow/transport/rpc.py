@@ -299,6 +299,9 @@ class Server:
                 self._send_response(conn, *self._handle(message))
         except wire.ConnectionClosed:
             pass
+        except TimeoutError:  # FrameTimeout is handled above: this is a reply the client did not take
+            logger.warning("rpc: closing connection from %s: a reply was not taken within the frame timeout "
+                           "of %s s", peer, self._frame_timeout_s)
         except OSError as exc:  # ConnectionError, TimeoutError, a socket shut down by close()
             if not self._closing:
                 logger.warning("rpc: connection from %s failed: %s", peer, exc)

@@ -149,6 +149,26 @@ def test_a_frame_stalled_or_dripped_is_closed_after_the_frame_timeout(caplog):
     assert any("frame" in r.getMessage() and "0.5" in r.getMessage() for r in caplog.records)
 
 
+def test_a_client_that_stops_reading_its_reply_is_closed_after_the_frame_timeout(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxflow.transport.rpc"):
+        with _serve(idle_timeout_s=30, frame_timeout_s=0.5) as srv:
+            with _raw(srv) as raw:
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                wire.send_message(raw, {"id": 1, "method": "echo", "args": [b"x" * (64 * MB)], "kwargs": {}})
+                assert _wait_until(lambda: _connection_threads() == 0), "the reply blocked its thread for ever"
+    assert any("reply was not taken" in r.getMessage() for r in caplog.records)
+
+
+def test_a_connection_with_a_token_must_send_its_handshake_within_the_frame_timeout():
+    with rpc.Server(Echo(), ["add"], token="s3cret", idle_timeout_s=30, frame_timeout_s=0.3).start() as srv:
+        with _raw(srv) as raw:
+            reply = wire.recv_message(raw)  # sent nothing: told why, then closed
+            assert reply["ok"] is False and "idle timeout of 0.3 s" in reply["error"]["message"]
+            assert _closed_by_server(raw)
+        with rpc.Client(srv.address, token="s3cret", timeout=10) as cli:
+            assert cli.add(1, 2) == 3
+
+
 def test_the_number_of_connections_is_capped():
     with _serve(max_connections=2) as srv:
         first, second = rpc.Client(srv.address, timeout=10), rpc.Client(srv.address, timeout=10)
