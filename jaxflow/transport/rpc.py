@@ -52,6 +52,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from jaxflow.data.timeouts import check_timeout
 from jaxflow.transport import wire
 from jaxflow.transport.errors import (
     RemoteError,
@@ -375,10 +376,12 @@ class Client:
     def __init__(self, address: tuple[str, int] | list | str, *, token: str | None = None,
                  timeout: float | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
                  max_idle: int = 4):
-        if isinstance(address, str):
-            host, _, port = address.rpartition(":")
-            address = (host.strip("[]"), int(port))
-        self._address = (str(address[0]), int(address[1]))
+        self._address = _parse_address(address)
+        if timeout is not None and (check_timeout(timeout, "timeout") is None or timeout <= 0):
+            raise ValueError(f"timeout must be a finite number of seconds > 0 or None, got {timeout!r}")
+        for name, value, low in (("max_frame_bytes", max_frame_bytes, 1), ("max_idle", max_idle, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self._token = token
         self._timeout = timeout
         self._max_frame_bytes = max_frame_bytes
@@ -505,6 +508,24 @@ class Client:
             return wire.recv_message(conn, self._max_frame_bytes)
         except (OSError, wire.WireError):
             return None
+
+
+def _parse_address(address: Any) -> tuple[str, int]:
+    """(host, port) from a (host, port) pair or a "host:port" string; ValueError naming the address."""
+    try:
+        if isinstance(address, str):
+            host, sep, port = address.rpartition(":")
+            if not sep or not host:
+                raise ValueError("no host:port")
+            address = (host.strip("[]"), port)
+        host, port = address
+        port = int(port)
+        if not isinstance(host, str) or not host or not 0 < port < 65536:
+            raise ValueError("host must be a non-empty str and port in 1..65535")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"invalid server address {address!r}: expected (host, port) or 'host:port' "
+                         f"({exc})") from None
+    return host, port
 
 
 def _looks_closed(conn: socket.socket) -> bool:

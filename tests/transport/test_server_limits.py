@@ -336,3 +336,16 @@ def test_a_nan_timeout_over_rpc_fails_fast_and_leaves_no_thread_behind():
             assert isinstance(exc, ValueError) and "timeout" in str(exc), repr(exc)
             assert cli.stats()["counts"]["consumed"] == 0
         assert _wait_until(lambda: _connection_threads() == 0), "a server thread outlived its client"
+
+
+def test_client_settings_are_validated_before_connecting():
+    with _serve() as srv:
+        for kw, match in (({"timeout": math.nan}, "timeout"), ({"timeout": -1}, "timeout"),
+                          ({"timeout": math.inf}, "timeout"), ({"max_idle": -1}, "max_idle"),
+                          ({"max_frame_bytes": 0}, "max_frame_bytes")):
+            with pytest.raises(ValueError, match=match):
+                rpc.Client(srv.address, **kw)
+        with pytest.raises(ValueError, match="address"):
+            rpc.Client("no-port-here")
+        with rpc.Client(f"127.0.0.1:{srv.address[1]}", timeout=10) as cli:
+            assert cli.add(1, 1) == 2
