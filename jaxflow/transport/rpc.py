@@ -62,8 +62,8 @@ from jaxflow.transport.errors import (
     register_remote_error,
 )
 
-__all__ = ["Client", "RemoteError", "Server", "TooManyConnections", "check_bind", "is_loopback",
-           "register_remote_error"]
+__all__ = ["Client", "RemoteError", "Server", "TooManyConnections", "check_bind", "check_limits",
+           "is_loopback", "register_remote_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,21 @@ def check_bind(host: str, token: str | None) -> None:
     if token is None and not is_loopback(host):
         raise ValueError(f"refusing to serve on non-loopback address {host!r} without a token: "
                          f"pass token=... (clients then need the same token)")
+
+
+def check_limits(**limits: Any) -> None:
+    """Raises ValueError naming the first bad one of a Server's limits: the `*_timeout_s` must be finite
+    numbers of seconds > 0, `max_connections` and `max_frame_bytes` ints >= 1."""
+    for name, value in limits.items():
+        if name.endswith("_timeout_s"):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        elif name in ("max_connections", "max_frame_bytes"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        else:
+            raise TypeError(f"unknown server limit {name!r}")
 
 
 def _set_nodelay(sock: socket.socket) -> None:
@@ -131,13 +146,8 @@ class Server:
         if isinstance(methods, str):
             raise TypeError("methods must be an iterable of method names, not a string")
         check_bind(host, token)
-        for name, value in (("idle_timeout_s", idle_timeout_s), ("frame_timeout_s", frame_timeout_s)):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value <= 0):
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-        for name, value in (("max_connections", max_connections), ("max_frame_bytes", max_frame_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_limits(max_frame_bytes=max_frame_bytes, idle_timeout_s=idle_timeout_s,
+                     frame_timeout_s=frame_timeout_s, max_connections=max_connections)
         self._methods: dict[str, Any] = {}
         for name in methods:
             if not isinstance(name, str) or not name or name.startswith("_"):

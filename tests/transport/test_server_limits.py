@@ -349,3 +349,20 @@ def test_client_settings_are_validated_before_connecting():
             rpc.Client("no-port-here")
         with rpc.Client(f"127.0.0.1:{srv.address[1]}", timeout=10) as cli:
             assert cli.add(1, 1) == 2
+
+
+def test_serve_in_subprocess_checks_and_applies_the_limits():
+    from jaxflow.transport import process_server
+    factory = "test_rpc:make_toy"  # tests/transport is on sys.path, which the child inherits
+    for kw, match in (({"max_connections": 0}, "max_connections"), ({"idle_timeout_s": math.nan}, "idle_timeout_s"),
+                      ({"start_timeout": math.nan}, "start_timeout"), ({"start_timeout": -1}, "start_timeout")):
+        exc = _raised_within(lambda: process_server.serve_in_subprocess(factory, {"scale": 1}, ["add"], **kw))
+        assert isinstance(exc, ValueError) and match in str(exc), repr(exc)
+    process, address = process_server.serve_in_subprocess(factory, {"scale": 2}, ["add"], max_connections=1)
+    try:
+        with rpc.Client(address, timeout=10) as cli:
+            assert cli.add(1, 2) == 6
+            with pytest.raises(rpc.TooManyConnections, match="max_connections=1"):
+                rpc.Client(address, timeout=10)
+    finally:
+        process_server.stop_subprocess(process)
