@@ -34,6 +34,12 @@ Protocol, one frame per message:
   Errors that concern the connection rather than a request (bad token, oversized frame, undecodable
   frame) carry "id": None.
 
+Limits (see `Server`): a frame's buffer grows only as its bytes arrive, up to max_frame_bytes; a
+connection idle between requests for idle_timeout_s, or slower than frame_timeout_s to send a request
+or take a reply, is closed (the error frame says which); connections beyond max_connections are refused
+with an error frame naming the cap; decoding a frame may build at most a fixed multiple of its header
+size in objects (`jaxflow.transport.wire`).
+
 The server runs one thread per connection, so a call that blocks (a trainer's `consume(timeout=30)`) holds
 up only its own connection; the served object is therefore called from several threads at once and must
 be thread-safe, as it must be when embedded in a multi-threaded process.
