@@ -81,6 +81,9 @@ _HANDSHAKE_MAX_BYTES = 1 << 16
 DEFAULT_IDLE_TIMEOUT_S = 300.0
 DEFAULT_FRAME_TIMEOUT_S = 120.0
 DEFAULT_MAX_CONNECTIONS = 512
+# A connection that must authenticate sends its handshake at once; one that does not within this long
+# (or the idle / frame timeout, if shorter) is closed, so unauthenticated peers cannot sit on the cap.
+_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 def is_loopback(host: str) -> bool:
@@ -138,8 +141,8 @@ class Server:
     Limits against slow, silent and greedy clients, each logged when it closes a connection:
     idle_timeout_s: a connection that starts no request for this long after its last reply is closed
     (a client reconnects by itself). frame_timeout_s: a request must arrive whole within this many
-    seconds of its first byte, and a connection with a token must send its handshake within this long of
-    connecting; else it is closed. max_connections: connections beyond this many are refused with an
+    seconds of its first byte, and a connection with a token must send its handshake within this long
+    (at most 10 s) of connecting; else it is closed. max_connections: connections beyond this many are refused with an
     error frame naming the cap (the client raises TooManyConnections). A call running in the served
     object is not limited by these: a blocking call's duration is its own `timeout` argument's business.
     """
@@ -279,8 +282,8 @@ class Server:
             while True:
                 limit = self._max_frame_bytes if authenticated else min(_HANDSHAKE_MAX_BYTES,
                                                                         self._max_frame_bytes)
-                idle = self._idle_timeout_s if authenticated else min(self._idle_timeout_s,
-                                                                      self._frame_timeout_s)
+                idle = self._idle_timeout_s if authenticated else min(
+                    self._idle_timeout_s, self._frame_timeout_s, _HANDSHAKE_TIMEOUT_S)
                 try:
                     frame = wire.read_frame(conn, limit, idle_timeout=idle, frame_timeout=self._frame_timeout_s)
                 except (wire.FrameTooLarge, wire.FrameTimeout) as exc:
