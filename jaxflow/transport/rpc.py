@@ -390,6 +390,8 @@ class Client:
     limit), so it must exceed the longest blocking call made through this client.
 
     Calls are not retried: after a ConnectionError or a timeout the remote call may or may not have run.
+    The one exception is a pooled connection the server closed for idleness just as a call took it: the
+    server's notice proves the request was never read, and the call is sent again on a new connection.
     """
 
     def __init__(self, address: tuple[str, int] | list | str, *, token: str | None = None,
@@ -426,7 +428,20 @@ class Client:
         """Calls `method(*args, **kwargs)` on the served object and returns its result."""
         req_id = next(self._ids)
         parts = wire.encode_parts({"id": req_id, "method": method, "args": list(args), "kwargs": kwargs})
-        conn = self._acquire()
+        while True:
+            conn, reused = self._acquire()
+            response = self._exchange(conn, parts, req_id)
+            if reused and _closed_while_idle(response):
+                # The server closed this pooled connection for idleness before reading the request (its
+                # error frame says so), so the request never ran: send it on a fresh connection.
+                continue
+            break
+        if response.get("ok"):
+            return response.get("result")
+        raise exception_from_payload(response.get("error"))
+
+    def _exchange(self, conn: socket.socket, parts: list, req_id: int) -> dict[str, Any]:
+        """Sends one request on `conn` and returns the response; keeps `conn` for reuse or closes it."""
         try:
             try:
                 wire.write_frame(conn, parts)
@@ -448,9 +463,7 @@ class Client:
             conn.close()  # an error about the connection itself: the server has closed it
         else:
             self._release(conn)
-        if response.get("ok"):
-            return response.get("result")
-        raise exception_from_payload(response.get("error"))
+        return response
 
     def close(self) -> None:
         """Closes idle connections; connections in use close when their call returns."""
@@ -502,16 +515,17 @@ class Client:
         self._methods = frozenset(reply["methods"])
         return conn
 
-    def _acquire(self) -> socket.socket:
+    def _acquire(self) -> tuple[socket.socket, bool]:
+        """(a connection, whether it was reused from the pool)."""
         while True:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("the client is closed")
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return self._connect()
+                return self._connect(), False
             if not _looks_closed(conn):
-                return conn
+                return conn, True
             conn.close()
 
     def _release(self, conn: socket.socket) -> None:
@@ -545,6 +559,15 @@ def _parse_address(address: Any) -> tuple[str, int]:
         raise ValueError(f"invalid server address {address!r}: expected (host, port) or 'host:port' "
                          f"({exc})") from None
     return host, port
+
+
+def _closed_while_idle(response: dict[str, Any]) -> bool:
+    """Whether `response` is a server's notice that it closed the connection for idleness, sent only when
+    no byte of a next request had arrived."""
+    error = response.get("error")
+    return (response.get("id") is None and not response.get("ok") and isinstance(error, dict)
+            and str(error.get("type", "")).endswith("FrameTimeout")
+            and isinstance(error.get("attrs"), dict) and error["attrs"].get("received", 0) is None)
 
 
 def _looks_closed(conn: socket.socket) -> bool:

@@ -366,3 +366,13 @@ def test_serve_in_subprocess_checks_and_applies_the_limits():
                 rpc.Client(address, timeout=10)
     finally:
         process_server.stop_subprocess(process)
+
+
+def test_a_call_racing_the_idle_close_of_its_pooled_connection_is_sent_again(monkeypatch):
+    # The client checks a pooled connection before reusing it, but the server may close it for idleness
+    # just after. The server's idle error frame proves the request was never read, so it is safe to resend.
+    with _serve(idle_timeout_s=0.2, frame_timeout_s=5) as srv, rpc.Client(srv.address, timeout=10) as cli:
+        assert cli.add(1, 1) == 2
+        assert _wait_until(lambda: _connection_threads() == 0)  # the server closed the pooled connection
+        monkeypatch.setattr(rpc, "_looks_closed", lambda conn: False)  # as if it closed just after the check
+        assert cli.add(2, 3) == 5
