@@ -74,6 +74,7 @@ def serve_in_subprocess(factory: str, kwargs: dict[str, Any], methods: Iterable[
                         idle_timeout_s: float = rpc.DEFAULT_IDLE_TIMEOUT_S,
                         frame_timeout_s: float = rpc.DEFAULT_FRAME_TIMEOUT_S,
                         max_connections: int = rpc.DEFAULT_MAX_CONNECTIONS,
+                        max_pending_bytes: int = rpc.DEFAULT_MAX_PENDING_BYTES,
                         ) -> tuple[multiprocessing.process.BaseProcess, tuple[str, int]]:
     """Serves `factory(**kwargs)` from a new Python process ("spawn", so no state is inherited).
 
@@ -81,7 +82,7 @@ def serve_in_subprocess(factory: str, kwargs: dict[str, Any], methods: Iterable[
     Returns (process, (host, port)) once the server listens. If the factory or the server fails, raises
     that error (mapped like a remote call's) with the child's traceback in `remote_traceback`; if the child
     reports nothing within `start_timeout` seconds, TimeoutError. max_frame_bytes, idle_timeout_s,
-    frame_timeout_s and max_connections are the server's limits (see `jaxflow.transport.rpc.Server`);
+    frame_timeout_s, max_connections and max_pending_bytes are the server's limits (see `jaxflow.transport.rpc.Server`);
     they and start_timeout are checked before the process starts. Stop it with `stop_subprocess`, which
     closes the server and then calls the object's `close()` if it has one. Processes still running at
     interpreter exit are stopped, and a server whose parent died stops by itself.
@@ -93,7 +94,8 @@ def serve_in_subprocess(factory: str, kwargs: dict[str, Any], methods: Iterable[
         raise TypeError("methods must be an iterable of method names, not a string")
     check_bind(host, token)
     limits = {"max_frame_bytes": max_frame_bytes, "idle_timeout_s": idle_timeout_s,
-              "frame_timeout_s": frame_timeout_s, "max_connections": max_connections}
+              "frame_timeout_s": frame_timeout_s, "max_connections": max_connections,
+              "max_pending_bytes": max_pending_bytes}
     rpc.check_limits(**limits)
     if check_timeout(start_timeout, "start_timeout") is None:
         raise ValueError("start_timeout must be a finite number of seconds >= 0, got None")

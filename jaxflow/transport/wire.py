@@ -33,7 +33,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import ml_dtypes
@@ -514,7 +514,8 @@ class _Deadline:
 
 
 def read_frame(sock: socket.socket, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, *,
-               idle_timeout: float | None = None, frame_timeout: float | None = None) -> bytearray:
+               idle_timeout: float | None = None, frame_timeout: float | None = None,
+               reserve: Callable[[int], None] | None = None) -> bytearray:
     """Reads one frame written by `write_frame` and returns its payload (a bytearray, so that its
     memory can be viewed without a copy).
 
@@ -522,6 +523,8 @@ def read_frame(sock: socket.socket, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, *,
     a large frame and sends nothing costs nothing. idle_timeout: seconds to wait for a frame's first byte;
     frame_timeout: seconds for the whole rest of the frame once begun; either raises FrameTimeout (both
     None: the socket's own timeout, as it was set, applies to each receive and raises TimeoutError).
+    reserve: called with the number of bytes before each growth of the buffer; what it raises propagates
+    (a server's budget for all the requests it is reading).
     Raises FrameTooLarge, before reading the body, when the declared length exceeds `max_bytes`;
     ConnectionClosed when the peer closed between frames; ConnectionError when it closed mid-frame. After
     any of these errors the stream is out of step.
@@ -547,7 +550,10 @@ def read_frame(sock: socket.socket, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, *,
     got = 0
     while got < size:
         if got == len(body):
-            body += _ZEROS[:min(_GROW_BYTES, size - got)]
+            grow = min(_GROW_BYTES, size - got)
+            if reserve is not None:
+                reserve(grow)
+            body += _ZEROS[:grow]
         with memoryview(body) as view:
             n = reader.recv_into(view[got:], got, size)
         if n == 0:

@@ -15,6 +15,7 @@ import pytest
 from jaxflow.data.param_service import ParameterService
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.trajectory_service import TrajectoryService
+from jaxflow.transport import client as rpc_client
 from jaxflow.transport import rpc, wire
 
 MB = 1 << 20
@@ -374,5 +375,28 @@ def test_a_call_racing_the_idle_close_of_its_pooled_connection_is_sent_again(mon
     with _serve(idle_timeout_s=0.2, frame_timeout_s=5) as srv, rpc.Client(srv.address, timeout=10) as cli:
         assert cli.add(1, 1) == 2
         assert _wait_until(lambda: _connection_threads() == 0)  # the server closed the pooled connection
-        monkeypatch.setattr(rpc, "_looks_closed", lambda conn: False)  # as if it closed just after the check
+        monkeypatch.setattr(rpc_client, "_looks_closed", lambda conn: False)  # as if it closed just after the check
         assert cli.add(2, 3) == 5
+
+
+def test_the_bytes_of_requests_being_read_are_capped_across_connections():
+    request = wire.encode({"id": 1, "method": "echo", "args": [b"x" * (6 * MB)], "kwargs": {}})
+    frame = struct.pack("!Q", len(request)) + request
+    with _serve(max_pending_bytes=8 * MB) as srv, _raw(srv) as first:
+        first.sendall(frame[:5 * MB])
+        assert _wait_until(lambda: srv.pending_bytes == 5 * MB)  # five 1 MiB growths, the sixth not yet
+        with _raw(srv) as second:
+            try:
+                second.sendall(frame)
+            except OSError:
+                pass  # refused while still sending
+            reply = wire.recv_message(second)
+            assert reply["ok"] is False and reply["error"]["type"].endswith("ServerBusy")
+            assert "max_pending_bytes=8388608" in reply["error"]["message"]
+        first.sendall(frame[5 * MB:])
+        assert wire.recv_message(first)["result"] == b"x" * (6 * MB)
+        assert _wait_until(lambda: srv.pending_bytes == 0)
+        wire.write_frame(first, request)  # the budget is back
+        assert wire.recv_message(first)["ok"] is True
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        rpc.Server(Echo(), ["echo"], max_pending_bytes=0)
