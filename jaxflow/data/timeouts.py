@@ -21,8 +21,10 @@ def check_timeout(timeout: object, what: str = "timeout") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, Real):
-        raise TypeError(f"{what} must be a number of seconds or None, got {type(timeout).__name__} {timeout!r}")
+        raise TypeError(f"{what} must be a number of seconds or None, got {type(timeout).__name__} "
+                        f"{timeout!r}")
     seconds = float(timeout)
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what} must be a finite number of seconds >= 0 or None (no limit), got {timeout!r}")
+        raise ValueError(f"{what} must be a finite number of seconds >= 0 or None (no limit), "
+                         f"got {timeout!r}")
     return seconds

@@ -1,5 +1,5 @@
-"""The client side of `jaxflow.transport.rpc`: `Client` stands in for an object a `jaxflow.transport.rpc.Server`
-serves, over a pool of connections.
+"""The client side of `jaxflow.transport.rpc`: `Client` stands in for an object that a
+`jaxflow.transport.rpc.Server` serves, over a pool of connections.
 
 It lives apart from the server only to keep each module short; import it from either module.
 """

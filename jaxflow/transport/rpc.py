@@ -66,8 +66,8 @@ from jaxflow.transport.errors import (
     register_remote_error,
 )
 
-__all__ = ["Client", "RemoteError", "Server", "ServerBusy", "TooManyConnections", "check_bind", "check_limits",
-           "is_loopback", "register_remote_error"]
+__all__ = ["Client", "RemoteError", "Server", "ServerBusy", "TooManyConnections", "check_bind",
+           "check_limits", "is_loopback", "register_remote_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def check_bind(host: str, token: str | None) -> None:
 
 def check_limits(**limits: Any) -> None:
     """Raises ValueError naming the first bad one of a Server's limits: the `*_timeout_s` must be finite
-    numbers of seconds > 0, `max_connections` and `max_frame_bytes` ints >= 1."""
+    numbers of seconds > 0; `max_connections`, `max_frame_bytes` and `max_pending_bytes` ints >= 1."""
     for name, value in limits.items():
         if name.endswith("_timeout_s"):
             if (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -134,12 +134,13 @@ class Server:
     Limits against slow, silent and greedy clients, each logged when it closes a connection:
     idle_timeout_s: a connection that starts no request for this long after its last reply is closed
     (a client reconnects by itself). frame_timeout_s: a request must arrive whole within this many
-    seconds of its first byte, and a connection with a token must send its handshake within this long
-    (at most 10 s) of connecting; else it is closed. max_connections: connections beyond this many are refused with an
-    error frame naming the cap (the client raises TooManyConnections). max_pending_bytes: the bytes that
-    all requests being read or handled may hold together; a request that would take more is refused with
-    an error frame naming the cap and its connection closed (the client raises ServerBusy). A call running in the served
-    object is not limited by these: a blocking call's duration is its own `timeout` argument's business.
+    seconds of its first byte, and a reply be taken within as long; a connection with a token must send
+    its handshake within this long (at most 10 s) of connecting; else it is closed. max_connections:
+    connections beyond this many are refused with an error frame naming the cap (the client raises
+    TooManyConnections). max_pending_bytes: the bytes that all requests being read or handled may hold
+    together; a request that would take more is refused with an error frame naming the cap and its
+    connection closed (the client raises ServerBusy). A call running in the served object is not limited
+    by these: a blocking call's duration is its own `timeout` argument's business.
     """
 
     def __init__(self, obj: Any, methods: Iterable[str], *, host: str = "127.0.0.1", port: int = 0,
@@ -307,14 +308,15 @@ class Server:
         reserve, release = self._budget()
         try:
             while True:
-                release()  # the previous request and its reply are done with
+                frame = message = None  # the previous request and its reply are done with
+                release()
                 limit = self._max_frame_bytes if authenticated else min(_HANDSHAKE_MAX_BYTES,
                                                                         self._max_frame_bytes)
                 idle = self._idle_timeout_s if authenticated else min(
                     self._idle_timeout_s, self._frame_timeout_s, _HANDSHAKE_TIMEOUT_S)
                 try:
-                    frame = wire.read_frame(conn, limit, idle_timeout=idle, frame_timeout=self._frame_timeout_s,
-                                            reserve=reserve)
+                    frame = wire.read_frame(conn, limit, idle_timeout=idle,
+                                            frame_timeout=self._frame_timeout_s, reserve=reserve)
                 except (wire.FrameTooLarge, wire.FrameTimeout, ServerBusy) as exc:
                     release()
                     idle = isinstance(exc, wire.FrameTimeout) and exc.received is None

@@ -156,7 +156,7 @@ def test_a_client_that_stops_reading_its_reply_is_closed_after_the_frame_timeout
             with _raw(srv) as raw:
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 wire.send_message(raw, {"id": 1, "method": "echo", "args": [b"x" * (64 * MB)], "kwargs": {}})
-                assert _wait_until(lambda: _connection_threads() == 0), "the reply blocked its thread for ever"
+                assert _wait_until(lambda: _connection_threads() == 0), "the reply held its thread for ever"
     assert any("reply was not taken" in r.getMessage() for r in caplog.records)
 
 
@@ -236,7 +236,8 @@ def test_nested_records_do_not_copy_their_payload_per_level():
     # Registered dataclasses nest as msgpack extensions, and each level's payload is a copy of all it holds.
     inner = msgpack.packb(b"\0" * 3_000_000, use_bin_type=True)
     for _ in range(150):
-        fields = b"\x92" + msgpack.packb("jaxflow.data.records.Sample") + b"\x81" + msgpack.packb("tokens") + inner
+        name, key = msgpack.packb("jaxflow.data.records.Sample"), msgpack.packb("tokens")
+        fields = b"\x92" + name + b"\x81" + key + inner
         inner = msgpack.packb(msgpack.ExtType(3, fields))
     result, peak = _decode_peak(_message_with_header(inner))
     assert peak < 50 * MB, f"decoding {len(inner) / MB:.1f} MiB of nested records cost {peak / MB:.0f} MiB"
@@ -355,7 +356,8 @@ def test_client_settings_are_validated_before_connecting():
 def test_serve_in_subprocess_checks_and_applies_the_limits():
     from jaxflow.transport import process_server
     factory = "test_rpc:make_toy"  # tests/transport is on sys.path, which the child inherits
-    for kw, match in (({"max_connections": 0}, "max_connections"), ({"idle_timeout_s": math.nan}, "idle_timeout_s"),
+    for kw, match in (({"max_connections": 0}, "max_connections"),
+                      ({"idle_timeout_s": math.nan}, "idle_timeout_s"),
                       ({"start_timeout": math.nan}, "start_timeout"), ({"start_timeout": -1}, "start_timeout")):
         exc = _raised_within(lambda: process_server.serve_in_subprocess(factory, {"scale": 1}, ["add"], **kw))
         assert isinstance(exc, ValueError) and match in str(exc), repr(exc)
@@ -375,7 +377,8 @@ def test_a_call_racing_the_idle_close_of_its_pooled_connection_is_sent_again(mon
     with _serve(idle_timeout_s=0.2, frame_timeout_s=5) as srv, rpc.Client(srv.address, timeout=10) as cli:
         assert cli.add(1, 1) == 2
         assert _wait_until(lambda: _connection_threads() == 0)  # the server closed the pooled connection
-        monkeypatch.setattr(rpc_client, "_looks_closed", lambda conn: False)  # as if it closed just after the check
+        # As if the server closed it just after the client's check:
+        monkeypatch.setattr(rpc_client, "_looks_closed", lambda conn: False)
         assert cli.add(2, 3) == 5
 
 
