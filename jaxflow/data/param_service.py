@@ -78,6 +78,7 @@ from jaxflow.data.param_storage import (
     _unlink_all,
     _views,
 )
+from jaxflow.data.timeouts import check_timeout
 
 __all__ = ["ALIGNMENT", "DEFAULT_CHUNK_BYTES", "DTYPES", "RPC_METHODS", "ParameterService", "UnknownVersionError"]
 
@@ -394,6 +395,7 @@ class ParameterService:
     def poll_version(self, min_version: int, timeout: float | None = None) -> int | None:
         """wait_for_version that returns None on timeout instead of raising: the form a remote client
         calls, in slices shorter than its RPC deadline."""
+        timeout = check_timeout(timeout)
         with self._lock:
             self._lock.wait_for(lambda: self._closed or (self._latest is not None
                                                           and self._latest >= min_version), timeout)

@@ -36,6 +36,7 @@ from typing import Any
 
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, Sample
+from jaxflow.data.timeouts import check_timeout
 
 BATCH_RULES = ("full", "ready_with_capacity")
 _DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them are ignored
@@ -419,6 +420,7 @@ class TrajectoryService:
         A STUCK buffer (nothing more can arrive) is handed over with what it holds, possibly nothing:
         the end of the data. Raises TimeoutError if not ready within `timeout` seconds.
         """
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if version != self._v_train:

@@ -39,6 +39,16 @@ class RemoteError(RuntimeError):
         self.remote_message = message
 
 
+class TooManyConnections(ConnectionError):
+    """A server refused a connection because it already holds as many as its `max_connections` allows.
+    Nothing was called; trying again after other connections close may succeed."""
+
+
+class ServerBusy(ConnectionError):
+    """A server refused a request because the requests it is already reading hold as many bytes as its
+    `max_pending_bytes` allows. The request was not run, and the server closed the connection."""
+
+
 def _type_name(cls: type) -> str:
     return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
@@ -57,6 +67,9 @@ def register_remote_error(cls: type[BaseException]) -> type[BaseException]:
 
 register_remote_error(wire.WireError)
 register_remote_error(wire.FrameTooLarge)
+register_remote_error(wire.FrameTimeout)
+register_remote_error(TooManyConnections)
+register_remote_error(ServerBusy)
 register_remote_error(UnknownVersionError)  # the services never import the transport: it registers theirs
 
 

@@ -23,6 +23,7 @@ from jaxflow.data.param_storage import (
     _views,
 )
 from jaxflow.data.param_service import DEFAULT_CHUNK_BYTES
+from jaxflow.data.timeouts import check_timeout
 
 
 def attach_shared(manifest: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -80,6 +81,9 @@ class ParameterClient:
         Waits on the server in calls of at most `poll_s` seconds, so no single call outlives an RPC
         deadline. Raises TimeoutError after `timeout` seconds (None: never).
         """
+        timeout = check_timeout(timeout)
+        if check_timeout(poll_s, "poll_s") is None or poll_s <= 0:
+            raise ValueError(f"poll_s must be a finite number of seconds > 0, got {poll_s!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from jaxflow.transport import wire
+from jaxflow.data.timeouts import check_timeout
+from jaxflow.transport import rpc
 from jaxflow.transport.rpc import Server, check_bind
 from jaxflow.transport.errors import error_payload, exception_from_payload
 
@@ -39,7 +41,7 @@ def _resolve_factory(factory: str) -> Any:
 
 
 def _subprocess_main(factory: str, kwargs_message: bytes, methods: list[str], token: str | None,
-                     host: str, max_frame_bytes: int, report) -> None:
+                     host: str, limits: dict[str, Any], report) -> None:
     """The server process: builds the object, serves it, reports its address, waits for SIGTERM."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -48,7 +50,7 @@ def _subprocess_main(factory: str, kwargs_message: bytes, methods: list[str], to
     parent = os.getppid()
     try:
         obj = _resolve_factory(factory)(**wire.decode(kwargs_message))
-        server = Server(obj, methods, host=host, token=token, max_frame_bytes=max_frame_bytes).start()
+        server = Server(obj, methods, host=host, token=token, **limits).start()
     except BaseException as exc:
         report.send_bytes(wire.encode({"ok": False, "error": error_payload(exc)}))
         report.close()
@@ -68,14 +70,20 @@ def _subprocess_main(factory: str, kwargs_message: bytes, methods: list[str], to
 
 def serve_in_subprocess(factory: str, kwargs: dict[str, Any], methods: Iterable[str], *,
                         token: str | None = None, host: str = "127.0.0.1", start_timeout: float = 60,
-                        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES
+                        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+                        idle_timeout_s: float = rpc.DEFAULT_IDLE_TIMEOUT_S,
+                        frame_timeout_s: float = rpc.DEFAULT_FRAME_TIMEOUT_S,
+                        max_connections: int = rpc.DEFAULT_MAX_CONNECTIONS,
+                        max_pending_bytes: int = rpc.DEFAULT_MAX_PENDING_BYTES,
                         ) -> tuple[multiprocessing.process.BaseProcess, tuple[str, int]]:
     """Serves `factory(**kwargs)` from a new Python process ("spawn", so no state is inherited).
 
     factory: "package.module:callable", importable in the child. kwargs: wire-encodable, passed encoded.
     Returns (process, (host, port)) once the server listens. If the factory or the server fails, raises
     that error (mapped like a remote call's) with the child's traceback in `remote_traceback`; if the child
-    reports nothing within `start_timeout` seconds, TimeoutError. Stop it with `stop_subprocess`, which
+    reports nothing within `start_timeout` seconds, TimeoutError. max_frame_bytes, idle_timeout_s,
+    frame_timeout_s, max_connections and max_pending_bytes are the server's limits (see `jaxflow.transport.rpc.Server`);
+    they and start_timeout are checked before the process starts. Stop it with `stop_subprocess`, which
     closes the server and then calls the object's `close()` if it has one. Processes still running at
     interpreter exit are stopped, and a server whose parent died stops by itself.
 
@@ -85,13 +93,19 @@ def serve_in_subprocess(factory: str, kwargs: dict[str, Any], methods: Iterable[
     if isinstance(methods, str):
         raise TypeError("methods must be an iterable of method names, not a string")
     check_bind(host, token)
+    limits = {"max_frame_bytes": max_frame_bytes, "idle_timeout_s": idle_timeout_s,
+              "frame_timeout_s": frame_timeout_s, "max_connections": max_connections,
+              "max_pending_bytes": max_pending_bytes}
+    rpc.check_limits(**limits)
+    if check_timeout(start_timeout, "start_timeout") is None:
+        raise ValueError("start_timeout must be a finite number of seconds >= 0, got None")
     kwargs_message = wire.encode(dict(kwargs))
     ctx = multiprocessing.get_context("spawn")
     # duplex=False is a pipe, not a socket; the child's report is read as raw bytes and decoded by wire.
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(
         target=_subprocess_main, name=f"jaxflow-rpc:{factory}",
-        args=(factory, kwargs_message, list(methods), token, host, max_frame_bytes, writer))
+        args=(factory, kwargs_message, list(methods), token, host, limits, writer))
     process.start()
     writer.close()  # the child holds the only write end now, so its death reads as EOF
     try:

@@ -34,6 +34,12 @@ Protocol, one frame per message:
   Errors that concern the connection rather than a request (bad token, oversized frame, undecodable
   frame) carry "id": None.
 
+Limits (see `Server`): a frame's buffer grows only as its bytes arrive, up to max_frame_bytes; a
+connection idle between requests for idle_timeout_s, or slower than frame_timeout_s to send a request
+or take a reply, is closed (the error frame says which); connections beyond max_connections are refused
+with an error frame naming the cap; decoding a frame may build at most a fixed multiple of its header
+size in objects (`jaxflow.transport.wire`).
+
 The server runs one thread per connection, so a call that blocks (a trainer's `consume(timeout=30)`) holds
 up only its own connection; the served object is therefore called from several threads at once and must
 be thread-safe, as it must be when embedded in a multi-threaded process.
@@ -43,28 +49,40 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import itertools
 import logging
-import select
+import math
 import socket
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 from jaxflow.transport import wire
+from jaxflow.transport.client import Client, _set_nodelay
 from jaxflow.transport.errors import (
     RemoteError,
+    ServerBusy,
+    TooManyConnections,
     error_payload,
-    exception_from_payload,
     register_remote_error,
 )
 
-__all__ = ["Client", "RemoteError", "Server", "check_bind", "is_loopback", "register_remote_error"]
+__all__ = ["Client", "RemoteError", "Server", "ServerBusy", "TooManyConnections", "check_bind",
+           "check_limits", "is_loopback", "register_remote_error"]
 
 logger = logging.getLogger(__name__)
 
 # The handshake is tiny; before a connection has authenticated it may not make the server buffer more.
 _HANDSHAKE_MAX_BYTES = 1 << 16
+
+# Server limits. A client's pooled connection that the server closed while idle is noticed and replaced
+# by the client before its next call, so the idle timeout costs a reconnect, never a call.
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+DEFAULT_FRAME_TIMEOUT_S = 120.0
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_MAX_PENDING_BYTES = 4 * wire.DEFAULT_MAX_FRAME_BYTES
+# A connection that must authenticate sends its handshake at once; one that does not within this long
+# (or the idle / frame timeout, if shorter) is closed, so unauthenticated peers cannot sit on the cap.
+_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 def is_loopback(host: str) -> bool:
@@ -86,10 +104,19 @@ def check_bind(host: str, token: str | None) -> None:
                          f"pass token=... (clients then need the same token)")
 
 
-def _set_nodelay(sock: socket.socket) -> None:
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        # Request/response traffic of small frames: Nagle plus delayed ACKs would add ~40 ms per call.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def check_limits(**limits: Any) -> None:
+    """Raises ValueError naming the first bad one of a Server's limits: the `*_timeout_s` must be finite
+    numbers of seconds > 0; `max_connections`, `max_frame_bytes` and `max_pending_bytes` ints >= 1."""
+    for name, value in limits.items():
+        if name.endswith("_timeout_s"):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        elif name in ("max_connections", "max_frame_bytes", "max_pending_bytes"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        else:
+            raise TypeError(f"unknown server limit {name!r}")
 
 
 def _error_response(req_id: Any, exc: BaseException) -> dict[str, Any]:
@@ -101,14 +128,33 @@ class Server:
 
     host/port: where to listen (port 0 picks a free one; see `address`). token: a shared secret every
     connection must present first; required for any non-loopback host. max_frame_bytes: the largest
-    request accepted; a larger one gets an error and its connection is closed.
+    request accepted; a larger one gets an error and its connection is closed (a request's buffer grows
+    only as its bytes arrive).
+
+    Limits against slow, silent and greedy clients, each logged when it closes a connection:
+    idle_timeout_s: a connection that starts no request for this long after its last reply is closed
+    (a client reconnects by itself). frame_timeout_s: a request must arrive whole within this many
+    seconds of its first byte, and a reply be taken within as long; a connection with a token must send
+    its handshake within this long (at most 10 s) of connecting; else it is closed. max_connections:
+    connections beyond this many are refused with an error frame naming the cap (the client raises
+    TooManyConnections). max_pending_bytes: the bytes that all requests being read or handled may hold
+    together; a request that would take more is refused with an error frame naming the cap and its
+    connection closed (the client raises ServerBusy). A call running in the served object is not limited
+    by these: a blocking call's duration is its own `timeout` argument's business.
     """
 
     def __init__(self, obj: Any, methods: Iterable[str], *, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
+                 token: str | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
         if isinstance(methods, str):
             raise TypeError("methods must be an iterable of method names, not a string")
         check_bind(host, token)
+        check_limits(max_frame_bytes=max_frame_bytes, idle_timeout_s=idle_timeout_s,
+                     frame_timeout_s=frame_timeout_s, max_connections=max_connections,
+                     max_pending_bytes=max_pending_bytes)
         self._methods: dict[str, Any] = {}
         for name in methods:
             if not isinstance(name, str) or not name or name.startswith("_"):
@@ -122,6 +168,11 @@ class Server:
         self._port = port
         self._token = token.encode() if token is not None else None
         self._max_frame_bytes = max_frame_bytes
+        self._idle_timeout_s = float(idle_timeout_s)
+        self._frame_timeout_s = float(frame_timeout_s)
+        self._max_connections = max_connections
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()
@@ -132,6 +183,33 @@ class Server:
     def methods(self) -> tuple[str, ...]:
         """The served method names."""
         return tuple(sorted(self._methods))
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held now by the requests being read or handled, across connections."""
+        return self._pending_bytes
+
+    def _budget(self) -> tuple[Any, Any]:
+        """(reserve, release) for one connection's share of max_pending_bytes."""
+        held = 0
+
+        def reserve(nbytes: int) -> None:
+            nonlocal held
+            with self._lock:
+                if self._pending_bytes + nbytes > self._max_pending_bytes:
+                    raise ServerBusy(
+                        f"the server is already holding {self._pending_bytes} bytes of requests; this one "
+                        f"would pass its cap (max_pending_bytes={self._max_pending_bytes}); try again later")
+                self._pending_bytes += nbytes
+                held += nbytes
+
+        def release() -> None:
+            nonlocal held
+            with self._lock:
+                self._pending_bytes -= held
+                held = 0
+
+        return reserve, release
 
     @property
     def address(self) -> tuple[str, int]:
@@ -195,24 +273,61 @@ class Server:
                 if self._closing:
                     conn.close()
                     return
-                self._connections.add(conn)
+                full = len(self._connections) >= self._max_connections
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                self._refuse_over_cap(conn, peer)
+                continue
             _set_nodelay(conn)
             threading.Thread(target=self._serve_connection, args=(conn, peer),
                              name=f"rpc-conn-{peer}", daemon=True).start()
 
+    def _refuse_over_cap(self, conn: socket.socket, peer: Any) -> None:
+        """Tells a connection over the cap why, without blocking the accept loop on it, and closes it."""
+        logger.warning("rpc: refusing connection from %s: already %d connections (max_connections=%d)",
+                       peer, self._max_connections, self._max_connections)
+        try:
+            conn.settimeout(0.5)
+            wire.send_message(conn, _error_response(None, TooManyConnections(
+                f"the server at {self.address[0]}:{self.address[1]} already has {self._max_connections} "
+                f"connections, its cap (max_connections={self._max_connections}); try again later")))
+            # FIN after the error, and take what the client already sent, so that closing does not reset
+            # the connection before the client has read why.
+            conn.shutdown(socket.SHUT_WR)
+            conn.setblocking(False)
+            conn.recv(_HANDSHAKE_MAX_BYTES)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
     def _serve_connection(self, conn: socket.socket, peer: Any) -> None:
         authenticated = self._token is None
         first = True
+        reserve, release = self._budget()
         try:
             while True:
+                frame = message = None  # the previous request and its reply are done with
+                release()
                 limit = self._max_frame_bytes if authenticated else min(_HANDSHAKE_MAX_BYTES,
                                                                         self._max_frame_bytes)
+                idle = self._idle_timeout_s if authenticated else min(
+                    self._idle_timeout_s, self._frame_timeout_s, _HANDSHAKE_TIMEOUT_S)
                 try:
-                    frame = wire.read_frame(conn, limit)
-                except wire.FrameTooLarge as exc:
-                    logger.warning("rpc: closing connection from %s: %s", peer, exc)
+                    frame = wire.read_frame(conn, limit, idle_timeout=idle,
+                                            frame_timeout=self._frame_timeout_s, reserve=reserve)
+                except (wire.FrameTooLarge, wire.FrameTimeout, ServerBusy) as exc:
+                    release()
+                    idle = isinstance(exc, wire.FrameTimeout) and exc.received is None
+                    logger.log(logging.INFO if idle else logging.WARNING,
+                               "rpc: closing connection from %s: %s", peer, exc)
+                    conn.settimeout(min(self._frame_timeout_s, 5.0))
                     wire.send_message(conn, _error_response(None, exc))
                     return
+                # A reply, like a request, must get through within the frame timeout: a client that
+                # stops reading cannot hold the thread either.
+                conn.settimeout(self._frame_timeout_s)
                 try:
                     message = wire.decode(frame)
                 except wire.WireError as exc:
@@ -236,10 +351,14 @@ class Server:
                 self._send_response(conn, *self._handle(message))
         except wire.ConnectionClosed:
             pass
+        except TimeoutError:  # FrameTimeout is handled above: this is a reply the client did not take
+            logger.warning("rpc: closing connection from %s: a reply was not taken within the frame timeout "
+                           "of %s s", peer, self._frame_timeout_s)
         except OSError as exc:  # ConnectionError, TimeoutError, a socket shut down by close()
             if not self._closing:
                 logger.warning("rpc: connection from %s failed: %s", peer, exc)
         finally:
+            release()
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
@@ -286,166 +405,3 @@ class Server:
             parts = wire.encode_parts(_error_response(response.get("id"), wire.WireError(
                 f"the result of {method} is not wire-encodable: {exc}")))
         wire.write_frame(conn, parts)
-
-
-class Client:
-    """Calls a `Server`'s methods; stands in for the served object.
-
-    `client.name(*args, **kwargs)` calls `name` remotely for every served method (learned at connection);
-    the client's own attributes (`call`, `close`, `methods`, `address`) take precedence, so reach a served
-    method with one of those names through `call`. Remote exceptions are re-raised as the same type with
-    the same message when it is a common builtin (ValueError, KeyError, TypeError, TimeoutError, ...) or
-    registered with `register_remote_error`; an unknown type becomes its nearest known base class, or
-    `RemoteError`. Each raised exception carries `remote_type` and `remote_traceback`.
-
-    Thread-safe through a pool of connections: a call takes an idle connection or opens a new one, so a
-    call blocked in the server (a trainer's `consume`) never delays another thread's call. At most
-    `max_idle` idle connections are kept. timeout: seconds for connecting and for each call (None: no
-    limit), so it must exceed the longest blocking call made through this client.
-
-    Calls are not retried: after a ConnectionError or a timeout the remote call may or may not have run.
-    """
-
-    def __init__(self, address: tuple[str, int] | list | str, *, token: str | None = None,
-                 timeout: float | None = None, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-                 max_idle: int = 4):
-        if isinstance(address, str):
-            host, _, port = address.rpartition(":")
-            address = (host.strip("[]"), int(port))
-        self._address = (str(address[0]), int(address[1]))
-        self._token = token
-        self._timeout = timeout
-        self._max_frame_bytes = max_frame_bytes
-        self._max_idle = max_idle
-        self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._closed = False
-        self._methods: frozenset[str] = frozenset()
-        self._release(self._connect())
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """The server's (host, port)."""
-        return self._address
-
-    @property
-    def methods(self) -> frozenset[str]:
-        """The methods the server serves."""
-        return self._methods
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Calls `method(*args, **kwargs)` on the served object and returns its result."""
-        req_id = next(self._ids)
-        parts = wire.encode_parts({"id": req_id, "method": method, "args": list(args), "kwargs": kwargs})
-        conn = self._acquire()
-        try:
-            try:
-                wire.write_frame(conn, parts)
-            except OSError:
-                # The server may have refused the request (an oversized frame) and closed the connection
-                # while we were still sending: its error explains more than a broken pipe.
-                response = self._pending_response(conn)
-                if response is None:
-                    raise
-            else:
-                response = wire.recv_message(conn, self._max_frame_bytes)
-        except BaseException:
-            conn.close()
-            raise
-        if not isinstance(response, dict) or response.get("id") not in (req_id, None):
-            conn.close()
-            raise ConnectionError(f"rpc: unexpected response to request {req_id} from {self._address}")
-        if response.get("id") is None:
-            conn.close()  # an error about the connection itself: the server has closed it
-        else:
-            self._release(conn)
-        if response.get("ok"):
-            return response.get("result")
-        raise exception_from_payload(response.get("error"))
-
-    def close(self) -> None:
-        """Closes idle connections; connections in use close when their call returns."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names that are not ordinary attributes.
-        if name.startswith("_") or name not in self.__dict__.get("_methods", ()):
-            raise AttributeError(f"{name!r} is not served by {self.__dict__.get('_address')}; served: "
-                                 f"{', '.join(sorted(self.__dict__.get('_methods', ())))}")
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return self.call(name, *args, **kwargs)
-
-        method.__name__ = method.__qualname__ = name
-        method.__doc__ = f"Calls {name} on the server at {self._address}."
-        self.__dict__[name] = method
-        return method
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | self._methods)
-
-    def __repr__(self) -> str:
-        return f"Client({self._address!r}, methods={sorted(self._methods)})"
-
-    def _connect(self) -> socket.socket:
-        conn = socket.create_connection(self._address, timeout=self._timeout)
-        try:
-            conn.settimeout(self._timeout)
-            _set_nodelay(conn)
-            wire.send_message(conn, {"token": self._token})
-            reply = wire.recv_message(conn, self._max_frame_bytes)
-            if not (isinstance(reply, dict) and reply.get("ok") and isinstance(reply.get("methods"), list)):
-                if isinstance(reply, dict) and "error" in reply:
-                    raise exception_from_payload(reply["error"])
-                raise ConnectionError(f"rpc: unexpected handshake reply from {self._address}")
-        except BaseException:
-            conn.close()
-            raise
-        self._methods = frozenset(reply["methods"])
-        return conn
-
-    def _acquire(self) -> socket.socket:
-        while True:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the client is closed")
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                return self._connect()
-            if not _looks_closed(conn):
-                return conn
-            conn.close()
-
-    def _release(self, conn: socket.socket) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < self._max_idle:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def _pending_response(self, conn: socket.socket) -> Any | None:
-        try:
-            conn.settimeout(1.0)
-            return wire.recv_message(conn, self._max_frame_bytes)
-        except (OSError, wire.WireError):
-            return None
-
-
-def _looks_closed(conn: socket.socket) -> bool:
-    """Whether an idle connection was closed by the server (readable while idle means EOF or junk)."""
-    try:
-        poller = select.poll()
-        poller.register(conn, select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True

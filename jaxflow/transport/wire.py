@@ -21,7 +21,8 @@ buffer alive, so copy a small array out of a large message if it must outlive th
 Tuples decode as lists (msgpack has one sequence type). Dict keys may be str, int or bytes.
 
 Socket framing is independent of the message format: `write_frame` sends an 8-byte big-endian length
-and then the payload; `read_frame` reads one such frame into a fresh buffer.
+and then the payload; `read_frame` reads one such frame into a fresh buffer that grows as the bytes
+arrive, never ahead of them by more than 1 MiB, with optional idle and per-frame timeouts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import math
 import socket
 import struct
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import ml_dtypes
@@ -227,26 +229,84 @@ def encode(obj: Any) -> bytes:
 
 # --- decoding ----------------------------------------------------------------------------------------
 
-def _unpack(data, ext_hook):
-    return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False, use_list=True)
+# Decoding limits. One msgpack byte can become a Python object of 56 to 72 bytes (an empty array or map),
+# and each level of nested records (msgpack extensions) is a copy of all it holds, so a few MB of hostile
+# header could cost hundreds of MB or more. What decoding builds is therefore charged against a budget
+# proportional to the header: the containers (arrays, maps) at their Python size, the extension payloads
+# while they are decoded, the inline arrays' bytes. Ordinary messages (lists of token ids, log-probs,
+# records) cost 1 to 4 bytes per header byte by this count.
+DECODE_BASE_BYTES = 1 << 20
+DECODE_BYTES_PER_HEADER_BYTE = 8
+
+
+def _check_complete(data) -> None:
+    """Walks `data` without building anything and raises WireError unless it is exactly one complete
+    msgpack object.
+
+    msgpack allocates an array's item slots when it reads the array's length, before the items: a header
+    of nested arrays each declaring millions of items it does not hold would cost memory in proportion to
+    the declared lengths times the depth. In a complete object every declared item takes at least a byte
+    that follows, so once this check passes those allocations are bounded by the data's size."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    try:
+        unpacker.skip()
+    except msgpack.OutOfData:
+        raise WireError(f"incomplete msgpack data: its {len(data)} bytes end inside an object that "
+                        f"declares more") from None
+    except (ValueError, TypeError) as exc:
+        raise WireError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
+    if unpacker.tell() != len(data):
+        raise WireError(f"{len(data) - unpacker.tell()} bytes of extra data after the msgpack object")
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise WireError(f"msgpack extension type {code} inside an inline array")
 
 
 class _Decoder:
-    """Unpacks one message whose tensor region lies in `buffer` from `region_start` on."""
+    """Unpacks one message whose tensor region lies in `buffer` from `region_start` on, within a budget
+    proportional to its `header_bytes` (see DECODE_BYTES_PER_HEADER_BYTE)."""
 
-    def __init__(self, buffer, region_start: int, region_bytes: int):
+    def __init__(self, buffer, region_start: int, region_bytes: int, header_bytes: int):
         self.buffer = buffer
         self.region_start = region_start
         self.region_bytes = region_bytes
+        self.header_bytes = header_bytes
+        self.budget = DECODE_BASE_BYTES + DECODE_BYTES_PER_HEADER_BYTE * header_bytes
+        self.spent = 0
+
+    def _charge(self, nbytes: int) -> None:
+        self.spent += nbytes
+        if self.spent > self.budget:
+            raise WireError(
+                f"message too costly to decode: its {self.header_bytes}-byte header would build more than "
+                f"{self.budget} bytes of objects (the limit is {DECODE_BASE_BYTES} + "
+                f"{DECODE_BYTES_PER_HEADER_BYTE} x the header bytes)")
+
+    def _container(self, value: Any) -> Any:
+        self._charge(sys.getsizeof(value))
+        return value
+
+    def unpack(self, data, ext_hook=None) -> Any:
+        _check_complete(data)
+        return msgpack.unpackb(data, ext_hook=ext_hook or _no_ext, list_hook=self._container,
+                               object_hook=self._container, raw=False, strict_map_key=False,
+                               use_list=True)
 
     def ext_hook(self, code: int, data: bytes) -> Any:
-        if code == _EXT_ARRAY_INLINE:
-            return self._inline_array(data)
-        if code == _EXT_ARRAY_REF:
-            return self._region_array(data)
-        if code == _EXT_DATACLASS:
-            return self._dataclass(data)
-        raise WireError(f"unknown msgpack extension type {code}")
+        # The payload is a copy that lives while it is decoded, nested ones inside it included.
+        self._charge(len(data))
+        try:
+            if code == _EXT_ARRAY_INLINE:
+                return self._inline_array(data)
+            if code == _EXT_ARRAY_REF:
+                return self._region_array(data)
+            if code == _EXT_DATACLASS:
+                return self._dataclass(data)
+            raise WireError(f"unknown msgpack extension type {code}")
+        finally:
+            self.spent -= len(data)
 
     @staticmethod
     def _dtype_and_shape(name: Any, shape: Any) -> tuple[np.dtype, tuple[int, ...], int]:
@@ -259,9 +319,10 @@ class _Decoder:
         return dtype, tuple(shape), math.prod(shape) * dtype.itemsize
 
     def _inline_array(self, data: bytes) -> np.ndarray | np.generic:
-        fields = _unpack(data, None)
+        fields = self.unpack(data)
         if not (isinstance(fields, list) and len(fields) == 3 and isinstance(fields[2], bytes)):
             raise WireError("malformed inline array")
+        self._charge(len(fields[2]))
         name, shape, raw = fields
         scalar = shape is None
         dtype, shape, nbytes = self._dtype_and_shape(name, [] if scalar else shape)
@@ -272,7 +333,7 @@ class _Decoder:
         return arr[()] if scalar else arr
 
     def _region_array(self, data: bytes) -> np.ndarray:
-        fields = _unpack(data, None)
+        fields = self.unpack(data)
         if not (isinstance(fields, list) and len(fields) == 4):
             raise WireError("malformed array reference")
         name, shape, offset, count = fields
@@ -288,7 +349,7 @@ class _Decoder:
         return arr
 
     def _dataclass(self, data: bytes) -> Any:
-        fields = _unpack(data, self.ext_hook)
+        fields = self.unpack(data, self.ext_hook)
         if not (isinstance(fields, list) and len(fields) == 2 and isinstance(fields[1], dict)):
             raise WireError("malformed dataclass record")
         name, values = fields
@@ -316,7 +377,8 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
 
     Arrays come back as read-only views into `data` (see the module docstring). Raises WireError for
     anything that is not a valid message: a bad prefix, truncation, an unknown dtype or an unregistered
-    type name; no bytes are ever interpreted as code.
+    type name, or a header that would build more than DECODE_BASE_BYTES + DECODE_BYTES_PER_HEADER_BYTE x
+    its size in objects; no bytes are ever interpreted as code.
     """
     view = memoryview(data)
     if view.format != "B" or view.ndim != 1:
@@ -331,9 +393,9 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
     if len(view) != region_start + region_bytes:
         raise WireError(f"message is {len(view)} bytes but its prefix declares "
                         f"{region_start + region_bytes} (header {header_bytes}, tensors {region_bytes})")
-    decoder = _Decoder(view, region_start, region_bytes)
+    decoder = _Decoder(view, region_start, region_bytes, header_bytes)
     try:
-        return _unpack(view[_PREFIX.size:header_end], decoder.ext_hook)
+        return decoder.unpack(view[_PREFIX.size:header_end], decoder.ext_hook)
     except WireError:
         raise
     except (TypeError, ValueError, RecursionError) as exc:
@@ -391,38 +453,112 @@ def write_frame(sock: socket.socket, payload: bytes | bytearray | memoryview | S
         _send_gathered(sock, [memoryview(length), *views])
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview) -> int:
-    """Fills `view` from `sock`; returns the bytes read, fewer only when the peer closed the connection."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return got
-        got += n
-    return got
+class FrameTimeout(TimeoutError):
+    """A frame did not arrive in time: no frame began within the idle timeout (`received` is None), or
+    a begun frame was not complete within the frame timeout (`received` of `size` bytes had come; `size`
+    is None when even the 8-byte length was incomplete). Either way the stream is out of step and the
+    connection must be closed.
+    """
+
+    def __init__(self, message: str, seconds: float, received: int | None = None, size: int | None = None):
+        super().__init__(message)
+        self.seconds = seconds
+        self.received = received
+        self.size = size
 
 
-def read_frame(sock: socket.socket, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytearray:
+# A frame's buffer grows by at most this many bytes ahead of the bytes received, so a length prefix alone
+# (up to the reader's limit) costs no memory until its body actually arrives.
+_GROW_BYTES = 1 << 20
+_ZEROS = memoryview(bytes(_GROW_BYTES))
+
+
+class _Deadline:
+    """Socket timeouts for one frame: `idle` seconds for its first byte, then `frame` seconds in all for
+    the rest (a deadline, so a peer dripping a byte at a time cannot hold the reader). Both None: the
+    socket's own timeout applies, unchanged."""
+
+    def __init__(self, sock: socket.socket, idle: float | None, frame: float | None):
+        self.sock = sock
+        self.idle = idle
+        self.frame = frame
+        self.active = idle is not None or frame is not None
+        self.deadline: float | None = None
+        if self.active:
+            sock.settimeout(idle)
+
+    def started(self) -> None:
+        if self.active and self.frame is not None:
+            self.deadline = time.monotonic() + self.frame
+
+    def recv_into(self, view: memoryview, got: int, size: int | None) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise self.stalled(got, size)
+            self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(view)
+        except TimeoutError:
+            if not self.active:
+                raise
+            if self.deadline is None:
+                raise FrameTimeout(f"no frame began within the idle timeout of {self.idle} s",
+                                   self.idle) from None
+            raise self.stalled(got, size) from None
+
+    def stalled(self, got: int, size: int | None) -> FrameTimeout:
+        of = f"{size} bytes" if size is not None else f"its {_FRAME_LENGTH.size}-byte length"
+        return FrameTimeout(f"a frame stalled: {got} of {of} arrived within the frame timeout of "
+                            f"{self.frame} s", self.frame, got, size)
+
+
+def read_frame(sock: socket.socket, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, *,
+               idle_timeout: float | None = None, frame_timeout: float | None = None,
+               reserve: Callable[[int], None] | None = None) -> bytearray:
     """Reads one frame written by `write_frame` and returns its payload (a bytearray, so that its
     memory can be viewed without a copy).
 
+    The payload's buffer grows as its bytes arrive (at most 1 MiB ahead of them), so a peer that declares
+    a large frame and sends nothing costs nothing. idle_timeout: seconds to wait for a frame's first byte;
+    frame_timeout: seconds for the whole rest of the frame once begun; either raises FrameTimeout (both
+    None: the socket's own timeout, as it was set, applies to each receive and raises TimeoutError).
+    reserve: called with the number of bytes before each growth of the buffer; what it raises propagates
+    (a server's budget for all the requests it is reading).
     Raises FrameTooLarge, before reading the body, when the declared length exceeds `max_bytes`;
-    ConnectionClosed when the peer closed between frames; ConnectionError when it closed mid-frame.
-    Socket timeouts propagate as TimeoutError and leave the stream out of step.
+    ConnectionClosed when the peer closed between frames; ConnectionError when it closed mid-frame. After
+    any of these errors the stream is out of step.
     """
+    reader = _Deadline(sock, idle_timeout, frame_timeout)
     head = bytearray(_FRAME_LENGTH.size)
-    got = _recv_exactly(sock, memoryview(head))
-    if got == 0:
-        raise ConnectionClosed("the peer closed the connection")
-    if got < len(head):
-        raise ConnectionError(f"connection closed after {got} of the {len(head)} bytes of a frame length")
+    got = 0
+    with memoryview(head) as view:
+        while got < len(head):
+            n = reader.recv_into(view[got:], got, None)
+            if n == 0:
+                if got == 0:
+                    raise ConnectionClosed("the peer closed the connection")
+                raise ConnectionError(f"connection closed after {got} of the {len(head)} bytes of a frame "
+                                      f"length")
+            if got == 0:
+                reader.started()
+            got += n
     (size,) = _FRAME_LENGTH.unpack(head)
     if size > max_bytes:
         raise FrameTooLarge(size, max_bytes)
-    body = bytearray(size)
-    got = _recv_exactly(sock, memoryview(body))
-    if got < size:
-        raise ConnectionError(f"connection closed after {got} of the {size} bytes of a frame")
+    body = bytearray()
+    got = 0
+    while got < size:
+        if got == len(body):
+            grow = min(_GROW_BYTES, size - got)
+            if reserve is not None:
+                reserve(grow)
+            body += _ZEROS[:grow]
+        with memoryview(body) as view:
+            n = reader.recv_into(view[got:], got, size)
+        if n == 0:
+            raise ConnectionError(f"connection closed after {got} of the {size} bytes of a frame")
+        got += n
     return body
 
 
