@@ -38,20 +38,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import heapq
 import math
 import threading
 import time
 from typing import Any
 
 from jaxflow.data import checks
+from jaxflow.data.leases import Leases
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, Sample
 from jaxflow.data.service_snapshot import parse_snapshot
 
 BATCH_RULES = ("full", "ready_with_capacity")
 _DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them are ignored
-_LAPSED_KEPT = 10_000  # groups whose lease expired: which worker let it lapse (to tell it so)
 
 
 class GroupState(str, enum.Enum):
@@ -138,10 +137,7 @@ class TrajectoryService:
         self._released: set[int] = set()  # buffers `release`d: consumable with what they hold
         self._surplus_news: dict[str, list[int]] = collections.defaultdict(list)  # worker -> ids
         self._dropped: set[int] = set()  # SURPLUS ids (they leave the service; late calls are ignored)
-        self._deadline: dict[int, float] = {}  # running group -> when its lease runs out
-        self._lease_heap: list[tuple[float, int]] = []  # (deadline when pushed, group); one entry per group
-        self._in_heap: set[int] = set()
-        self._lapsed: collections.OrderedDict[int, str] = collections.OrderedDict()  # group -> worker
+        self._leases = Leases(self.lease_s)
         self._last: ConsumedBatch | None = None  # the batch consumed last, until the next consume or ack
 
     # ---- helpers (hold the lock) -------------------------------------------------------------
@@ -160,7 +156,7 @@ class TrajectoryService:
 
     def _group(self, group_id: int, want: GroupState, worker: str | None = None) -> _Group:
         g = self._groups.get(group_id)
-        if worker is not None and self._lapsed.get(group_id) == worker and (
+        if worker is not None and self._leases.lapsed_by(group_id) == worker and (
                 g is None or g.state != want or g.worker != worker):
             raise ValueError(f"group {group_id}: the lease of worker {worker!r} expired and the group was handed "
                              f"back; it is not held by {worker!r} any more")
@@ -175,36 +171,16 @@ class TrajectoryService:
     def _move(self, g: _Group, state: GroupState) -> None:
         g.state, g.since = state, self._clock()
 
-    def _lease(self, g: _Group) -> None:
-        """Starts or extends the lease of a running group."""
-        if self.lease_s is None:
-            return
-        self._deadline[g.group_id] = deadline = self._clock() + self.lease_s
-        if g.group_id not in self._in_heap:
-            heapq.heappush(self._lease_heap, (deadline, g.group_id))
-            self._in_heap.add(g.group_id)
-
     def _expire(self) -> None:
-        """Hands back every running group whose lease ran out (O(log n) per lease; renewals re-push lazily)."""
-        now = self._clock()
-        while self._lease_heap and self._lease_heap[0][0] <= now:
-            _, gid = heapq.heappop(self._lease_heap)
-            self._in_heap.discard(gid)
+        """Hands back (requeues, counted) every running group whose lease ran out."""
+        def holder(gid):
             g = self._groups.get(gid)
-            deadline = self._deadline.get(gid, -math.inf)
-            if g is None or g.state != GroupState.RUNNING:
-                self._deadline.pop(gid, None)
-            elif deadline > now:
-                heapq.heappush(self._lease_heap, (deadline, gid))
-                self._in_heap.add(gid)
-            else:
-                self._deadline.pop(gid, None)
-                self._lapsed[gid] = g.worker
-                if len(self._lapsed) > _LAPSED_KEPT:
-                    self._lapsed.popitem(last=False)
-                self._counts["expired"] += 1
-                self._requeue(g, f"lease of worker {g.worker!r} expired")
-                self._lock.notify_all()
+            return g.worker if g is not None and g.state == GroupState.RUNNING else None
+        for gid in list(self._leases.expired(self._clock(), holder)):
+            g = self._groups[gid]
+            self._counts["expired"] += 1
+            self._requeue(g, f"lease of worker {g.worker!r} expired")
+            self._lock.notify_all()
 
     def renew(self, worker: str, group_ids: list[int]) -> list[int]:
         """Extends the leases of `worker`'s running groups `group_ids` by lease_s from now. Returns the ids
@@ -218,7 +194,7 @@ class TrajectoryService:
             for gid in group_ids:
                 g = self._groups.get(gid)
                 if g is not None and g.state == GroupState.RUNNING and g.worker == worker:
-                    self._lease(g)
+                    self._leases.grant(g.group_id, self._clock())
                 else:
                     lost.append(gid)
             return lost
@@ -260,7 +236,7 @@ class TrajectoryService:
             for g in waiting[:max_groups]:
                 g.worker, g.attempt = worker, g.attempt + 1
                 self._move(g, GroupState.RUNNING)
-                self._lease(g)
+                self._leases.grant(g.group_id, self._clock())
                 tasks.append(self._task(g))
             step = version + self.eta
             while (len(tasks) < max_groups and step >= self._v_train and self._room(step)
@@ -275,7 +251,7 @@ class TrajectoryService:
                 self._groups[g.group_id] = g
                 self._reserved[step] += 1
                 self._counts["created"] += 1
-                self._lease(g)
+                self._leases.grant(g.group_id, self._clock())
                 tasks.append(self._task(g))
             if step < self._v_train:
                 self._counts["stale_rejected"] += 1
@@ -605,10 +581,7 @@ class TrajectoryService:
             self._next_id = parsed["next_id"]
             self._counts = {**{k: 0 for k in self._counts}, **parsed["counts"]}
             self._groups = {}
-            self._deadline.clear()
-            self._lease_heap.clear()
-            self._in_heap.clear()
-            self._lapsed.clear()
+            self._leases.clear()
             self._last = None
             for d in parsed["groups"]:
                 g = _Group(**d)
