@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import pathlib
 import signal
 import sys
@@ -129,6 +130,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         problems.append(f"rollout.coordination: {e}")
     if r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
+    lease_s = r.get("lease_s", 60.0)
+    if not (isinstance(lease_s, (int, float)) and not isinstance(lease_s, bool) and 0 < lease_s < math.inf):
+        problems.append(f"rollout.lease_s must be a finite number of seconds > 0, got {lease_s!r}")
     if r.kv_cache_gib <= 0:
         problems.append(f"rollout.kv_cache_gib must be > 0, got {r.kv_cache_gib}")
     try:  # the update's options (loss, optimizer, prox, micro-batches...): each bad value names its key
@@ -227,7 +231,7 @@ def run(config: ml_collections.ConfigDict) -> int:
     strategy = Coordination.from_config(config.rollout.coordination)
     service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),
                                 batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
-                                batch_rule=t.batch_rule,
+                                batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
                                 reserve_groups=strategy.reserve_groups(t.batch_groups))
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
     start_step, extra = 0, {}
