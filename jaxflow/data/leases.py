@@ -21,7 +21,7 @@ class Leases:
         self._deadline: dict[int, float] = {}
         self._heap: list[tuple[float, int]] = []
         self._queued: set[int] = set()
-        self._lapsed: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._lapsed: collections.OrderedDict[int, set[str]] = collections.OrderedDict()
 
     def grant(self, group_id: int, now: float) -> None:
         """Starts or extends the lease of a group to `now + lease_s` (nothing when leases are off)."""
@@ -46,14 +46,15 @@ class Leases:
                 continue
             self._deadline.pop(gid, None)
             if worker is not None:
-                self._lapsed[gid] = worker
+                self._lapsed.setdefault(gid, set()).add(worker)
+                self._lapsed.move_to_end(gid)
                 if len(self._lapsed) > _LAPSED_KEPT:
                     self._lapsed.popitem(last=False)
                 yield gid
 
-    def lapsed_by(self, group_id: int) -> str | None:
-        """The worker whose lease on `group_id` expired last, if any."""
-        return self._lapsed.get(group_id)
+    def lapsed(self, group_id: int, worker: str) -> bool:
+        """Whether a lease of `worker` on `group_id` expired (remembered for the last groups that lapsed)."""
+        return worker in self._lapsed.get(group_id, ())
 
     def clear(self) -> None:
         self._deadline.clear()

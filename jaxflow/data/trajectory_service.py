@@ -156,7 +156,7 @@ class TrajectoryService:
 
     def _group(self, group_id: int, want: GroupState, worker: str | None = None) -> _Group:
         g = self._groups.get(group_id)
-        if worker is not None and self._leases.lapsed_by(group_id) == worker and (
+        if worker is not None and self._leases.lapsed(group_id, worker) and (
                 g is None or g.state != want or g.worker != worker):
             raise ValueError(f"group {group_id}: the lease of worker {worker!r} expired and the group was handed "
                              f"back; it is not held by {worker!r} any more")
@@ -543,6 +543,7 @@ class TrajectoryService:
     def stats(self) -> dict[str, Any]:
         """Counters of every transition and gauges of every state, for logs and accounting checks."""
         with self._lock:
+            self._expire()  # leases run out lazily: any call applies what is due
             gauges = {s.value: 0 for s in GroupState}
             for g in self._groups.values():
                 gauges[g.state.value] += 1
