@@ -412,6 +412,9 @@ class ParameterService:
     def poll_version(self, min_version: int, timeout: float | None = None) -> int | None:
         """wait_for_version that returns None on timeout instead of raising: the form a remote client
         calls, in slices shorter than its RPC deadline."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout < float("inf")):
+            raise ValueError(f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}")
         with self._lock:
             self._lock.wait_for(lambda: self._closed or (self._latest is not None
                                                           and self._latest >= min_version), timeout)

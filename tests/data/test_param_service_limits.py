@@ -36,3 +36,12 @@ def test_a_version_may_not_jump_far_past_the_newest():
         svc.publish(11, {"w": np.ones(4, np.uint8)})  # the trainer's next publish is not blocked
         svc.publish(15, {"w": np.ones(4, np.uint8)})
         assert svc.latest() == 15
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, "1"])
+def test_wait_timeouts_must_be_finite(timeout):
+    with ParameterService(keep=1, prefault=False) as svc:
+        with pytest.raises(ValueError, match="timeout"):
+            svc.poll_version(0, timeout)
+        with pytest.raises(ValueError, match="timeout"):
+            svc.wait_for_version(0, timeout)
