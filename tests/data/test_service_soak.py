@@ -9,13 +9,15 @@ test advances, so expiry is deterministic; RPC timeouts are real (the lost repli
 
 import math
 import random
+import socket
+import time
 
 import pytest
 
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import Sample
 from jaxflow.data.trajectory_service import TrajectoryService
-from jaxflow.transport import rpc
+from jaxflow.transport import rpc, wire
 
 from service_placements import SERVICE_METHODS
 
@@ -143,11 +145,16 @@ class Soak:
         if self.client.buffer_state(self.v) == "pending":
             return
         if self.rng.random() < 0.3:  # the reply is lost (a client that gives up at once); retry
-            try:  # (the handshake itself may time out: then the consume was never sent)
-                with rpc.Client(self.server.address, token="t", timeout=0.001) as impatient:
-                    impatient.consume(self.v, timeout=1)
-            except (TimeoutError, OSError):
-                self.ops["lost_reply"] += 1
+            # A trainer sends consume and its connection drops before the reply: the server consumes.
+            with socket.create_connection(self.server.address, timeout=5) as sock:
+                wire.send_message(sock, {"token": "t"})
+                wire.recv_message(sock, 1 << 20)
+                wire.send_message(sock, {"id": 1, "method": "consume", "args": [self.v], "kwargs": {"timeout": 1}})
+            deadline = time.monotonic() + 10
+            while self.client.progress()[0] == self.v and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert self.client.progress()[0] == self.v + 1  # consumed on the server, reply lost
+            self.ops["lost_reply"] += 1
         batch = self.client.consume(self.v, timeout=5)
         if self.rng.random() < 0.2:  # asked twice: the same batch
             assert self.client.consume(self.v, timeout=5).groups == batch.groups
