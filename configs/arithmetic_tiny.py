@@ -97,6 +97,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Reward processes, and the seconds after which a reward call counts as failed.
     config.rollout.reward_workers = 1
     config.rollout.reward_timeout_s = 5.0
+    # A group dispatched to a worker goes back to the queue (with its partial tokens) if the worker does
+    # not renew it for this long: a dead or hung worker cannot stall training.
+    config.rollout.lease_s = 60.0
     # vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
     config.rollout.kv_cache_gib = 0.5
 

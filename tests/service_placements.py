@@ -11,7 +11,7 @@ PLACEMENTS = ["embedded", "server"]
 SERVICE_METHODS = {
     "TrajectoryService": ["dispatch", "finish", "reward", "abort", "fail", "release_worker", "unrewarded",
                           "needs_sync", "take_surplus", "progress", "release", "mark_published", "buffer_state",
-                          "consume", "stats", "snapshot",
+                          "consume", "stats", "snapshot", "renew", "ack",
                           "restore"],
 }
 

@@ -27,7 +27,14 @@ so an engine never holds weights the service has not admitted.
 
 `stop(abort_in_flight=True)` hands every group in flight back to the service with its samples so far
 (it resumes them elsewhere from those prefixes); `stop(abort_in_flight=False)` admits nothing new and
-lets the groups in flight finish first (up to `drain_timeout_s`, then aborts what is left).
+lets the groups in flight finish first (up to `drain_timeout_s`, then aborts what is left). A hand-back
+the service refuses (e.g. the group's lease ran out and another worker holds it) is logged and the others
+still go back; `release_worker` then returns anything left.
+
+Faults: the coordinator renews the service's leases on the groups it holds every `renew_every_s`
+seconds and drops the ones the service says it no longer holds (`groups_lost`). A reward function that
+raises, or a group the service refuses at `finish` (e.g. NaN rewards), fails that group in the service
+(counted as `groups_failed`, the reason in its meta) instead of stopping the loop.
 """
 
 from __future__ import annotations
@@ -75,7 +82,8 @@ class Coordinator:
 
     def __init__(self, name: str, engines: list[Engine], trajectories, params, *, strategy: Coordination,
                  eta: int, sampling: SamplingParams, reward_fn: RewardFn | None = None,
-                 clock: Callable[[], float] = time.monotonic, trace_every_s: float | None = None):
+                 clock: Callable[[], float] = time.monotonic, trace_every_s: float | None = None,
+                 renew_every_s: float = 1.0):
         if not engines:
             raise ValueError("a coordinator needs at least one engine")
         self.name, self.trajectories, self.params, self.strategy = name, trajectories, params, strategy
@@ -94,13 +102,14 @@ class Coordinator:
         self._draining = False  # stop(abort_in_flight=False) in progress: admit no new groups
         self._thread: threading.Thread | None = None
         self.trace_every_s = trace_every_s
+        self.renew_every_s, self._renewed_at = renew_every_s, -math.inf
         # Bounded: the newest samples of a long run.
         self.trace = {k: collections.deque(maxlen=200_000) for k in ("loads", "group_lengths", "sync_s")}
         self._traced_at = -math.inf
         self.counts = collections.Counter({k: 0 for k in (
             "groups_finished", "groups_failed", "groups_surplus", "requests_submitted", "requests_migrated",
             "requests_retried", "requests_resumed", "samples_redundant", "syncs", "buffers_released",
-            "groups_aborted")})
+            "groups_aborted", "groups_lost")})
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _request_id(self, gid: int, sample: int) -> str:
@@ -217,14 +226,38 @@ class Coordinator:
         g = self._groups[gid]
         self.counts["samples_redundant"] += self._drop_group(gid)
         samples = g.finished[:g.task.n]
-        rewards = self.reward_fn(g.task, samples) if self.reward_fn is not None else None
-        self.trajectories.finish(gid, self.name, samples, rewards)
+        try:
+            rewards = self.reward_fn(g.task, samples) if self.reward_fn is not None else None
+            self.trajectories.finish(gid, self.name, samples, rewards)
+        except (ConnectionError, TimeoutError):
+            raise  # the service is unreachable: the loop hands everything back
+        except Exception as e:  # a reward that raised, or a finish the service refused (NaN rewards...)
+            log.warning("%s: group %d failed at finish: %s", self.name, gid, e)
+            try:
+                self.trajectories.fail(gid, f"finish refused: {type(e).__name__}: {e}"[:500])
+            except (KeyError, ValueError) as refused:  # no longer ours (lease lapsed): nothing to fail
+                log.warning("%s: group %d could not be failed: %s", self.name, gid, refused)
+            self.counts["groups_failed"] += 1
+            return
         self._latencies.append(self.clock() - g.started)
         if self.trace_every_s is not None:
             self.trace["group_lengths"].append([len(x.tokens) for x in samples])
         self.counts["groups_finished"] += 1
 
     # ---- 2-5. surplus, sync, stuck, migration ---------------------------------------------------
+    def _renew(self) -> None:
+        """Renews the leases on the groups held, every `renew_every_s`; drops those the service took back."""
+        now = self.clock()
+        renew = getattr(self.trajectories, "renew", None)
+        if renew is None or not self._groups or now - self._renewed_at < self.renew_every_s:
+            return
+        self._renewed_at = now
+        for gid in renew(self.name, list(self._groups)):
+            if gid in self._groups:
+                self._drop_group(gid)
+                self.counts["groups_lost"] += 1
+                log.warning("%s: group %d was handed back by the service (lease expired)", self.name, gid)
+
     def _surplus(self) -> None:
         for gid in self.trajectories.take_surplus(self.name):
             if gid in self._groups:
@@ -361,6 +394,7 @@ class Coordinator:
     def step(self) -> None:
         """One round of the control loop (see the module docstring)."""
         self._collect()
+        self._renew()
         self._surplus()
         self._sync()
         self._stuck()
@@ -427,5 +461,12 @@ class Coordinator:
             n = g.task.n
             samples = (g.finished[:n] + partial + [Sample() for _ in range(n)])[:n]
             self._drop_group(gid)
-            self.trajectories.abort(gid, self.name, samples, "coordinator stopped")
-            self.counts["groups_aborted"] += 1
+            try:
+                self.trajectories.abort(gid, self.name, samples, "coordinator stopped")
+                self.counts["groups_aborted"] += 1
+            except Exception as e:  # refused (lease lapsed, bad partial...): the others still go back
+                log.warning("%s: could not hand back group %d: %s", self.name, gid, e)
+        try:
+            self.trajectories.release_worker(self.name, "coordinator stopped")  # whatever is left
+        except Exception as e:
+            log.warning("%s: release_worker failed: %s", self.name, e)

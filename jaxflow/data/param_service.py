@@ -49,7 +49,10 @@ The buffers themselves (layout, shared-memory segments, pre-faulting, write cove
 `jaxflow.data.param_storage`; this module decides what is kept, reused and unlinked.
 
 Every rejected call raises before it changes anything, so a bad input never leaves a partial version
-visible and the service keeps working.
+visible and the service keeps working. Two limits keep a careless or hostile publisher from blocking the
+trainer: the bytes reserved by uncommitted versions are capped (`max_pending_bytes`), and a version
+number must be below 2**53 and, once a version is committed, at most `max_version_jump` past the newest
+(so a publish of version 2**63 cannot make every later publish "not newer").
 """
 
 from __future__ import annotations
@@ -95,9 +98,12 @@ class UnknownVersionError(LookupError):
     """The asked-for version is not published: never committed (yet), or already evicted."""
 
 
+MAX_VERSION = 2 ** 53 - 1  # exact in a float and in JSON
+
+
 def _check_version_number(version: Any) -> int:
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-        raise ValueError(f"a version must be a non-negative int, got {version!r}")
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"a version must be a non-negative int below 2**53, got {version!r}")
     return int(version)
 
 
@@ -125,11 +131,18 @@ class ParameterService:
     shared_memory: store each version in a named shared-memory segment that other processes on this host
         can map (`attach_shared`); Linux only.
     prefault: keep a pre-faulted spare buffer so publishes copy into warm memory (see the module doc).
+    max_pending_bytes: the most bytes all versions being published (begun, not committed) may reserve.
+    max_version_jump: how far past the newest committed version a new version number may be.
     """
 
-    def __init__(self, keep: int = 2, shared_memory: bool = False, prefault: bool = True):
+    def __init__(self, keep: int = 2, shared_memory: bool = False, prefault: bool = True, *,
+                 max_pending_bytes: int = 64 << 30, max_version_jump: int = 16):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        for name, value in (("max_pending_bytes", max_pending_bytes), ("max_version_jump", max_version_jump)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.max_pending_bytes, self.max_version_jump = max_pending_bytes, max_version_jump
         if shared_memory and not os.path.isdir(_SHM_DIR):
             raise NotImplementedError(f"shared_memory=True needs POSIX shared memory under {_SHM_DIR} "
                                       f"(Linux)")
@@ -201,6 +214,11 @@ class ParameterService:
                 if version in self._pending:
                     raise ValueError(f"version {version} is already being published; commit it or "
                                      f"abort_publish it first")
+                pending = sum(e.total for e in self._pending.values())
+                if pending + total > self.max_pending_bytes:
+                    raise ValueError(f"version {version} needs {total} bytes, but versions being published "
+                                     f"already reserve {pending} of max_pending_bytes={self.max_pending_bytes}; "
+                                     f"commit or abort_publish them first")
                 self._pending[version] = entry
                 spare, job = self._take_spare(total)
             try:
@@ -449,6 +467,9 @@ class ParameterService:
         if self._latest is not None and version <= self._latest:
             raise ValueError(f"version {version} is not newer than the latest published version "
                              f"{self._latest}")
+        if self._latest is not None and version > self._latest + self.max_version_jump:
+            raise ValueError(f"version {version} jumps more than max_version_jump={self.max_version_jump} "
+                             f"past the latest published version {self._latest}")
 
     def _get(self, version: int | None) -> _Version:
         """The committed entry of `version` (default latest). Holds `_lock`."""

@@ -22,6 +22,15 @@ SURPLUS: dropped, counted, never trained; its worker learns of it from `take_sur
 trades a bias toward fast-finishing groups for not waiting on the slowest ones. `release` does the same
 on demand for one buffer: it is handed to the trainer with what it holds, and the groups that could only
 land there become SURPLUS (the stuck-buffer strategy of `jaxflow.coordination`).
+
+Faults. Every call validates all its arguments (samples, rewards, versions, timeouts: `jaxflow.data.checks`)
+before it changes anything, so a bad call raises and leaves the service as it was; `restore` checks the
+whole snapshot first (`jaxflow.data.service_snapshot`). A dispatched group carries a lease of `lease_s`
+seconds that its worker extends with `renew` (a coordinator does so from its loop); a lease that runs
+out (a dead, hung or departed worker) hands the group back with the partial samples the service holds,
+counted as `expired`, and the worker that let it lapse is told so if it calls about it later. `consume`
+is idempotent for the step just consumed: a trainer whose reply was lost asks again for the same step and
+gets the same batch, counted once; the batch is kept until the next step is consumed (or `ack`).
 """
 
 from __future__ import annotations
@@ -34,9 +43,11 @@ import threading
 import time
 from typing import Any
 
+from jaxflow.data import checks
+from jaxflow.data.leases import Leases
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, Sample
-from jaxflow.data.timeouts import check_timeout
+from jaxflow.data.service_snapshot import parse_snapshot
 
 BATCH_RULES = ("full", "ready_with_capacity")
 _DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them are ignored
@@ -85,13 +96,17 @@ class TrajectoryService:
     ceil(min_fill * B) groups once no reservation points at it and either `patience_s` has passed since
     it reached that fill or nothing else can arrive. max_attempts: dispatches of one group before it
     is failed. initial_version: the trainer's policy version at start. clock: the time source (a
-    simulator passes its virtual clock).
+    simulator passes its virtual clock; tests a fake one). lease_s: how long a dispatched group stays
+    with its worker without a `renew` (None: for ever).
     """
 
     def __init__(self, source: PromptSource, *, batch_groups: int, group_size: int, eta: int,
                  batch_rule: str = "full", min_fill: float = 1.0, patience_s: float | None = None,
                  max_attempts: int = 3, initial_version: int = 0, reserve_groups: int | None = None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, lease_s: float | None = 60.0):
+        if lease_s is not None and not (checks.is_number(lease_s) and 0 < lease_s < math.inf):
+            raise ValueError(f"lease_s must be None or a finite number of seconds > 0, got {lease_s!r}")
+        self.lease_s = None if lease_s is None else float(lease_s)
         if batch_rule not in BATCH_RULES:
             raise ValueError(f"unknown batch_rule {batch_rule!r}; valid: {', '.join(BATCH_RULES)}")
         if batch_groups < 1 or group_size < 1 or eta < 0:
@@ -113,7 +128,8 @@ class TrajectoryService:
         self._next_id = 0
         self._groups: dict[int, _Group] = {}
         self._counts = {k: 0 for k in ("created", "dispatched", "aborted", "requeued", "finished",
-                                       "rewarded", "consumed", "failed", "surplus", "stale_rejected")}
+                                       "rewarded", "consumed", "failed", "surplus", "stale_rejected",
+                                       "expired")}
         self._filled_at: dict[int, float] = {}  # step -> when it reached min fill
         # Slots per buffer step, kept in step with every transition (dispatch must stay O(1)).
         self._reserved: collections.Counter[int] = collections.Counter()
@@ -121,6 +137,8 @@ class TrajectoryService:
         self._released: set[int] = set()  # buffers `release`d: consumable with what they hold
         self._surplus_news: dict[str, list[int]] = collections.defaultdict(list)  # worker -> ids
         self._dropped: set[int] = set()  # SURPLUS ids (they leave the service; late calls are ignored)
+        self._leases = Leases(self.lease_s)
+        self._last: ConsumedBatch | None = None  # the batch consumed last, until the next consume or ack
 
     # ---- helpers (hold the lock) -------------------------------------------------------------
     def _slots(self, step: int) -> int:
@@ -138,6 +156,10 @@ class TrajectoryService:
 
     def _group(self, group_id: int, want: GroupState, worker: str | None = None) -> _Group:
         g = self._groups.get(group_id)
+        if worker is not None and self._leases.lapsed(group_id, worker) and (
+                g is None or g.state != want or g.worker != worker):
+            raise ValueError(f"group {group_id}: the lease of worker {worker!r} expired and the group was handed "
+                             f"back; it is not held by {worker!r} any more")
         if g is None:
             raise KeyError(f"unknown group {group_id}")
         if g.state != want:
@@ -149,6 +171,34 @@ class TrajectoryService:
     def _move(self, g: _Group, state: GroupState) -> None:
         g.state, g.since = state, self._clock()
 
+    def _expire(self) -> None:
+        """Hands back (requeues, counted) every running group whose lease ran out."""
+        def holder(gid):
+            g = self._groups.get(gid)
+            return g.worker if g is not None and g.state == GroupState.RUNNING else None
+        for gid in list(self._leases.expired(self._clock(), holder)):
+            g = self._groups[gid]
+            self._counts["expired"] += 1
+            self._requeue(g, f"lease of worker {g.worker!r} expired")
+            self._lock.notify_all()
+
+    def renew(self, worker: str, group_ids: list[int]) -> list[int]:
+        """Extends the leases of `worker`'s running groups `group_ids` by lease_s from now. Returns the ids
+        it does not hold (any more): expired and handed back, dropped, finished or unknown; stop those."""
+        checks.check_str("worker", worker, empty_ok=False)
+        if not isinstance(group_ids, list) or not all(checks.is_int(i) for i in group_ids):
+            raise TypeError(f"group_ids must be a list of ints, got {group_ids!r:.200}")
+        with self._lock:
+            self._expire()
+            lost = []
+            for gid in group_ids:
+                g = self._groups.get(gid)
+                if g is not None and g.state == GroupState.RUNNING and g.worker == worker:
+                    self._leases.grant(g.group_id, self._clock())
+                else:
+                    lost.append(gid)
+            return lost
+
     def _task(self, g: _Group) -> GroupTask:
         # Copies: a worker extends these while the service keeps the snapshot it was given.
         partial = None if g.samples is None else [
@@ -157,19 +207,12 @@ class TrajectoryService:
                          meta=dict(g.meta), partial=partial, attempt=g.attempt)
 
     def _check_samples(self, g: _Group, samples: list[Sample], what: str, finished: bool) -> None:
-        if len(samples) != g.n:
-            raise ValueError(f"group {g.group_id}: {what} has {len(samples)} samples, expected {g.n}")
-        for i, s in enumerate(samples):
-            if not isinstance(s, Sample):
-                raise TypeError(f"group {g.group_id}: sample {i} is a {type(s).__name__}, not a Sample")
-            s.validate(f"group {g.group_id} sample {i}", g.v_start, self._published)
-            if finished and not s.done:
-                raise ValueError(f"group {g.group_id} sample {i} is not finished "
-                                 f"(finish_reason={s.finish_reason!r})")
+        checks.check_samples(g.group_id, g.n, samples, what, g.v_start, self._published, finished)
 
     # ---- rollout side --------------------------------------------------------------------------
     def needs_sync(self, version: int) -> bool:
         """True when a worker holding `version` can no longer be given work (version + eta < v_train)."""
+        checks.check_int("version", version)
         with self._lock:
             return version + self.eta < self._v_train
 
@@ -178,7 +221,11 @@ class TrajectoryService:
         (oldest v_start first; only those with v_start <= version), then new prompts, each reserving a
         slot in buffer version + eta. Returns [] when no slot is free or the worker must sync.
         """
+        checks.check_str("worker", worker, empty_ok=False)
+        checks.check_int("version", version, 0)
+        checks.check_int("max_groups", max_groups, 1)
         with self._lock:
+            self._expire()
             if version > self._published:
                 raise ValueError(f"worker {worker!r} claims version {version}, but the latest published "
                                  f"version is {self._published}")
@@ -189,6 +236,7 @@ class TrajectoryService:
             for g in waiting[:max_groups]:
                 g.worker, g.attempt = worker, g.attempt + 1
                 self._move(g, GroupState.RUNNING)
+                self._leases.grant(g.group_id, self._clock())
                 tasks.append(self._task(g))
             step = version + self.eta
             while (len(tasks) < max_groups and step >= self._v_train and self._room(step)
@@ -203,6 +251,7 @@ class TrajectoryService:
                 self._groups[g.group_id] = g
                 self._reserved[step] += 1
                 self._counts["created"] += 1
+                self._leases.grant(g.group_id, self._clock())
                 tasks.append(self._task(g))
             if step < self._v_train:
                 self._counts["stale_rejected"] += 1
@@ -213,7 +262,10 @@ class TrajectoryService:
                rewards: list[float] | None = None) -> int | None:
         """All n samples of a running group are done. With rewards the group occupies a buffer at once
         (returns its step); without, it waits for `reward`. Validated before anything changes."""
+        checks.check_int("group_id", group_id)
+        checks.check_str("worker", worker, empty_ok=False)
         with self._lock:
+            self._expire()
             if group_id in self._dropped:
                 return None
             g = self._group(group_id, GroupState.RUNNING, worker)
@@ -226,11 +278,11 @@ class TrajectoryService:
             return self._occupy(g, rewards) if rewards is not None else None
 
     def _check_rewards(self, g: _Group, rewards: list[float]) -> None:
-        if len(rewards) != g.n or not all(isinstance(r, (int, float)) and math.isfinite(r) for r in rewards):
-            raise ValueError(f"group {g.group_id}: rewards must be {g.n} finite numbers, got {rewards!r}")
+        checks.check_rewards(g.group_id, g.n, rewards)
 
     def reward(self, group_id: int, rewards: list[float]) -> int:
         """Rewards for a finished group; it occupies the earliest feasible buffer. Returns the step."""
+        checks.check_int("group_id", group_id)
         with self._lock:
             g = self._group(group_id, GroupState.FINISHED)
             self._check_rewards(g, rewards)
@@ -293,6 +345,7 @@ class TrajectoryService:
     def take_surplus(self, worker: str) -> list[int]:
         """Ids of `worker`'s running groups dropped as SURPLUS since the last call: stop generating them.
         A `finish` or `abort` of one of them is accepted and ignored."""
+        checks.check_str("worker", worker)
         with self._lock:
             return self._surplus_news.pop(worker, [])
 
@@ -305,6 +358,8 @@ class TrajectoryService:
         """Hands buffer `step` (default: the next one) to the trainer with what it holds, as
         READY_WITH_CAPACITY: no group may occupy it any more, and groups that could land nowhere else
         become SURPLUS. Returns how many were dropped."""
+        if step is not None:
+            checks.check_int("step", step, 0)
         with self._lock:
             step = self._v_train if step is None else step
             if step < self._v_train:
@@ -320,7 +375,11 @@ class TrajectoryService:
         """A running group stops (weight sync, migration, shutdown); it keeps its reservation, its
         v_start and the tokens so far in `partial`, and is dispatched again (or failed after
         max_attempts dispatches)."""
+        checks.check_int("group_id", group_id)
+        checks.check_str("worker", worker, empty_ok=False)
+        checks.check_str("reason", reason)
         with self._lock:
+            self._expire()
             if group_id in self._dropped:
                 return
             g = self._group(group_id, GroupState.RUNNING, worker)
@@ -349,6 +408,8 @@ class TrajectoryService:
 
     def fail(self, group_id: int, reason: str) -> None:
         """Gives up on a running, requeued or finished group (its slot is freed); counted, never silent."""
+        checks.check_int("group_id", group_id)
+        checks.check_str("reason", reason)
         with self._lock:
             if group_id in self._dropped:
                 return
@@ -362,6 +423,8 @@ class TrajectoryService:
 
     def release_worker(self, worker: str, reason: str = "worker gone") -> int:
         """Requeues every group running on `worker` (it crashed or left); returns how many."""
+        checks.check_str("worker", worker)
+        checks.check_str("reason", reason)
         with self._lock:
             mine = [g for g in self._groups.values() if g.state == GroupState.RUNNING and g.worker == worker]
             for g in mine:
@@ -378,6 +441,7 @@ class TrajectoryService:
     # ---- trainer side --------------------------------------------------------------------------
     def mark_published(self, version: int) -> None:
         """The trainer made weights `version` available; workers may now hold it."""
+        checks.check_int("version", version, 0)
         with self._lock:
             if version < self._published or version > self._v_train:
                 raise ValueError(f"cannot publish version {version}: latest published {self._published}, "
@@ -387,6 +451,8 @@ class TrajectoryService:
 
     def buffer_state(self, step: int | None = None) -> str:
         """State of buffer `step` (default: the one the trainer consumes next), a BufferState value."""
+        if step is not None:
+            checks.check_int("step", step, 0)
         with self._lock:
             return self._buffer_state(self._v_train if step is None else step).value
 
@@ -419,10 +485,16 @@ class TrajectoryService:
 
         A STUCK buffer (nothing more can arrive) is handed over with what it holds, possibly nothing:
         the end of the data. Raises TimeoutError if not ready within `timeout` seconds.
+
+        Asking again for the step consumed last (its reply was lost) returns the same batch, not counted
+        again, until the next step is consumed or `ack(version)` releases it.
         """
-        timeout = check_timeout(timeout)
+        checks.check_int("version", version, 0)
+        timeout = checks.check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
+            if self._last is not None and version == self._last.step:
+                return self._last
             if version != self._v_train:
                 raise ValueError(f"trainer asks for buffer {version}, but the next buffer is {self._v_train}")
             while True:
@@ -432,8 +504,10 @@ class TrajectoryService:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"buffer {version} not ready after {timeout}s: {self._summary(version)}")
-                wait = 0.05 if self.patience_s is not None else None  # re-check patience timers
+                # Re-check patience timers and leases now and then (waiters are notified of the rest).
+                wait = 0.05 if self.patience_s is not None else 0.25 if self.lease_s is not None else None
                 self._lock.wait(wait if left is None else min(left, wait or left))
+                self._expire()
             groups = sorted((g for g in self._groups.values()
                              if g.state == GroupState.OCCUPIED and g.step == version), key=lambda g: g.group_id)
             for g in groups:
@@ -448,9 +522,17 @@ class TrajectoryService:
             self._filled_at.pop(version, None)
             self._released.discard(version)
             self._lock.notify_all()
-            return ConsumedBatch(version, [FinishedGroup(g.group_id, g.prompt, g.v_start, g.samples,
-                                                         g.rewards, g.meta, g.step) for g in groups],
-                                 state.value)
+            self._last = ConsumedBatch(version, [FinishedGroup(g.group_id, g.prompt, g.v_start, g.samples,
+                                                               g.rewards, g.meta, g.step) for g in groups],
+                                       state.value)
+            return self._last
+
+    def ack(self, version: int) -> None:
+        """The trainer received batch `version`: the service need not keep it for a repeated `consume`."""
+        checks.check_int("version", version, 0)
+        with self._lock:
+            if self._last is not None and self._last.step == version:
+                self._last = None
 
     def _summary(self, step: int) -> str:
         by_state = {}
@@ -461,6 +543,7 @@ class TrajectoryService:
     def stats(self) -> dict[str, Any]:
         """Counters of every transition and gauges of every state, for logs and accounting checks."""
         with self._lock:
+            self._expire()  # leases run out lazily: any call applies what is due
             gauges = {s.value: 0 for s in GroupState}
             for g in self._groups.values():
                 gauges[g.state.value] += 1
@@ -486,15 +569,22 @@ class TrajectoryService:
     def restore(self, snap: dict[str, Any]) -> None:
         """Replaces the state with a snapshot. Groups that were running are requeued (their workers are
         gone) with their reservations and partial samples, so nothing is lost or consumed twice."""
+        parsed = parse_snapshot(snap, group_fields=tuple(f.name for f in dataclasses.fields(_Group)),
+                                states={s.value: s for s in GroupState}, n=self.group_size,
+                                batch_groups=self.batch_groups, reserve_groups=self.reserve_groups, eta=self.eta)
         with self._lock:
-            self._v_train, self._published = snap["v_train"], snap["published"]
-            self._next_id, self._counts = snap["next_id"], dict(snap["counts"])
+            old_source = self.source.get_state()
+            self.source.set_state(parsed["source"])
+            if self.source.get_state() != parsed["source"]:
+                self.source.set_state(old_source)
+                raise ValueError(f"snapshot source {parsed['source']!r} cannot be restored")
+            self._v_train, self._published = parsed["v_train"], parsed["published"]
+            self._next_id = parsed["next_id"]
+            self._counts = {**{k: 0 for k in self._counts}, **parsed["counts"]}
             self._groups = {}
-            for d in snap["groups"]:
-                d = dict(d)
-                d["state"] = GroupState(d["state"])
-                if d["samples"] is not None:
-                    d["samples"] = [Sample(**s) if isinstance(s, dict) else s for s in d["samples"]]
+            self._leases.clear()
+            self._last = None
+            for d in parsed["groups"]:
                 g = _Group(**d)
                 g.since = self._clock()
                 self._groups[g.group_id] = g

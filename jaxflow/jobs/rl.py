@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import pathlib
 import signal
 import sys
@@ -155,6 +156,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if not any(k in " ".join(problems) for k in ("rollout.max_tokens", "rollout.max_len")) \
             and r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
+    lease_s = r.lease_s
+    if not (isinstance(lease_s, (int, float)) and not isinstance(lease_s, bool) and 0 < lease_s < math.inf):
+        problems.append(f"rollout.lease_s must be a finite number of seconds > 0, got {lease_s!r}")
     try:  # the update's options (loss, optimizer, prox, micro-batches...): each bad value names its key
         check_trainer_config(t)
     except ValueError as e:
@@ -266,7 +270,7 @@ def run(config: ml_collections.ConfigDict) -> int:
     strategy = Coordination.from_config(config.rollout.coordination)
     service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),
                                 batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
-                                batch_rule=t.batch_rule,
+                                batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
                                 reserve_groups=strategy.reserve_groups(t.batch_groups))
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
     start_step, extra = 0, {}

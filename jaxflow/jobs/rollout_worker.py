@@ -9,7 +9,9 @@ from the JAXFLOW_TOKEN environment variable so it never shows in a process list.
 loads the newest published weights, then runs until SIGTERM/SIGINT, when it hands its in-flight groups
 back (with their partial samples) before exiting, or with --drain lets them finish first. Placement and
 weight-sync options are those of the `rollout.coordination` config section (`--sync`, `--sync-mode`, ...).
-The trajectory server must serve `take_surplus` besides dispatch/finish/abort/fail/needs_sync.
+The trajectory server must serve `take_surplus` besides dispatch/finish/abort/fail/needs_sync, and
+should serve `renew` and `release_worker`: without `renew` the worker cannot keep its leases, so its groups
+go back to the queue after the service's `lease_s` (a later finish of one is refused and logged).
 """
 
 from __future__ import annotations

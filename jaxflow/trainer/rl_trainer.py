@@ -14,6 +14,12 @@ response lengths, and the staleness histogram {v - token version: tokens} of the
 `trainer.skip_zero_signal`, groups whose samples all scored the same (advantage 0 on every token) are
 consumed and accounted but left out of the update.
 
+A consumed group that could not be trained (NaN or positive log-probs, non-finite rewards, token versions
+out of range, longer than a row: the trajectory service refuses these at `finish`, so only a service that
+does not check gets here) is dropped from the update by `screen_groups`, logged with its reason and
+counted in the step's `groups_rejected` metric; the job goes on. Only a buffer with no usable group at
+all raises, naming every group and its fault.
+
 Every option of the update is a key of the run config's trainer section: `step_config` and
 `optimizer_config` read them all and `check_trainer_config` validates them, naming the bad key, before a
 run starts. With `trainer.loss.kl_coef > 0` the trainer keeps a frozen copy of the parameters it was built
@@ -38,6 +44,7 @@ from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models import hf_io
+from jaxflow.data import checks
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.records import FinishedGroup
 from jaxflow.trainer.state import TrainState, create_train_state, train_state_shardings
@@ -141,6 +148,30 @@ def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
     return out
 
 
+def screen_groups(groups: list[FinishedGroup], version: int,
+                  seq_len: int) -> tuple[list[FinishedGroup], list[tuple[int, str]]]:
+    """(the groups the update at `version` can train, [(group id, why not)] for the others, each logged).
+    Raises ValueError naming every group and its fault when none is usable."""
+    good, rejected = [], []
+    for g in groups:
+        try:
+            checks.check_samples(g.group_id, len(g.samples), g.samples, "consumed", g.v_start, version, finished=False)
+            checks.check_rewards(g.group_id, len(g.samples), g.rewards)
+            longest = max((len(s.tokens) for s in g.samples), default=0)
+            if not g.samples or len(g.prompt) + longest > seq_len:
+                raise ValueError(f"group {g.group_id}: prompt + longest sample is {len(g.prompt) + longest} "
+                                 f"tokens, more than seq_len={seq_len} (or the group has no samples)")
+        except (TypeError, ValueError) as e:
+            rejected.append((g.group_id, str(e)))
+            logger.error("dropping group %d from the update at version %d: %s", g.group_id, version, e)
+            continue
+        good.append(g)
+    if not good:
+        raise ValueError(f"buffer {version}: all {len(groups)} groups were rejected: "
+                         + "; ".join(why for _, why in rejected))
+    return good, rejected
+
+
 def batch_shape(max_sequences: int, seq_len: int, minibatches: int, micro_batch_rows: int,
                 rows_per_shard: int) -> tuple[int, int, int]:
     """The one batch shape [micro-batches, rows, seq_len] the trainer compiles: room for every sequence
@@ -222,12 +253,13 @@ class RLTrainer:
             raise ValueError(f"buffer {consumed.step} handed to the trainer at version {v}")
         if not consumed.groups:
             raise ValueError(f"buffer {v} holds no groups: the prompt source is exhausted")
-        signal = [max(g.rewards) != min(g.rewards) for g in consumed.groups]
-        groups = consumed.groups
+        usable, rejected = screen_groups(consumed.groups, v, self.seq_len)
+        signal = [max(g.rewards) != min(g.rewards) for g in usable]
+        groups = usable
         if self.cfg.skip_zero_signal:
             # A group whose samples all scored the same has advantage 0 on every token: it only costs compute
             # (and dilutes a token-mean loss). A buffer with no signal at all is trained as is.
-            groups = [g for g, s in zip(consumed.groups, signal) if s] or consumed.groups
+            groups = [g for g, s in zip(usable, signal) if s] or usable
         trajs = trajectories_of(groups)
         start = time.perf_counter()
         micro, rows, _ = self.batch_shape
@@ -253,8 +285,8 @@ class RLTrainer:
         for t in trajs:
             staleness.update(v - ver for ver in t.versions)
         # Rewards and lengths describe everything the rollout produced; trained_tokens what the update used.
-        rewards = np.asarray([r for g in consumed.groups for r in g.rewards], np.float64)
-        lengths = np.asarray([len(s.tokens) for g in consumed.groups for s in g.samples])
+        rewards = np.asarray([r for g in usable for r in g.rewards], np.float64)
+        lengths = np.asarray([len(s.tokens) for g in usable for s in g.samples])
         metrics: dict[str, Any] = {
             **step_metrics,
             "reward_mean": float(rewards.mean()),
@@ -266,6 +298,7 @@ class RLTrainer:
             "consumed_tokens": float(lengths.sum()),
             "groups": float(len(consumed.groups)),
             "groups_trained": float(len(groups)),
+            "groups_rejected": float(len(rejected)),
             "step_s": step_s,
             "rows_filled": float(np.any(np.asarray(batch.segment_ids) > 0, axis=-1).sum()),
             "train_step_compiles": float(self._step.compiles),

@@ -1,0 +1,116 @@
+"""The coordinator under faults, against a real trajectory service and a scripted engine: a reward that
+raises or returns NaN fails its group (counted) instead of stopping the loop, the coordinator renews the
+leases of what it holds, and `stop` hands back every group it can even when one hand-back is refused."""
+
+import math
+
+from jaxflow.coordination import Coordination, Coordinator
+from jaxflow.data.prompt_source import PromptSource
+from jaxflow.data.records import Sample
+from jaxflow.data.trajectory_service import TrajectoryService
+from rollout_bridge.engine import Completion, EngineLoad, SamplingParams
+
+
+class ScriptedEngine:
+    """Holds every request until `finish_all`; an abort hands back two generated tokens."""
+
+    version, paused = 0, False
+
+    def __init__(self):
+        self.requests, self.out = {}, []
+
+    def submit(self, request):
+        self.requests[request.request_id] = request
+
+    def poll(self, timeout=None):
+        out, self.out = self.out, []
+        return out
+
+    def abort(self, ids):
+        return [Completion(i, Sample([3, 4], [-0.5, -0.5], [0, 0], "abort")) for i in ids
+                if self.requests.pop(i, None) is not None]
+
+    def finish_all(self):
+        self.out += [Completion(i, Sample([5, 6], [-0.5, -0.5], [0, 0], "stop")) for i in self.requests]
+        self.requests = {}
+
+    def load(self):
+        return EngineLoad(len(self.requests), 0, 0.0, 1.0, 0)
+
+    def update_weights(self, version, tensors):
+        pass
+
+
+class NoWeights:
+    def latest(self):
+        return None
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def setup(reward_fn, clock, groups=2):
+    records = [{"prompt": [5, 6 + i], "meta": {"i": i}} for i in range(20)]
+    svc = TrajectoryService(PromptSource(records, shuffle=False), batch_groups=groups, group_size=2, eta=0,
+                            lease_s=10.0, clock=clock)
+    engine = ScriptedEngine()
+    coord = Coordinator("c", [engine], svc, NoWeights(), strategy=Coordination(max_running=2 * groups), eta=0,
+                        sampling=SamplingParams(max_tokens=8), reward_fn=reward_fn, clock=clock,
+                        renew_every_s=1.0)
+    return svc, engine, coord
+
+
+def test_a_nan_or_raising_reward_fails_the_group_and_the_loop_goes_on():
+    calls = []
+
+    def reward(task, samples):
+        calls.append(task.group_id)
+        if task.group_id == 0:
+            return [math.nan, 1.0]
+        if task.group_id == 1:
+            raise RuntimeError("reward crashed")
+        return [1.0, 0.0]
+
+    clock = Clock()
+    svc, engine, coord = setup(reward, clock)
+    coord.step()
+    engine.finish_all()
+    coord.step()  # must not raise
+    stats = svc.stats()
+    assert stats["counts"]["failed"] == 2 and coord.counts["groups_failed"] == 2
+    assert stats["groups"]["running"] == 2  # the loop went on and took new work
+    assert "reward" in str(svc.snapshot()["groups"][0]["meta"]["failure"])
+
+
+def test_the_coordinator_renews_its_leases_and_drops_the_groups_it_lost():
+    clock = Clock()
+    svc, engine, coord = setup(lambda t, s: [1.0, 0.0], clock)
+    coord.step()
+    held = sorted(coord._groups)  # noqa: SLF001
+    for t in range(1, 30):
+        clock.t = float(t)
+        coord.step()
+    assert svc.stats()["counts"]["expired"] == 0 and sorted(coord._groups) == held  # noqa: SLF001
+    clock.t = 45.0  # the coordinator hung for longer than the lease: its groups went back
+    assert svc.dispatch("other", 0, 4) and svc.stats()["counts"]["expired"] == 2
+    coord.step()
+    assert coord.counts["groups_lost"] == 2 and not set(held) & set(coord._groups)  # noqa: SLF001
+
+
+def test_stop_hands_back_every_group_even_when_one_hand_back_is_refused():
+    clock = Clock()
+    svc, engine, coord = setup(lambda t, s: [1.0, 0.0], clock, groups=3)
+    coord.step()
+    assert coord.in_flight() == 3
+    clock.t = 11.0
+    svc.renew("c", [1, 2])  # group 0's lease lapses; another worker takes it
+    (taken,) = svc.dispatch("other", 0, 1)
+    assert taken.group_id == 0
+    coord.stop(abort_in_flight=True)
+    stats = svc.stats()
+    assert stats["groups"]["requeued"] == 2 and coord.in_flight() == 0
+    assert stats["groups"]["running"] == 1  # only the one "other" holds

@@ -1,0 +1,230 @@
+"""Hardening of the trajectory service: complete validation before any change (bad samples, rewards,
+arguments, snapshots), leases that hand back the groups of dead or hung workers, and exactly-once consume
+across a lost reply."""
+
+import copy
+import math
+import threading
+import time
+
+import pytest
+
+from jaxflow.data.prompt_source import PromptSource
+from jaxflow.data.records import Sample
+from jaxflow.data.trajectory_service import TrajectoryService
+from jaxflow.transport import rpc
+
+from service_placements import PLACEMENTS, SERVICE_METHODS, placed
+
+
+def records(n):
+    return [{"prompt": [1 + i % 50, 2 + i % 7], "meta": {"index": i}} for i in range(n)]
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(n_prompts=200, **kw):
+    kw.setdefault("batch_groups", 2)
+    kw.setdefault("group_size", 2)
+    kw.setdefault("eta", 1)
+    return TrajectoryService(PromptSource(records(n_prompts), shuffle=False, num_epochs=1), **kw)
+
+
+def done(task, version=0, length=2):
+    return [Sample([7] * length, [-1.0] * length, [version] * length, "stop") for _ in range(task.n)]
+
+
+@pytest.fixture(params=PLACEMENTS)
+def place(request):
+    with placed(request.param) as p:
+        yield p
+
+
+# ---- 1. samples and rewards validated completely ---------------------------------------------------
+
+BAD_SAMPLES = [
+    ("nan log-prob", Sample([5, 6], [math.nan, math.nan], [0, 0], "stop"), r"sample 0: logprobs\[0\]"),
+    ("string log-prob", Sample([5, 6], ["abc", None], [0, 0], "stop"), r"sample 0: logprobs\[0\]"),
+    ("positive log-prob", Sample([5, 6], [-1.0, 0.5], [0, 0], "stop"), r"sample 0: logprobs\[1\]"),
+    ("inf log-prob", Sample([5, 6], [-math.inf, -1.0], [0, 0], "stop"), r"sample 0: logprobs\[0\]"),
+    ("float token", Sample([5, 6.5], [-1.0, -1.0], [0, 0], "stop"), r"sample 0: tokens\[1\]"),
+    ("bool token", Sample([True, 6], [-1.0, -1.0], [0, 0], "stop"), r"sample 0: tokens\[0\]"),
+    ("negative token", Sample([5, -6], [-1.0, -1.0], [0, 0], "stop"), r"sample 0: tokens\[1\]"),
+    ("float version", Sample([5, 6], [-1.0, -1.0], [0, 0.5], "stop"), r"sample 0: versions\[1\]"),
+    ("future version", Sample([5, 6], [-1.0, -1.0], [0, 3], "stop"), r"sample 0: .*versions"),
+    ("short versions", Sample([5, 6], [-1.0, -1.0], [0], "stop"), r"sample 0: 2 tokens but 2 log-probs and 1"),
+    ("int finish_reason", Sample([5, 6], [-1.0, -1.0], [0, 0], 5), r"sample 0: finish_reason"),
+    ("tokens not a list", Sample("ab", [-1.0, -1.0], [0, 0], "stop"), r"sample 0: tokens"),
+]
+
+
+@pytest.mark.parametrize("name,bad,match", BAD_SAMPLES, ids=[b[0] for b in BAD_SAMPLES])
+def test_bad_sample_is_refused_before_anything_changes(place, name, bad, match):
+    svc = place(make())
+    (t,) = svc.dispatch("w0", 0, 1)
+    before = svc.stats()
+    with pytest.raises(ValueError, match=f"group {t.group_id} {match}"):
+        svc.finish(t.group_id, "w0", [bad, done(t)[0]], [1.0, 0.0])
+    with pytest.raises(ValueError, match=f"group {t.group_id} {match}"):
+        svc.abort(t.group_id, "w0", [bad, done(t)[0]])
+    assert svc.stats() == before
+    assert svc.finish(t.group_id, "w0", done(t), [1.0, 0.0]) == 0  # the group is still the worker's
+
+
+@pytest.mark.parametrize("rewards,match", [
+    ([math.nan, 1.0], r"rewards\[0\]"), ([1.0, math.inf], r"rewards\[1\]"), (["1", 0.0], r"rewards\[0\]"),
+    ([True, 0.0], r"rewards\[0\]"), ([1.0], "1 rewards for 2 samples"), (1.0, "rewards must be a list"), ([None, 1.0], r"rewards\[0\]")])
+def test_bad_rewards_are_refused_at_finish_and_reward(place, rewards, match):
+    svc = place(make())
+    t1, t2 = svc.dispatch("w0", 0, 2)
+    before = svc.stats()
+    with pytest.raises(ValueError, match=f"group {t1.group_id}: {match}"):
+        svc.finish(t1.group_id, "w0", done(t1), rewards)
+    assert svc.stats() == before
+    svc.finish(t2.group_id, "w0", done(t2))
+    before = svc.stats()
+    with pytest.raises(ValueError, match=f"group {t2.group_id}: {match}"):
+        svc.reward(t2.group_id, rewards)
+    assert svc.stats() == before
+    svc.reward(t2.group_id, [0, 1])
+
+
+# ---- 5. arguments checked first; restore validates the whole snapshot -------------------------------
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda s: s.dispatch("w0", -0.5), TypeError, "version"),
+    (lambda s: s.dispatch("w0", -1), ValueError, "version"),
+    (lambda s: s.dispatch("w0", True), TypeError, "version"),
+    (lambda s: s.dispatch("w0", 0, 0), ValueError, "max_groups"),
+    (lambda s: s.dispatch("w0", 0, 2.0), TypeError, "max_groups"),
+    (lambda s: s.dispatch(7, 0), TypeError, "worker"),
+    (lambda s: s.dispatch("", 0), ValueError, "worker"),
+    (lambda s: s.consume(0, timeout=math.nan), ValueError, "timeout"),
+    (lambda s: s.consume(0, timeout=-1), ValueError, "timeout"),
+    (lambda s: s.consume(0.0, timeout=0.1), TypeError, "version"),
+    (lambda s: s.needs_sync("1"), TypeError, "version"),
+    (lambda s: s.release(-3), ValueError, "step"),
+    (lambda s: s.buffer_state(1.5), TypeError, "step"),
+    (lambda s: s.mark_published(0.5), TypeError, "version"),
+    (lambda s: s.finish("0", "w0", []), TypeError, "group_id"),
+    (lambda s: s.abort(0, "w0", None, reason=3), TypeError, "reason"),
+    (lambda s: s.fail(0, None), TypeError, "reason"),
+    (lambda s: s.release_worker(None), TypeError, "worker"),
+    (lambda s: s.finish(0, "w0", "ab"), TypeError, "samples"),
+])
+def test_bad_arguments_change_nothing(place, call, exc, match):
+    svc = place(make())
+    svc.dispatch("w0", 0, 1)
+    before = svc.stats()
+    with pytest.raises(exc, match=match):
+        call(svc)
+    assert svc.stats() == before
+    assert all(b["reserved"] >= 0 for b in before["buffers"].values())
+
+
+def _corrupt(snap, path, value):
+    bad = copy.deepcopy(snap)
+    node = bad
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return bad
+
+
+@pytest.mark.parametrize("path,value", [
+    (("v_train",), -1), (("v_train",), "1"), (("published",), 5), (("next_id",), 0), (("counts",), None),
+    (("counts", "created"), -2), (("groups", 0, "state"), "bogus"), (("groups", 1, "reserved"), 99),
+    (("groups", 0, "samples", 0, "logprobs"), [math.nan, 0.0]), (("groups", 1, "rewards"), ["x", 1.0]),
+    (("groups", 0, "group_id"), 1), (("groups", 1, "prompt"), []), (("source",), {"index": -1}),
+    (("groups", 0, "n"), 3), (("groups", 0, "unknown_field"), 1), (("groups", 1, "step"), 7)])
+def test_restore_validates_the_whole_snapshot_first(place, path, value):
+    svc = place(make())
+    t1, t2 = svc.dispatch("w0", 0, 2)
+    svc.abort(t1.group_id, "w0", [Sample([7], [-1.0], [0]), Sample()])
+    svc.finish(t2.group_id, "w0", done(t2), [1.0, 0.0])
+    snap = svc.snapshot()
+    other = place(make())
+    (t3,) = other.dispatch("w1", 0, 1)
+    before_stats, before_snap = other.stats(), other.snapshot()
+    with pytest.raises((ValueError, TypeError), match="snapshot"):
+        other.restore(_corrupt(snap, path, value))
+    assert other.stats() == before_stats and other.snapshot() == before_snap
+    other.restore(snap)  # the intact snapshot still restores
+    assert other.stats()["groups"]["occupied"] == 1
+
+
+# ---- 2. leases ----------------------------------------------------------------------------------
+
+def test_hung_worker_lease_expires_and_the_group_goes_to_a_healthy_worker():
+    clock = FakeClock()
+    svc = make(batch_groups=2, eta=0, lease_s=10.0, clock=clock)
+    hung = svc.dispatch("hung", 0, 1)[0]
+    svc.abort(hung.group_id, "hung", [Sample([7], [-1.0], [0]), Sample()])  # some tokens handed in
+    hung = svc.dispatch("hung", 0, 1)[0]  # and it takes the group again, then hangs
+    (healthy,) = svc.dispatch("good", 0, 1)
+    clock.t = 8.0
+    assert svc.renew("good", [healthy.group_id]) == []
+    clock.t = 12.0
+    again = svc.dispatch("good", 0, 4)
+    assert [t.group_id for t in again] == [hung.group_id]
+    assert again[0].partial[0].tokens == [7]  # its partial tokens came back with it
+    assert svc.stats()["counts"]["expired"] == 1
+    svc.finish(healthy.group_id, "good", done(healthy), [1.0, 0.0])
+    svc.finish(hung.group_id, "good", done(again[0]), [0.0, 1.0])
+    batch = svc.consume(0, timeout=1)
+    assert sorted(g.group_id for g in batch.groups) == sorted([hung.group_id, healthy.group_id])
+    with pytest.raises(ValueError, match="lease .* expired|not held"):  # the hung worker wakes up late
+        svc.finish(hung.group_id, "hung", done(hung), [1.0, 1.0])
+    assert svc.renew("hung", [hung.group_id]) == [hung.group_id]  # it is told the group is not its own
+
+
+def test_trainer_does_not_wait_longer_than_the_lease_on_an_orphan():
+    # Real time, served: a worker reserves and never comes back; a healthy one polls for work.
+    with placed("server") as p:
+        svc = p(make(batch_groups=2, eta=0, lease_s=0.3))
+        svc.dispatch("dead", 0, 2)
+        stop = threading.Event()
+
+        def healthy():
+            while not stop.is_set():
+                for t in svc.dispatch("good", 0, 2):
+                    svc.finish(t.group_id, "good", done(t), [1.0, 0.0])
+                time.sleep(0.02)
+
+        thread = threading.Thread(target=healthy, daemon=True)
+        thread.start()
+        try:
+            batch = svc.consume(0, timeout=10)
+        finally:
+            stop.set()
+            thread.join()
+        assert len(batch.groups) == 2 and svc.stats()["counts"]["expired"] == 2
+
+
+# ---- 3. exactly-once consume across a lost reply -------------------------------------------------
+
+def test_consume_retry_after_a_lost_reply_gets_the_same_batch_counted_once():
+    service = make(batch_groups=2, eta=0)
+    with rpc.Server(service, SERVICE_METHODS["TrajectoryService"], token="t").start() as server, \
+            rpc.Client(server.address, token="t", timeout=1) as impatient, \
+            rpc.Client(server.address, token="t") as worker:
+        with pytest.raises((TimeoutError, OSError)):
+            impatient.consume(0, timeout=5)  # the client gives up after 1 s; the server keeps waiting
+        for t in worker.dispatch("w", 0, 2):
+            worker.finish(t.group_id, "w", done(t), [1.0, 0.0])
+        deadline = time.monotonic() + 10
+        while worker.stats()["v_train"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the server's consume ran and its reply was lost
+        again = impatient.consume(0, timeout=5)
+        assert len(again.groups) == 2 and again.step == 0
+        assert impatient.consume(0, timeout=5).groups == again.groups  # asking twice is harmless
+        stats = worker.stats()
+        assert stats["counts"]["consumed"] == 2 and stats["groups"]["consumed"] == 2
+        with pytest.raises(ValueError, match="next buffer is 1"):
+            impatient.consume(2, timeout=0.1)
