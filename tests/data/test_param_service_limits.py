@@ -29,9 +29,9 @@ def test_a_version_may_not_jump_far_past_the_newest():
             svc.publish(2 ** 63, {"w": np.ones(4, np.uint8)})
         svc.publish(10, {"w": np.ones(4, np.uint8)})  # the first version may be any (a resumed run)
         for bad in (15, 2 ** 63):
-            with pytest.raises(ValueError, match="max_version_jump|below 2\*\*53"):
+            with pytest.raises(ValueError, match=r"max_version_jump|below 2\*\*53"):
                 svc.publish(bad, {"w": np.ones(4, np.uint8)})
-            with pytest.raises(ValueError, match="max_version_jump|below 2\*\*53"):
+            with pytest.raises(ValueError, match=r"max_version_jump|below 2\*\*53"):
                 svc.begin(bad, manifest(4))
         svc.publish(11, {"w": np.ones(4, np.uint8)})  # the trainer's next publish is not blocked
         svc.publish(15, {"w": np.ones(4, np.uint8)})
