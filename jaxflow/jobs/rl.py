@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import pathlib
 import signal
 import sys
@@ -129,7 +128,7 @@ _INT_FIELDS = (("seed", 0), ("data.train_prompts", 1),
                ("model.num_heads", 1), ("model.num_kv_heads", 1), ("model.head_dim", 1), ("model.vocab_size", 1))
 # Float fields: (key, lower bound, whether the bound itself is excluded); all must be finite.
 _FLOAT_FIELDS = (("rollout.temperature", 0.0, False), ("rollout.reward_timeout_s", 0.0, True),
-                 ("rollout.kv_cache_gib", 0.0, True), ("base.lr", 0.0, True))
+                 ("rollout.kv_cache_gib", 0.0, True), ("rollout.lease_s", 0.0, True), ("base.lr", 0.0, True))
 
 
 def _get(config: ml_collections.ConfigDict, key: str):
@@ -156,9 +155,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if not any(k in " ".join(problems) for k in ("rollout.max_tokens", "rollout.max_len")) \
             and r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
-    lease_s = r.lease_s
-    if not (isinstance(lease_s, (int, float)) and not isinstance(lease_s, bool) and 0 < lease_s < math.inf):
-        problems.append(f"rollout.lease_s must be a finite number of seconds > 0, got {lease_s!r}")
     try:  # the update's options (loss, optimizer, prox, micro-batches...): each bad value names its key
         check_trainer_config(t)
     except ValueError as e:

@@ -178,11 +178,10 @@ def batch_shape(max_sequences: int, seq_len: int, minibatches: int, micro_batch_
     in a row of its own (the worst case, packed or not), dealt over the minibatches, in micro-batches of
     `micro_batch_rows` rows (0: one micro-batch per minibatch). The step skips the micro-batches a
     batch leaves empty, so the padding costs transfer, not compute."""
+    if micro_batch_rows % rows_per_shard:
+        raise _bad("micro_batch_rows", micro_batch_rows, f"0 or a multiple of the {rows_per_shard} data x fsdp shards")
     per_minibatch = -(-max_sequences // minibatches)
     rows = micro_batch_rows or -(-per_minibatch // rows_per_shard) * rows_per_shard
-    if rows % rows_per_shard:
-        raise ValueError(f"trainer.micro_batch_rows={micro_batch_rows} must be a multiple of the "
-                         f"{rows_per_shard} data x fsdp shards")
     return minibatches * -(-per_minibatch // rows), rows, seq_len
 
 
@@ -202,11 +201,8 @@ class RLTrainer:
     def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int, max_sequences: int,
                  device_weights: DeviceParamSource | None = None):
         check_trainer_config(trainer)
-        shards = mesh.shape["data"] * mesh.shape["fsdp"]
-        self.micro_batch_rows = trainer.micro_batch_rows
-        if self.micro_batch_rows % shards:
-            raise _bad("micro_batch_rows", self.micro_batch_rows,
-                       f"0 or a multiple of the {shards} data x fsdp shards")
+        self.batch_shape = batch_shape(max_sequences, seq_len, trainer.minibatches, trainer.micro_batch_rows,
+                                       mesh.shape["data"] * mesh.shape["fsdp"])
         self.mesh, self.seq_len, self.cfg = mesh, seq_len, trainer
         self.device_weights = device_weights
         self.graphdef = nnx.graphdef(model)
@@ -220,7 +216,6 @@ class RLTrainer:
         self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.step_config.loss.kl_coef > 0
                            else None)
         self._step = TrainStep(self.graphdef, self.tx, self.step_config, mesh, self.shardings)
-        self.batch_shape = batch_shape(max_sequences, seq_len, self.minibatches, self.micro_batch_rows, shards)
         seconds = self._step.compile(self.state, self.batch_shape, with_ref=self.ref_params is not None)
         logger.info("train step compiled for batches of %s in %.1f s", self.batch_shape, seconds)
 
