@@ -147,14 +147,12 @@ def _recv(conn: socket.socket) -> dict:
 
 def _gather_peers(port: int, num_processes: int, timeout_s: float) -> None:
     """Process 0's side of the handshake: every other id exactly once, or an error to all that came."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    dual = socket.has_dualstack_ipv6()  # IPv4 and IPv6 peers alike
     try:
-        server.bind(("", port))
+        server = socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                      backlog=num_processes, dualstack_ipv6=dual)
     except OSError as e:
-        server.close()
         raise ProcessGroupError(f"process 0 cannot serve the group on port {port}: it is in use ({e})") from e
-    server.listen(num_processes)
     deadline = time.monotonic() + timeout_s
     joined: dict[int, socket.socket] = {}
     others: list[socket.socket] = []
@@ -244,6 +242,8 @@ def rendezvous(coordinator_address: str, num_processes: int, process_id: int, ti
     no JAX state.
     """
     host, port = _check_group_args(coordinator_address, num_processes, process_id)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
     start = time.monotonic()
     if process_id == 0:
         _gather_peers(port, num_processes, timeout_s)
@@ -260,9 +260,13 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
 
     coordinator_address: "host:port" of process 0, which serves the group there (the port must be free
     on its host). All three None: JAX detects them (Cloud TPU, Slurm, Open MPI) and no handshake runs.
-    num_processes == 1: nothing to join. Bad arguments raise ValueError; a peer that never arrives, a
-    duplicate or out-of-range id, disagreeing counts, or a port in use raise ProcessGroupError naming
-    them, all before `jax.distributed.initialize` is called.
+    num_processes == 1: nothing to join. timeout_s: how long the handshake (and then JAX's own connect)
+    waits for the others. heartbeat_timeout_s: how long a silent process counts as alive before JAX stops
+    the group. local_device_ids: the devices of this host that this process owns (default all; set it
+    when several processes share a host's accelerators).
+    Bad arguments raise ValueError; a peer that never arrives, a duplicate or out-of-range id, disagreeing
+    counts, or a port in use raise ProcessGroupError naming them, all before `jax.distributed.initialize`
+    is called.
     """
     address = _check_group_args(coordinator_address, num_processes, process_id)
     if not timeout_s > 0:
