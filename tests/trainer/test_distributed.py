@@ -106,6 +106,16 @@ def test_a_peer_that_never_starts_is_named_within_the_timeout(tmp_path):
                               timeout_s=120)
 
 
+def test_a_process_that_dies_without_a_word_is_named(tmp_path):
+    # XLA aborts both processes at start-up on an unknown flag, as JAX aborts a process whose peer died:
+    # no Python exception, no result. The launcher names a dead process instead of waiting for it.
+    config = distributed.process_config(str(tmp_path), trainer_section(), seq_len=64, max_sequences=16,
+                                        fsdp=4, tensor=2, init_timeout_s=30)
+    with pytest.raises(ProcessGroupError, match=r"trainer process [01] exited with code \S+ before reporting"):
+        distributed.run_local(config, [], num_processes=2, timeout_s=120,
+                              env={"XLA_FLAGS": "--xla_no_such_flag=1", "JAX_PLATFORMS": "cpu"})
+
+
 def _handshake(port, members, timeout_s=1.0):
     """Runs `rendezvous` for each (num_processes, process_id) in threads; {process_id: error or None}."""
     outcome = {}
