@@ -9,6 +9,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxflow.config import load_config
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, Sample
@@ -35,9 +36,9 @@ def buffer(version: int, seed: int) -> ConsumedBatch:
     return ConsumedBatch(version, groups, "full")
 
 
-def trainer_section(lr=1e-3):
+def trainer_section():
     trainer = load_config("configs/arithmetic_tiny.py", {}).trainer
-    trainer.lr, trainer.warmup_steps, trainer.micro_batch_rows = lr, 0, 0
+    trainer.lr, trainer.warmup_steps, trainer.micro_batch_rows = 1e-3, 0, 0
     # A large Adam eps keeps the update continuous in the gradient: with eps=1e-8 the first update is
     # lr * sign(g), and summation-order noise on a near-zero gradient element would flip it whole.
     trainer.adam_eps = 1e-3
@@ -76,18 +77,12 @@ def test_two_processes_train_like_one_process_with_all_the_devices(tmp_path):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=0, atol=BOUND * term_scale)
         np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=BOUND)
         assert want["grad_norm"] > 0 and want["updates_skipped"] == 0
-    initial = distributed.gather_params(_params(model_dir))
+    initial = distributed.gather_params(nnx.state(load_model(model_dir), nnx.Param))
     assert set(results[0]["params"]) == set(reference["params"]) == set(initial)
     moved = max(np.abs(reference["params"][k] - initial[k]).max() for k in initial)
     assert moved > 50 * BOUND  # two steps moved the weights far more than the bound
     for name, want in reference["params"].items():
         np.testing.assert_allclose(results[0]["params"][name], want, rtol=0, atol=BOUND, err_msg=name)
-
-
-def _params(model_dir):
-    from flax import nnx
-
-    return nnx.state(load_model(model_dir), nnx.Param)
 
 
 def test_a_peer_that_never_starts_is_named_within_the_timeout(tmp_path):
