@@ -96,3 +96,38 @@ def state_shardings(state, mesh: Mesh, rules=None):
         return var.replace(value=named_sharding(axes, value.shape, mesh, rules))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def process_block(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> tuple[slice, ...]:
+    """The block of a global array of `shape` that this process's devices hold under `sharding`.
+
+    Raises ValueError if that part is not one contiguous block (a mesh whose devices are not grouped by
+    process can scatter a process's rows): then no process could feed its part as one array.
+    """
+    shape = tuple(shape)
+    indices = list(sharding.addressable_devices_indices_map(shape).values())
+    block = []
+    for dim, size in enumerate(shape):
+        spans = sorted({idx[dim].indices(size)[:2] for idx in indices})
+        covered = set().union(*(range(a, b) for a, b in spans))
+        start, stop = spans[0][0], max(b for _, b in spans)
+        if covered != set(range(start, stop)):
+            raise ValueError(f"process {jax.process_index()} holds the non-contiguous spans {spans} of "
+                             f"dimension {dim} under {sharding}; order the mesh's devices by process")
+        block.append(slice(start, stop))
+    return tuple(block)
+
+
+def put_global(host, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`host`, the whole global array as every process sees it, as one jax.Array with `sharding`.
+
+    On a mesh that spans processes each process feeds only its own block (`process_block`), through
+    `jax.make_array_from_process_local_data`: no data crosses between processes (`jax.device_put` of a
+    host array onto such a mesh would first check that every process passed the same value, gathering
+    the whole array across processes on every call). On one process this is `jax.device_put`.
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    host = np.asarray(host)
+    return jax.make_array_from_process_local_data(sharding, host[process_block(sharding, host.shape)],
+                                                  host.shape)

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxflow import sharding
 from jaxflow.trainer import losses
 from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
 from jaxflow.trainer.state import TrainState
@@ -219,7 +220,8 @@ class TrainStep:
     """The jitted update with explicit shardings; call it as `state, metrics = step(state, batch)`.
 
     The state is donated: the caller must use the returned state and drop the one passed in.
-    Batches are validated on the host (shapes, empty mask, future versions) before they are sent.
+    Batches are validated on the host (shapes, empty mask, future versions) before they are sent. On a
+    mesh over several processes every process passes the same whole host batch and sends only its own rows.
 
     Each batch shape is compiled once; `compile(state, shape)` does it ahead of the first call (the RL
     trainer compiles its one padded shape at start-up), and a shape first seen in a call is compiled
@@ -289,7 +291,8 @@ class TrainStep:
                 logger.warning("train step: compiling for a new batch shape %s (compiled so far: %s)",
                                shape, sorted(k[0] for k in self._compiled))
             self.compile(state, shape, with_ref=ref_params is not None)
-        batch = jax.device_put(batch, self.batch_sharding)
+        # On a mesh over several processes each process feeds only its own rows of the batch.
+        batch = jax.tree.map(lambda x: sharding.put_global(x, self.batch_sharding), batch)
         if ref_params is None:
             return self._compiled[key](state, batch)
         return self._compiled[key](state, batch, ref_params)
