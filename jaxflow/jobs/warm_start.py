@@ -157,7 +157,9 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
     engine = JaxEngine(model, max_slots=config.rollout.max_slots, max_len=seq_len,
                        decode_chunk=config.rollout.decode_chunk)
     try:
-        result = evaluate(engine, eval_records, decode=tokenizer.decode, reward_ref=task.reward_ref,
+        # The task's own reward, not task.reward_ref: the base model's recorded accuracy must not depend on
+        # a reward that is not part of its fingerprint (nor fail the build if that reward raises).
+        result = evaluate(engine, eval_records, decode=tokenizer.decode, reward_ref=type(task).reward_ref,
                           max_tokens=config.rollout.max_tokens, stop_token_ids=[tokenizer.eos_id])
     finally:
         engine.close()

@@ -115,6 +115,13 @@ def test_reward_ref_replaces_the_tasks_reward_and_not_the_base_models_fingerprin
     assert warm_start.fingerprint(mine) == warm_start.fingerprint(plain)
 
 
+def test_the_warm_start_scores_its_base_with_the_tasks_own_reward(tmp_path, user_rewards):
+    config = small_config(tmp_path, tmp_path / "base", **{"task.reward_ref": f"{user_rewards}:always",
+                                                          "base.steps": "2", "eval.num_prompts": "2"})
+    info = warm_start.build_base_model(config, tmp_path / "base", log=lambda *_: None)
+    assert info["eval_prompts"] == 2 and info["fingerprint"] == warm_start.fingerprint(config)
+
+
 @pytest.mark.parametrize("ref, says", [
     ("no_such_module_here:reward", "task.reward_ref 'no_such_module_here:reward' does not import: "
                                    "ModuleNotFoundError: No module named 'no_such_module_here'"),
