@@ -44,6 +44,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.operators = "+-"
     # No system turn: on a tiny model the instructions are dozens of tokens it never reads but pays for.
     config.task.system_prompt = ""
+    # A reward of your own, "module:function" with fn(response: str, meta: dict) -> float, instead of the
+    # task's (RL rewards and evals; not part of the base model's cache key). None: the task's own.
+    config.task.reward_ref = placeholder(str)
 
     config.data = ml_collections.ConfigDict()
     # Distinct train prompts (drawn from the task's train split; repeated in new orders when used up).
@@ -63,7 +66,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.vocab_size = 512
 
     config.base = ml_collections.ConfigDict()
-    # The base model's directory (an HF model). Built here when missing and build_if_missing.
+    # The base model's directory (an HF model). A model the warm start built (with base_info.json) is a
+    # cache: rebuilt in place when its settings differ from these. A directory holding an HF model of your
+    # own (config.json, safetensors weights, tokenizer.json; no base_info.json) is used as given and never
+    # written; model and base settings then do not apply. Missing or empty: built when build_if_missing.
     config.base.dir = "runs/base/arithmetic_tiny"
     config.base.build_if_missing = True
     # Supervised warm start: steps, demonstrations per step, peak learning rate, distinct examples.

@@ -5,7 +5,7 @@ A reward function is named by reference, "module:function" (e.g. "jaxflow.tasks:
 per worker at a time, so that:
 
 - a call that raises scores `failed_value`, is counted in `stats()["raised"]`, and each distinct error message
-  is logged once;
+  is logged once (or handed once to `on_failure`);
 - a call still running after `timeout_s` has its worker killed (SIGKILL, with any processes it started, see
   below) and replaced; the sample scores `failed_value` and is counted in `stats()["timed_out"]`;
 - a worker that dies during a call (os._exit, a segfault, the OOM killer) is replaced; the sample scores
@@ -209,13 +209,17 @@ class RewardPool:
       memory_limit_mb: if set, each worker's address-space limit (RLIMIT_AS): a runaway allocation raises
         MemoryError in the worker (counted as raised) instead of pushing the machine into swap or the OOM
         killer. Leave room for the interpreter and the reward's imports (a few hundred MiB).
+      on_failure: if set, called as on_failure(message) with the first occurrence of each distinct failure
+        message (e.g. "reward function m:f raised KeyError: 'x'") instead of logging it; it runs on the
+        pool's dispatcher thread, so it must be quick (what it raises is logged and ignored).
 
     Use as a context manager, or call `close()`: workers are daemon processes, but close() is what ends them
     promptly and leaves no process behind.
     """
 
     def __init__(self, num_workers: int = 1, timeout_s: float = 2.0, *, failed_value: float = 0.0,
-                 import_timeout_s: float = 30.0, preload: Sequence[str] = (), memory_limit_mb: int | None = None):
+                 import_timeout_s: float = 30.0, preload: Sequence[str] = (), memory_limit_mb: int | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         if num_workers < 1:
             raise ValueError(f"RewardPool: num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
@@ -228,6 +232,7 @@ class RewardPool:
         self.num_workers, self.timeout_s = num_workers, float(timeout_s)
         self.failed_value, self.import_timeout_s = float(failed_value), float(import_timeout_s)
         self._preload, self._memory_limit_mb = tuple(preload), memory_limit_mb
+        self._on_failure = on_failure
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._pending: collections.deque[_Job] = collections.deque()
@@ -492,7 +497,12 @@ class RewardPool:
             first = message not in self._logged
             if first and len(self._logged) < _MAX_REMEMBERED_ERRORS:
                 self._logged.add(message)
-        if first:
+        if first and self._on_failure is not None:
+            try:
+                self._on_failure(message)
+            except Exception:  # noqa: BLE001 - a reporting bug must not break the pool
+                log.exception("reward pool on_failure callback failed on: %s", message)
+        elif first:
             log.warning("%s; the sample scores %g (logged once per distinct message)", message, self.failed_value)
         self._finish(job, outcome, self.failed_value)
 

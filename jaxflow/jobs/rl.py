@@ -11,7 +11,10 @@ Pieces, all in this process (vLLM engines run their own processes):
 - `rollout.num_engines` engines (jaxflow's JAX engine, or vLLM), all driven by one coordinator
   (`jaxflow.coordination`) that places every request and syncs weights by the options of
   `rollout.coordination`, with rewards scored in a process pool (a crashing or hanging reward scores
-  the sample 0, counted, and never stops the run);
+  the sample 0, counted, and never stops the run: each distinct error is printed once, the counts are
+  in every step's metrics as reward_raised/timed_out/crashed/invalid and in result.json's accounting;
+  but a reward that fails on every sample of the first batch stops the run with exit code 2 rather
+  than train on zeros);
 - the trainer (`jaxflow.trainer.rl_trainer`): consume buffer v, one PPO step, publish v+1.
 
 eta = 0 with the "full" batch rule is synchronous RL through the same code: engines only ever generate
@@ -52,7 +55,8 @@ from jaxflow.models import hf_io
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.param_service import ParameterService
 from jaxflow.data.prompt_source import PromptSource
-from jaxflow.rewards import RewardPool, group_reward_fn
+from jaxflow.rewards import RewardPool, group_reward_fn, resolve
+from jaxflow.tasks import get_task
 from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.tokenizer import Tokenizer
@@ -65,6 +69,34 @@ log = logging.getLogger(__name__)
 ENGINES = ("jax", "vllm")
 # Seconds the trainer waits for a buffer before it prints where the groups are.
 _STALL_REPORT_S = 120.0
+# Reward calls that failed (each scored 0), by kind: the reward pool's counts, cumulative, in every step's
+# metrics and in result.json's accounting as reward_<kind>.
+_REWARD_FAILURES = ("raised", "timed_out", "crashed", "invalid")
+# Distinct reward errors printed; any more are counted only.
+_MAX_PRINTED_REWARD_ERRORS = 5
+
+
+class _RewardErrors:
+    """The reward pool's `on_failure`: prints the first occurrence of each distinct reward error to stderr,
+    and remembers the first one for the error that stops a run whose reward never works."""
+
+    def __init__(self, failed_value: float):
+        self.failed_value, self.seen, self.first = failed_value, 0, None
+
+    def __call__(self, message: str) -> None:
+        self.seen += 1
+        self.first = self.first or message
+        if self.seen <= _MAX_PRINTED_REWARD_ERRORS:
+            print(f"jaxflow: {message}; the sample scores {self.failed_value:g} and the run goes on (more "
+                  f"failures with this message are counted in the metrics as reward_*, not printed)",
+                  file=sys.stderr, flush=True)
+        elif self.seen == _MAX_PRINTED_REWARD_ERRORS + 1:
+            print("jaxflow: more distinct reward errors: counted in the metrics, not printed",
+                  file=sys.stderr, flush=True)
+
+
+class RewardNeverWorked(RuntimeError):
+    """The reward function failed on every sample of the run's first batch: training would learn nothing."""
 
 
 class _Stop:
@@ -162,8 +194,29 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     # Any other float that is nan or inf (trainer.lr=inf passes its "> 0"), or int beyond int64: load_config
     # refuses them too; this catches a config built or changed in code.
     problems += number_problems(config, problems)
+    problems += _task_problems(config)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
+
+
+def _task_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """The task's options (the task is built, its data read) and task.reward_ref, resolved here as a reward
+    worker will (so a typo or an import error shows now, not as every sample failing)."""
+    problems = []
+    options = config.task.to_dict()
+    ref = options.pop("reward_ref", None)
+    if ref is not None:
+        try:
+            resolve(ref)
+        except ValueError as e:
+            problems.append(f"task.reward_ref: {e}")
+        except Exception as e:  # noqa: BLE001 - whatever importing the user's module raises
+            problems.append(f"task.reward_ref {ref!r} does not import: {type(e).__name__}: {e}")
+    try:
+        get_task(options.pop("name"), **options)
+    except (ValueError, TypeError, OSError) as e:
+        problems.append(f"task: {e}")
+    return problems
 
 
 def check_workdir(workdir: pathlib.Path) -> None:
@@ -295,7 +348,9 @@ def run(config: ml_collections.ConfigDict) -> int:
     trainer.publish_weights(params)
     # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
     weights = params if params is not None else device_weights
-    pool = RewardPool(num_workers=config.rollout.reward_workers, timeout_s=config.rollout.reward_timeout_s)
+    reward_errors = _RewardErrors(failed_value=0.0)
+    pool = RewardPool(num_workers=config.rollout.reward_workers, timeout_s=config.rollout.reward_timeout_s,
+                      failed_value=0.0, on_failure=reward_errors)
     evaluator = _Evaluator(config, trainer, device_weights, task, tokenizer, pool)
     sampling = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                               stop_token_ids=(tokenizer.eos_id,))
@@ -303,6 +358,7 @@ def run(config: ml_collections.ConfigDict) -> int:
     coordinator = None
     result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy")}
     reward_fn = group_reward_fn(pool, task.reward_ref, tokenizer.decode)
+    never_worked = None
     try:
         if result["base_accuracy"] is None:
             result["base_accuracy"] = evaluator()
@@ -313,8 +369,12 @@ def run(config: ml_collections.ConfigDict) -> int:
                 device_weights.add_target(engines[-1].param_shardings)
         coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
                                   sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
-        result.update(_train_loop(config, trainer, service, params, coordinator, ckpt, ledger, run_log,
-                                  evaluator, start_step, result["base_accuracy"]))
+        try:
+            result.update(_train_loop(config, trainer, service, params, coordinator, ckpt, ledger, run_log,
+                                      evaluator, start_step, result["base_accuracy"], pool, reward_errors,
+                                      task.reward_ref))
+        except RewardNeverWorked as e:
+            never_worked = str(e)
         result["coordination"] = {k: v for k, v in coordinator.stats().items() if k != "instances"}
         (workdir / "coordinator_trace.json").write_text(
             json.dumps({k: list(v) for k, v in coordinator.trace.items()}))
@@ -334,30 +394,61 @@ def run(config: ml_collections.ConfigDict) -> int:
     if result.get("interrupted"):
         print(f"jaxflow: stopped at step {trainer.version}; rerun the same command to resume", flush=True)
         return 130
-    stats = service.stats()
-    ids = ledger.group_ids()
-    counts = stats["counts"]
-    result["accounting"] = {
-        "created": counts["created"], "consumed": counts["consumed"], "failed": counts["failed"],
-        "surplus": counts["surplus"],
-        "in_flight": sum(v for k, v in stats["groups"].items() if k not in ("consumed", "failed", "surplus")),
-        "ledger_groups": len(ids), "ledger_duplicates": len(ids) - len(set(ids))}
+    result["accounting"] = _accounting(service, ledger, pool)
+    a = result["accounting"]
+    reward_line = (f"jaxflow: reward calls {a['reward_calls']}: scored {a['reward_scored']}, failed (scored 0) "
+                   + ", ".join(f"{k.replace('_', ' ')} {a['reward_' + k]}" for k in _REWARD_FAILURES))
+    if never_worked is not None:
+        result["error"] = never_worked
+        (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"jaxflow: error: {never_worked}\n{reward_line}", file=sys.stderr, flush=True)
+        return 2
     result["train_step_compiles"], result["train_step_compile_s"] = trainer.compiles, round(trainer.compile_s, 2)
     hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True)
     (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    a = result["accounting"]
     print(f"jaxflow: done. held-out accuracy {result['base_accuracy']:.1%} (base) -> "
           f"{result['final_accuracy']:.1%} after {t.steps} steps; policy exported to {workdir / 'export'}\n"
           f"jaxflow: groups created {a['created']} = consumed {a['consumed']} + in flight {a['in_flight']} + "
           f"failed {a['failed']} + surplus {a['surplus']}; the ledger holds {a['ledger_groups']} trained groups, "
           f"{a['ledger_duplicates']} trained twice\n"
-          f"jaxflow: train-step compiles: {trainer.compiles} ({trainer.compile_s:.1f}s)", flush=True)
+          f"jaxflow: train-step compiles: {trainer.compiles} ({trainer.compile_s:.1f}s)\n{reward_line}",
+          flush=True)
     return 0
 
 
+def _accounting(service: TrajectoryService, ledger: Ledger, pool: RewardPool) -> dict[str, int]:
+    """Where every group went (created = consumed + in flight + failed + surplus), how many the ledger
+    trained (and twice), and the reward calls by outcome (rollouts and evals; a failed call scored 0)."""
+    stats = service.stats()
+    ids = ledger.group_ids()
+    counts = stats["counts"]
+    rewards = pool.stats()
+    return {
+        "created": counts["created"], "consumed": counts["consumed"], "failed": counts["failed"],
+        "surplus": counts["surplus"],
+        "in_flight": sum(v for k, v in stats["groups"].items() if k not in ("consumed", "failed", "surplus")),
+        "ledger_groups": len(ids), "ledger_duplicates": len(ids) - len(set(ids)),
+        "reward_calls": rewards["submitted"], "reward_scored": rewards["scored"],
+        **{f"reward_{k}": rewards[k] for k in _REWARD_FAILURES}}
+
+
+def _check_first_batch(pool: RewardPool, before: dict[str, int], batch_samples: int, errors: _RewardErrors,
+                       fn_ref: str) -> None:
+    """Raises RewardNeverWorked if not one reward call since `before` (the pool's stats when rollouts
+    started) scored, though at least a batch's worth of them finished."""
+    now = pool.stats()
+    finished = sum(now[k] - before[k] for k in ("scored", *_REWARD_FAILURES))
+    if now["scored"] == before["scored"] and finished >= batch_samples:
+        raise RewardNeverWorked(
+            f"the reward function {fn_ref} failed on all {finished} samples of the first batch "
+            f"({batch_samples} samples): {errors.first or 'see the errors above'}; fix it and rerun")
+
+
 def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordinator, ckpt, ledger, run_log,
-                evaluator, start_step: int, base_accuracy: float) -> dict[str, Any]:
+                evaluator, start_step: int, base_accuracy: float, pool: RewardPool, reward_errors: _RewardErrors,
+                reward_ref: str) -> dict[str, Any]:
     t = config.trainer
+    rewards_before = pool.stats()
     coordinator.start()
     out: dict[str, Any] = {}
     loop_start, waited, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0, 0.0
@@ -379,6 +470,9 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
             if consumed is None:
                 break
             waited += time.monotonic() - before
+            if step == start_step:  # before any update: a reward that never works must not train on zeros
+                _check_first_batch(pool, rewards_before, t.batch_groups * config.rollout.group_size,
+                                   reward_errors, reward_ref)
             busy_from = time.monotonic()
             metrics, staleness = trainer.train(consumed)
             trainer.publish(service, params)
@@ -397,6 +491,8 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
                            groups_surplus=float(counts["surplus"]),
                            weight_syncs=float(coordinator.counts["syncs"]))
             metrics.update({k: float(coordinator.counts[k]) for k in _COORDINATION_METRICS})
+            reward_stats = pool.stats()
+            metrics.update({f"reward_{k}": float(reward_stats[k]) for k in _REWARD_FAILURES})
             done = step + 1 == t.steps
             if (step + 1) % config.eval.every == 0 or done:
                 eval_from = time.monotonic()

@@ -7,6 +7,10 @@ engine, and exports it as an HF directory with `base_info.json` beside it. The d
 `ensure_base_model` reuses it when its recorded settings match, so the RL job pays for the warm start
 once per machine.
 
+A directory that holds an HF model the warm start did not build (config.json, safetensors weights and
+tokenizer.json, but no `base_info.json`: a downloaded checkpoint, or an export) is used as given: the RL
+job starts from it, and nothing here ever writes into it. config.model and config.base then do not apply.
+
 The warm start is deliberately short: a base model at roughly 10-40% accuracy leaves RL room to show
 what it does.
 """
@@ -29,6 +33,8 @@ from flax import nnx
 from jaxflow import sharding
 from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models import hf_io
+from jaxflow.models.config import from_hf_config, read_hf_config
+from jaxflow.models.safetensors_io import INDEX_FILE_NAME, SINGLE_FILE_NAME
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.tasks import Task, get_task
 from jaxflow.tokenizer import Tokenizer
@@ -41,9 +47,14 @@ class BaseModelMissing(FileNotFoundError):
     """The RL job's base model is not where the config says, and building it was not asked for."""
 
 
+# Task options that do not shape the base model: the reward scores RL samples and evals, not demonstrations.
+_NOT_FINGERPRINTED_TASK_KEYS = ("reward_ref",)
+
+
 def fingerprint(config: ml_collections.ConfigDict) -> str:
     """A short hash of everything that shapes the base model (task, model, warm-start settings)."""
-    parts = {"task": config.task.to_dict(), "model": config.model.to_dict(), "base": {
+    task = {k: v for k, v in config.task.to_dict().items() if k not in _NOT_FINGERPRINTED_TASK_KEYS}
+    parts = {"task": task, "model": config.model.to_dict(), "base": {
         k: v for k, v in config.base.to_dict().items() if k not in ("dir", "build_if_missing")}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -98,6 +109,10 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
     if (directory / "config.json").exists() and read_info(directory) is None:
         raise FileExistsError(f"{directory} holds a model that no warm start built (it has no {INFO_FILE}); "
                               f"set config.base.dir to another directory, or remove this one")
+    # Marks the directory as the warm start's before anything else is written: a build that dies half way
+    # leaves a stale cache entry (rebuilt next time), never what looks like a user's model.
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / INFO_FILE).write_text(json.dumps({"fingerprint": None, "building": True}) + "\n")
     m, b = config.model, config.base
     write_tiny_model(directory, architecture=m.architecture, hidden_size=m.hidden_size,
                      intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
@@ -142,7 +157,9 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
     engine = JaxEngine(model, max_slots=config.rollout.max_slots, max_len=seq_len,
                        decode_chunk=config.rollout.decode_chunk)
     try:
-        result = evaluate(engine, eval_records, decode=tokenizer.decode, reward_ref=task.reward_ref,
+        # The task's own reward, not task.reward_ref: the base model's recorded accuracy must not depend on
+        # a reward that is not part of its fingerprint (nor fail the build if that reward raises).
+        result = evaluate(engine, eval_records, decode=tokenizer.decode, reward_ref=type(task).reward_ref,
                           max_tokens=config.rollout.max_tokens, stop_token_ids=[tokenizer.eos_id])
     finally:
         engine.close()
@@ -162,16 +179,58 @@ def read_info(directory: str | pathlib.Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
+def _model_files_missing(directory: pathlib.Path) -> list[str]:
+    """What an HF model directory lacks for the RL job: config.json, weights, tokenizer.json."""
+    missing = [] if (directory / "config.json").is_file() else ["config.json"]
+    if not any((directory / name).is_file() for name in (SINGLE_FILE_NAME, INDEX_FILE_NAME)):
+        missing.append(f"weights ({SINGLE_FILE_NAME} or {INDEX_FILE_NAME})")
+    if not (directory / "tokenizer.json").is_file():
+        missing.append("tokenizer.json (the fast-tokenizer file)")
+    return missing
+
+
+def _given_model(directory: pathlib.Path, log) -> pathlib.Path:
+    """`directory`, an HF model the warm start did not build, checked and used as given (never written)."""
+    missing = _model_files_missing(directory)
+    if missing:
+        present = sorted(p.name for p in directory.iterdir())
+        raise BaseModelMissing(
+            f"base.dir {directory} holds no complete HF model: it has no {', no '.join(missing)} "
+            f"(it has: {', '.join(present[:8]) or 'nothing'}{' ...' if len(present) > 8 else ''}). Point "
+            f"config.base.dir at a directory with config.json, safetensors weights and tokenizer.json, "
+            f"or at an empty or new one for the warm start to build a model in")
+    cfg = from_hf_config(read_hf_config(directory), source=str(directory / "config.json"))
+    Tokenizer.from_dir(directory)
+    log(f"jaxflow: base model {directory}: an HF model the warm start did not build (no {INFO_FILE}); "
+        f"using it as given ({cfg.architecture}, {cfg.num_layers} layers, hidden size {cfg.hidden_size}); "
+        f"config.model and config.base do not apply")
+    return directory
+
+
 def ensure_base_model(config: ml_collections.ConfigDict, *, log=print) -> pathlib.Path:
-    """The base model directory (config.base.dir), built first when missing or built with other settings
-    and config.base.build_if_missing; else BaseModelMissing saying how to build it."""
+    """The base model directory (config.base.dir), ready for the RL job.
+
+    - A directory the warm start built (it has base_info.json) is a cache: reused when its recorded
+      settings match this config, rebuilt in place when they do not and config.base.build_if_missing.
+    - A directory with an HF model and no base_info.json (a downloaded checkpoint, an export) is used as
+      given and never written; one line says so. It must hold config.json, safetensors weights and
+      tokenizer.json.
+    - A missing or empty directory is built when config.base.build_if_missing.
+
+    Raises:
+      BaseModelMissing: the model is missing (or stale) and building it was not asked for, or the
+        directory holds an incomplete model (the message names what it lacks).
+      ValueError: a given model's config.json or tokenizer is malformed.
+    """
     directory = pathlib.Path(config.base.dir)
     info = read_info(directory)
     if info is not None and info.get("fingerprint") == fingerprint(config):
         return directory
+    if info is None and directory.is_dir() and any(directory.iterdir()):
+        return _given_model(directory, log)
     if not config.base.build_if_missing:
         why = ("was built with other settings" if info is not None
-               else "does not exist" if not directory.exists() else f"has no {INFO_FILE}")
+               else "does not exist" if not directory.exists() else "is empty")
         raise BaseModelMissing(
             f"base model {directory} {why}. Build it with: python -m jaxflow.main --config=<this config> "
             f"--config.job=warm_start  (or set --config.base.build_if_missing=True)")

@@ -217,6 +217,12 @@ class Task:
     """The interface every task implements; subclasses set `name` and `reward_ref` and the methods below.
 
     Examples are dicts {"question": str, "answer": ..., ...task fields}; JSON-serialisable.
+
+    Options every task takes: system_prompt (None or "" for no system turn), format_score (the score of a
+    wrong answer in well-formed tags), eval_fraction (the share of problems held out), and reward_ref
+    ("module:function" of a reward of the user's, `fn(response, meta) -> float`, used instead of the
+    task's own for RL rewards and evals; it must import in a spawned reward worker, which gets this
+    process's sys.path).
     """
 
     name: str = ""
@@ -224,7 +230,13 @@ class Task:
     reward_ref: str = ""
 
     def __init__(self, *, system_prompt: str = SYSTEM_PROMPT, format_score: float = 0.0,
-                 eval_fraction: float = 0.1):
+                 eval_fraction: float = 0.1, reward_ref: str | None = None):
+        if reward_ref is not None and (not isinstance(reward_ref, str) or reward_ref.count(":") != 1
+                                       or reward_ref.startswith(":") or reward_ref.endswith(":")):
+            raise ValueError(f"{self.name}: reward_ref {reward_ref!r} is not of the form 'module:function'")
+        if reward_ref is not None:
+            # The user's reward replaces the task's own, for RL samples and evals alike.
+            self.reward_ref = reward_ref
         if not 0.0 < eval_fraction < 1.0:
             raise ValueError(f"{self.name}: eval_fraction must be in (0, 1), got {eval_fraction}")
         if not 0.0 <= format_score < 1.0:

@@ -67,7 +67,7 @@ class ArithmeticTask(Task):
       min_number, max_number: the operand range (non-negative).
       operators: the operators to use: a subset of "+-*/" that includes + or -.
       max_value: the largest product or dividend allowed, bounding the digits of every intermediate value.
-      system_prompt, format_score, eval_fraction: as for `Task`.
+      system_prompt, format_score, eval_fraction, reward_ref: as for `Task`.
     """
 
     name = NAME

@@ -132,7 +132,7 @@ class CountdownTask(Task):
       min_target, max_target: the range of targets.
       max_tries: the most wrong chains a demonstration tries before the right one.
       tries_decay: P(k wrong tries) is proportional to tries_decay ** k; smaller is shorter on average.
-      system_prompt, format_score, eval_fraction: as for `Task`.
+      system_prompt, format_score, eval_fraction, reward_ref: as for `Task`.
     """
 
     name = NAME

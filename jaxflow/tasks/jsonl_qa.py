@@ -172,7 +172,7 @@ class JsonlQATask(Task):
       question_field, answer_field: the field (column) names.
       file_format: "jsonl", "parquet", or None to pick by suffix.
       answer_mode: "tag" scores the number in `<answer>...</answer>`; "last_number" the last number written.
-      system_prompt, format_score, eval_fraction: as for `Task`.
+      system_prompt, format_score, eval_fraction, reward_ref: as for `Task`.
     """
 
     name = NAME
@@ -182,6 +182,8 @@ class JsonlQATask(Task):
                  question_field: str = "question", answer_field: str = "answer", file_format: str | None = None,
                  answer_mode: str = "tag", **task_options):
         super().__init__(**task_options)
+        if path is None:
+            raise ValueError("jsonl_qa: no data file given (set task.path to a .jsonl or .parquet file)")
         if answer_mode not in ANSWER_MODES:
             raise ValueError(f"jsonl_qa: unknown answer_mode {answer_mode!r}; valid: {', '.join(ANSWER_MODES)}")
         self.answer_mode = answer_mode

@@ -70,3 +70,40 @@ def test_quickstart_trains_async_and_sync_plots_and_generates_from_the_export(tm
     images = [o for o in outputs(nb, "display_data") if "image/png" in o.get("data", {})]
     assert len(images) == 1
     assert (tmp_path / "runs" / "base" / "base_info.json").is_file()
+
+
+def test_your_model_and_data_survives_a_buggy_reward_then_trains_exports_and_matches_transformers(tmp_path):
+    workdir = tmp_path / "yours"
+    nb = execute("your_model_and_data.ipynb",
+                 f"SMALL = True\nWORKDIR = {str(workdir)!r}\nSTEPS = 3\nMODEL_ID = 'Qwen/Qwen3-0.6B'\n")
+    text = text_of(nb)
+    lines = [ln for ln in text.splitlines() if ln.startswith("YOURDATA_SUMMARY ")]
+    assert len(lines) == 1, text[-3000:]
+    summary = json.loads(lines[0].split(" ", 1)[1])
+    # The kernel survived the buggy reward: every cell ran, the last one included.
+    assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code")
+    # The buggy reward's error is shown in its own cell, once, and its failed samples are in the accounting.
+    buggy = [c for c in nb.cells if c.cell_type == "code" and "rl.run(buggy_config)" in c.source]
+    assert len(buggy) == 1
+    err = "".join(o.get("text", "") for o in buggy[0].get("outputs", [])
+                  if o.get("output_type") == "stream" and o.get("name") == "stderr")
+    assert err.count("jaxflow: reward function buggy_reward:reward raised AttributeError: 'NoneType' object "
+                     "has no attribute 'group'; the sample scores 0 and the run goes on") == 1, err
+    a = summary["buggy_accounting"]
+    assert a["reward_raised"] > 0 and a["reward_calls"] >= a["reward_scored"] + a["reward_raised"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    assert a["ledger_duplicates"] == 0 and summary["buggy_exit"] in (0, 2)
+    # The model directory was used as given (no warm-start cache file written into it).
+    assert f"jaxflow: base model {workdir / 'my_model'}: an HF model the warm start did not build" in text
+    assert not (workdir / "my_model" / "base_info.json").exists()
+    # The fixed reward trained every step on groups it scored, none failing.
+    a = summary["accounting"]
+    assert a["consumed"] == a["ledger_groups"] == 3 * 2 and a["ledger_duplicates"] == 0
+    assert a["reward_raised"] == a["reward_invalid"] == 0 and a["reward_scored"] > 0
+    for key in ("base_accuracy", "final_accuracy", "export_accuracy"):
+        assert 0.0 <= summary[key] <= 1.0
+    # transformers reloads the export, and its logits match jaxflow's within float32 rounding.
+    assert (workdir / "runs" / "mine" / "export" / "model.safetensors").is_file()
+    assert 0.0 <= summary["logits_max_diff"] <= summary["logits_bound"] < 1e-3
+    images = [o for o in outputs(nb, "display_data") if "image/png" in o.get("data", {})]
+    assert len(images) == 1

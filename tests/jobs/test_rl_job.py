@@ -73,9 +73,13 @@ def test_a_stale_base_is_rebuilt_in_place_but_a_foreign_model_is_kept(tmp_path, 
     shutil.copytree(base_dir, foreign)
     (foreign / warm_start.INFO_FILE).unlink()
     before = (foreign / "model.safetensors").read_bytes()
+    # A model the warm start did not build is used as given, whatever the settings; never rebuilt.
+    config = small_config(tmp_path, foreign, **{"base.steps": "2"})
+    assert warm_start.ensure_base_model(config, log=lambda *_: None) == foreign
     with pytest.raises(FileExistsError, match=f"{foreign} holds a model that no warm start built"):
-        warm_start.ensure_base_model(small_config(tmp_path, foreign), log=lambda *_: None)
+        warm_start.build_base_model(config, foreign, log=lambda *_: None)
     assert (foreign / "model.safetensors").read_bytes() == before
+    assert not (foreign / warm_start.INFO_FILE).exists()
 
 
 def test_bad_values_are_named(tmp_path, capsys):

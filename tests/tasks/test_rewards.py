@@ -157,6 +157,25 @@ def test_raising_function_scores_failed_value_and_logs_once(pool, caplog):
     still_works(pool)
 
 
+def test_on_failure_gets_each_distinct_failure_once_instead_of_the_log(caplog):
+    said = []
+
+    def on_failure(message):
+        said.append(message)
+        raise RuntimeError("a reporting bug")  # logged; the pool goes on
+
+    with caplog.at_level(logging.WARNING, logger="jaxflow.rewards"), \
+            RewardPool(num_workers=1, timeout_s=0.5, on_failure=on_failure) as pool:
+        assert pool.score_group(ref(raising_reward), ["x", "x", "y"], {}) == [0.0] * 3
+        assert pool.score_group(ref(invalid_reward), ["nan"], {}) == [0.0]
+        still_works(pool)
+    assert said == [f"reward function {ref(raising_reward)} raised KeyError: 'no field x'",
+                    f"reward function {ref(raising_reward)} raised KeyError: 'no field y'",
+                    f"reward function {ref(invalid_reward)} returned nan, not a finite real number"]
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("on_failure callback failed" in r.getMessage() for r in caplog.records) == 3
+
+
 def test_hanging_function_is_killed_and_replaced(pool):
     start = time.monotonic()
     results = pool.score_group(ref(hanging_reward), ["a", "b", "c"], {})
