@@ -151,3 +151,14 @@ def test_staleness_lab_sweeps_the_losses_and_simulates_against_the_tail_floor(tm
     images = [o for o in outputs(nb, "display_data") if "image/png" in o.get("data", {})]
     assert len(images) == 2
     assert (tmp_path / "runs" / "base" / "base_info.json").is_file()
+
+
+def test_the_readme_links_every_notebook_to_colab_and_its_install_cell_clones_the_same_repository():
+    readme = (ROOT / "README.md").read_text()
+    for path in sorted(COLABS.glob("*.ipynb")):
+        link = f"https://colab.research.google.com/github/jaxflow/jaxflow/blob/main/colabs/{path.name}"
+        assert link in readme, f"README has no Open-in-Colab link for {path.name}"
+        nb = nbformat.read(path, as_version=4)
+        install = [c.source for c in nb.cells if c.cell_type == "code" and "google.colab" in c.source]
+        assert len(install) == 1 and 'JAXFLOW_GIT = "https://github.com/jaxflow/jaxflow.git"' in install[0], \
+            f"{path.name}: its Colab-only install cell should clone the repository the README links to"
