@@ -27,10 +27,14 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "ServiceHost", "ServiceProxy", "connect", "host", "require_ray", "start_host"]
+__all__ = ["INSTALL_HINT", "TRAJECTORY_SERVICE_METHODS", "ServiceHost", "ServiceProxy", "connect", "host", "require_ray", "start_host"]
 
 INSTALL_HINT = ("Ray is not installed: install the cluster extra (`pip install -e '.[cluster]'`, or rerun "
                 "`python3 -m jaxflow.setup_env`, which installs it)")
+# The methods a service's callers need (the coordinator, the trainer loop, checkpoints), served by default.
+TRAJECTORY_SERVICE_METHODS = ("dispatch", "finish", "reward", "abort", "fail", "release_worker", "unrewarded",
+                              "needs_sync", "take_surplus", "progress", "release", "mark_published",
+                              "buffer_state", "consume", "stats", "snapshot", "renew", "ack", "restore")
 # Calls one service actor serves at once; each blocked `consume` or `wait_for_version` holds one.
 DEFAULT_MAX_CONCURRENCY = 32
 
@@ -44,16 +48,18 @@ def require_ray():
     return ray
 
 
-def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
+def connect(address: str | None = None, *, num_cpus: int | None = None) -> bool:
     """Starts a local Ray (address None, with `num_cpus` CPUs) or joins the cluster at `address`, unless
-    this process is already connected. Token authentication is required: RAY_AUTH_MODE unset (Ray's
-    default for a local cluster) or "token"; anything else is refused with a ValueError naming it."""
+    this process is already connected; returns whether it connected now (the caller then shuts it down).
+    Token authentication is required: RAY_AUTH_MODE unset (Ray's default for a local cluster) or "token";
+    anything else is refused with a ValueError naming it."""
     ray = require_ray()
     mode = os.environ.get("RAY_AUTH_MODE")
     if mode is not None and mode.lower() != "token":
         raise ValueError(f"RAY_AUTH_MODE={mode!r}: jaxflow runs on Ray only with token authentication "
                          f"(unset RAY_AUTH_MODE or set it to 'token')")
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         # Ray turns token authentication on by itself for a local cluster, and for joining one when a
         # token is at hand (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).
         # "local" starts a new cluster even when another one runs on this machine (address=None would join it).
@@ -63,6 +69,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
         ray.shutdown()
         raise ValueError(f"the Ray cluster at {address or 'this machine'} runs without token authentication; "
                          f"jaxflow runs only on a cluster started with RAY_AUTH_MODE=token")
+    return started
 
 
 def _token_auth_on() -> bool:
@@ -99,6 +106,10 @@ class ServiceHost:
         if entry is not None and callable(getattr(entry[0], "close", None)):
             entry[0].close()
         return entry is not None
+
+    def where(self) -> dict[str, Any]:
+        """{"pid", "node_id"}: the process and Ray node this host runs in."""
+        return {"pid": os.getpid(), "node_id": require_ray().get_runtime_context().get_node_id()}
 
     def call(self, name: str, method: str, args: tuple, kwargs: dict) -> Any:
         """Runs `method(*args, **kwargs)` on the service `name`; AttributeError for a method not allowed,

@@ -2,7 +2,8 @@
 
     python -m jaxflow.main --config=configs/arithmetic_tiny.py
 
-Pieces, all in this process (vLLM engines run their own processes):
+Pieces, all in this process (vLLM engines run their own processes; with `cluster.mode = "ray"` the
+trajectory service runs in a Ray actor, reached through a proxy with its methods and exceptions):
 
 - the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
 - a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts;
@@ -67,6 +68,7 @@ from rollout_bridge.engine import SamplingParams
 log = logging.getLogger(__name__)
 
 ENGINES = ("jax", "vllm")
+CLUSTER_MODES = ("embedded", "ray")
 # Seconds the trainer waits for a buffer before it prints where the groups are.
 _STALL_REPORT_S = 120.0
 # Reward calls that failed (each scored 0), by kind: the reward pool's counts, cumulative, in every step's
@@ -195,6 +197,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     # refuses them too; this catches a config built or changed in code.
     problems += number_problems(config, problems)
     problems += _task_problems(config)
+    problems += _cluster_problems(config.cluster)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 
@@ -217,6 +220,24 @@ def _task_problems(config: ml_collections.ConfigDict) -> list[str]:
     except (ValueError, TypeError, OSError) as e:
         problems.append(f"task: {e}")
     return problems
+
+
+def _cluster_problems(cluster: ml_collections.ConfigDict) -> list[str]:
+    """cluster.mode and cluster.address; mode "ray" needs Ray installed (the cluster extra)."""
+    if cluster.mode not in CLUSTER_MODES:
+        return [f"cluster.mode {cluster.mode!r} is not one of {CLUSTER_MODES}"]
+    address = cluster.address
+    if address is not None and (not isinstance(address, str) or not address.strip()):
+        return [f"cluster.address must be None (start a local Ray) or 'host:port' / 'auto', got {address!r}"]
+    if cluster.mode == "embedded":
+        return [] if address is None else [f"cluster.address is set but cluster.mode is 'embedded'; set "
+                                           f"cluster.mode=ray to join the cluster at {address!r}"]
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return ["cluster.mode 'ray' needs Ray: install the cluster extra (`pip install -e '.[cluster]'`, or "
+                "rerun `python3 -m jaxflow.setup_env`)"]
+    return []
 
 
 def check_workdir(workdir: pathlib.Path) -> None:
@@ -292,6 +313,30 @@ def _consume(service: TrajectoryService, version: int, stop: _Stop):
 
 def run(config: ml_collections.ConfigDict) -> int:
     """Runs (or resumes) the RL job; see the module docstring. Returns the process exit code."""
+    with contextlib.ExitStack() as cleanup:  # what `_place_services` started, stopped last
+        return _run(config, cleanup)
+
+
+def _place_services(config, service: TrajectoryService, cleanup: contextlib.ExitStack):
+    """(the trajectory service or its stand-in, where it runs). cluster.mode "ray": the service moves into
+    a Ray actor of its own and a proxy stands in for it (the cluster at cluster.address joined, or a
+    local one started and, at the end, stopped); "embedded": the service itself."""
+    if config.cluster.mode != "ray":
+        return service, {"mode": "embedded"}
+    from jaxflow.cluster import ray_actors
+    ray = ray_actors.require_ray()
+    if ray_actors.connect(config.cluster.address):
+        cleanup.callback(ray.shutdown)
+    on = ray_actors.start_host()
+    cleanup.callback(ray.kill, on)
+    proxy = ray_actors.host(service, ray_actors.TRAJECTORY_SERVICE_METHODS, on=on, name="trajectories")
+    where = ray.get(on.where.remote())
+    print(f"jaxflow: the trajectory service runs in a Ray actor (pid {where['pid']}, node "
+          f"{where['node_id'][:12]})", flush=True)
+    return proxy, {"mode": "ray", "trajectory_service": where}
+
+
+def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> int:
     workdir = pathlib.Path(config.workdir)
     try:
         check_config(config)
@@ -341,6 +386,7 @@ def run(config: ml_collections.ConfigDict) -> int:
               f"(raise trainer.steps to train more, or use another workdir)")
         return 0
 
+    service, placement = _place_services(config, service, cleanup)
     ledger = Ledger(workdir / "ledger.jsonl", start_step)
     run_log = RunLog(workdir, total_steps=t.steps, start_step=start_step, resume=start_step > 0)
     r = config.rollout
@@ -356,7 +402,7 @@ def run(config: ml_collections.ConfigDict) -> int:
                               stop_token_ids=(tokenizer.eos_id,))
     engines: list = []
     coordinator = None
-    result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy")}
+    result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy"), "cluster": placement}
     reward_fn = group_reward_fn(pool, task.reward_ref, tokenizer.decode)
     never_worked = None
     try:

@@ -258,6 +258,25 @@ def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
     assert rl.run(config) == 0 and "nothing to do" in capsys.readouterr().out
 
 
+def test_the_trajectory_service_in_a_ray_actor_keeps_the_bound_and_the_accounting(tmp_path, base_dir):
+    pytest.importorskip("ray")
+    from jaxflow.jobs import rl
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "trainer.eta": "1", "eval.every": "100",
+                                                 "cluster.mode": "ray"})
+    assert rl.run(config) == 0
+    workdir = pathlib.Path(config.workdir)
+    steps = [r for r in records(workdir) if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(max(int(k) for k in r["staleness"]) <= 1 for r in steps)  # token by token
+    result = json.loads((workdir / "result.json").read_text())
+    placed = result["cluster"]["trajectory_service"]
+    assert result["cluster"]["mode"] == "ray" and placed["pid"] != os.getpid()  # served by another process
+    a = result["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
+    assert a["consumed"] == len(ledger) == 3 * 2 and len(set(ledger)) == len(ledger)
+
+
 def job_command(base_dir, workdir, **more):
     """The RL job's command line on the small config, and an environment with unbuffered output."""
     args = {**SMALL, "base.dir": base_dir, "workdir": workdir, "eval.every": 100, **more}
