@@ -11,6 +11,9 @@ import pytest
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Ray with token authentication, as jaxflow requires, also for the multi-node clusters tests start
+# (`ray.cluster_utils.Cluster` does not turn it on by itself); read when ray is imported.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import jax  # noqa: E402
 

@@ -63,6 +63,16 @@ def ray_session():
 _RAY_HOST = None
 
 
+def ray_session_end():
+    """Leaves this session's local Ray (a test that needs a cluster of its own calls this first); the next
+    "ray" placement starts a new one."""
+    global _RAY_HOST
+    import ray
+    _RAY_HOST = None
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @contextlib.contextmanager
 def _ray_placed():
     from jaxflow.cluster import ray_actors

@@ -27,7 +27,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "TRAJECTORY_SERVICE_METHODS", "ServiceHost", "ServiceProxy", "connect", "host", "require_ray", "start_host"]
+__all__ = ["INSTALL_HINT", "TRAJECTORY_SERVICE_METHODS", "ServiceHost", "ServiceProxy", "build", "connect", "host",
+           "require_ray", "start_host"]
 
 INSTALL_HINT = ("Ray is not installed: install the cluster extra (`pip install -e '.[cluster]'`, or rerun "
                 "`python3 -m jaxflow.setup_env`, which installs it)")
@@ -98,6 +99,11 @@ class ServiceHost:
             if name in self._services:
                 raise ValueError(f"a service named {name!r} is already hosted here")
             self._services[name] = (service, frozenset(methods))
+
+    def build(self, name: str, factory: Any, kwargs: dict[str, Any], methods: list[str]) -> None:
+        """Hosts `factory(**kwargs)` under `name`: for services that hold what cannot be pickled (the
+        parameter service's shared memory), built where they run."""
+        self.add(name, factory(**kwargs), methods)
 
     def remove(self, name: str) -> bool:
         """Drops the service `name` (closing it if it has `close`); whether it was hosted."""
@@ -220,6 +226,17 @@ def host(service: Any, methods: Iterable[str], *, on: Any = None, name: str | No
     handle = start_host() if on is None else on
     name = name if name is not None else f"{type(service).__name__}-{os.getpid()}-{next(_names)}"
     _get(handle.add.remote(name, service, methods), "add", None)
+    return ServiceProxy(handle, name, methods, timeout=timeout)
+
+
+def build(factory: Any, methods: Iterable[str], *, kwargs: dict[str, Any] | None = None, on: Any = None,
+          name: str | None = None, timeout: float | None = None) -> ServiceProxy:
+    """Like `host`, but the service is built in the actor as `factory(**kwargs)` (factory: a class or
+    function importable there), so nothing of it is pickled but its arguments."""
+    methods = sorted(set(methods))
+    handle = start_host() if on is None else on
+    name = name if name is not None else f"{getattr(factory, '__name__', 'service')}-{os.getpid()}-{next(_names)}"
+    _get(handle.build.remote(name, factory, dict(kwargs or {}), methods), "build", None)
     return ServiceProxy(handle, name, methods, timeout=timeout)
 
 
