@@ -27,8 +27,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "TRAJECTORY_SERVICE_METHODS", "ServiceHost", "ServiceProxy", "build", "connect", "host",
-           "require_ray", "start_host"]
+__all__ = ["INSTALL_HINT", "PARAMETER_SERVICE_METHODS", "TRAJECTORY_SERVICE_METHODS", "ServiceHost",
+           "ServiceProxy", "build", "connect", "host", "require_ray", "start_host"]
 
 INSTALL_HINT = ("Ray is not installed: install the cluster extra (`pip install -e '.[cluster]'`, or rerun "
                 "`python3 -m jaxflow.setup_env`, which installs it)")
@@ -36,6 +36,8 @@ INSTALL_HINT = ("Ray is not installed: install the cluster extra (`pip install -
 TRAJECTORY_SERVICE_METHODS = ("dispatch", "finish", "reward", "abort", "fail", "release_worker", "unrewarded",
                               "needs_sync", "take_surplus", "progress", "release", "mark_published",
                               "buffer_state", "consume", "stats", "snapshot", "renew", "ack", "restore")
+PARAMETER_SERVICE_METHODS = ("publish", "pull", "latest", "versions", "manifest", "wait_for_version",
+                             "poll_version", "begin", "put", "commit", "abort_publish", "read")
 # Calls one service actor serves at once; each blocked `consume` or `wait_for_version` holds one.
 DEFAULT_MAX_CONCURRENCY = 32
 

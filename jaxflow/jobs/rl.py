@@ -3,7 +3,8 @@
     python -m jaxflow.main --config=configs/arithmetic_tiny.py
 
 Pieces, all in this process (vLLM engines run their own processes; with `cluster.mode = "ray"` the
-trajectory service runs in a Ray actor, reached through a proxy with its methods and exceptions):
+trajectory and parameter services run in a Ray actor, reached through proxies with their methods and
+exceptions):
 
 - the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
 - a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts;
@@ -318,11 +319,13 @@ def run(config: ml_collections.ConfigDict) -> int:
 
 
 def _place_services(config, service: TrajectoryService, cleanup: contextlib.ExitStack):
-    """(the trajectory service or its stand-in, where it runs). cluster.mode "ray": the service moves into
-    a Ray actor of its own and a proxy stands in for it (the cluster at cluster.address joined, or a
-    local one started and, at the end, stopped); "embedded": the service itself."""
+    """(the trajectory service or its stand-in, the parameter service (vLLM only) or its stand-in, where
+    they run). cluster.mode "ray": both in one Ray actor of their own (the trajectory service moved there,
+    the parameter service built there), with proxies standing in for them (the cluster at
+    cluster.address joined, or a local one started and, at the end, stopped); "embedded": the objects."""
+    vllm = config.rollout.engine == "vllm"
     if config.cluster.mode != "ray":
-        return service, {"mode": "embedded"}
+        return service, ParameterService(keep=2) if vllm else None, {"mode": "embedded"}
     from jaxflow.cluster import ray_actors
     ray = ray_actors.require_ray()
     if ray_actors.connect(config.cluster.address):
@@ -330,10 +333,15 @@ def _place_services(config, service: TrajectoryService, cleanup: contextlib.Exit
     on = ray_actors.start_host()
     cleanup.callback(ray.kill, on)
     proxy = ray_actors.host(service, ray_actors.TRAJECTORY_SERVICE_METHODS, on=on, name="trajectories")
+    params = ray_actors.build(ParameterService, ray_actors.PARAMETER_SERVICE_METHODS, kwargs={"keep": 2},
+                              on=on, name="parameters") if vllm else None
     where = ray.get(on.where.remote())
-    print(f"jaxflow: the trajectory service runs in a Ray actor (pid {where['pid']}, node "
-          f"{where['node_id'][:12]})", flush=True)
-    return proxy, {"mode": "ray", "trajectory_service": where}
+    print(f"jaxflow: the {'data services run' if vllm else 'trajectory service runs'} in a Ray actor "
+          f"(pid {where['pid']}, node {where['node_id'][:12]})", flush=True)
+    placed = {"mode": "ray", "trajectory_service": where}
+    if vllm:
+        placed["parameter_service"] = where
+    return proxy, params, placed
 
 
 def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> int:
@@ -386,11 +394,10 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
               f"(raise trainer.steps to train more, or use another workdir)")
         return 0
 
-    service, placement = _place_services(config, service, cleanup)
+    service, params, placement = _place_services(config, service, cleanup)
     ledger = Ledger(workdir / "ledger.jsonl", start_step)
     run_log = RunLog(workdir, total_steps=t.steps, start_step=start_step, resume=start_step > 0)
     r = config.rollout
-    params = ParameterService(keep=2) if r.engine == "vllm" else None
     trainer.publish_weights(params)
     # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
     weights = params if params is not None else device_weights

@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from jaxflow.cluster import ray_actors  # noqa: E402
-from jaxflow.data.param_service import RPC_METHODS, ParameterService  # noqa: E402
+from jaxflow.data.param_service import ParameterService  # noqa: E402
 from jaxflow.data.prompt_source import PromptSource  # noqa: E402
 from jaxflow.data.trajectory_service import TrajectoryService  # noqa: E402
 from jaxflow.jobs.ray_rollout import start_rollout_actor  # noqa: E402
@@ -43,7 +43,7 @@ def test_two_rollout_actors_on_their_own_nodes_keep_the_bound_and_the_accounting
     on = ray_actors.start_host(resources={"data": 0.01})
     traj = ray_actors.host(TrajectoryService(PromptSource(records, shuffle=False), batch_groups=BATCH,
                                              group_size=2, eta=ETA), ray_actors.TRAJECTORY_SERVICE_METHODS, on=on)
-    params = ray_actors.build(ParameterService, [*RPC_METHODS, "publish", "pull"], kwargs={"keep": 2}, on=on)
+    params = ray_actors.build(ParameterService, ray_actors.PARAMETER_SERVICE_METHODS, kwargs={"keep": 2}, on=on)
     params.publish(0, v0)
     actors = [start_rollout_actor(f"rollout-{i}", traj, params, str(model_dir), resources={"rollout": 1},
                                   max_len=64, slots=4, max_tokens=6, reward_ref="jaxflow.tasks.arithmetic:reward")

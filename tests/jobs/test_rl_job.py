@@ -341,9 +341,13 @@ def test_sigkill_then_resume_redoes_the_steps_after_the_checkpoint_once(tmp_path
     check_each_step_once(workdir, 8, 2)
 
 
-def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, base_dir):
+@pytest.mark.parametrize("cluster", ["embedded", "ray"])
+def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, base_dir, cluster):
     """The same job with real vLLM (AsyncLLM, its own processes) as the rollout engine. It runs as its own
-    process: vLLM's loggers bind to the streams of the process that imports it."""
+    process: vLLM's loggers bind to the streams of the process that imports it. On Ray, vLLM pulls each
+    version's HF tensors from the parameter service in the data services' actor."""
+    if cluster == "ray":
+        pytest.importorskip("ray")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -351,7 +355,8 @@ def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, bas
             raise
         pytest.skip(f"vLLM is not importable ({e})")
     workdir = tmp_path / "run"
-    cmd, env = job_command(base_dir, workdir, **{"rollout.engine": "vllm", "trainer.steps": 4, "trainer.eta": 1})
+    cmd, env = job_command(base_dir, workdir, **{"rollout.engine": "vllm", "trainer.steps": 4, "trainer.eta": 1,
+                                                 "cluster.mode": cluster})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "held-out accuracy" in proc.stdout
@@ -362,6 +367,10 @@ def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, bas
         # pi_prox / mu stays near 1 (a version mix-up or a half-applied weight update would move it).
         assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
     check_each_step_once(workdir, 4, 2)
+    placed = json.loads((workdir / "result.json").read_text())["cluster"]
+    if cluster == "ray":
+        assert placed["parameter_service"] == placed["trajectory_service"]  # one data-services actor
+        assert f"the data services run in a Ray actor (pid {placed['parameter_service']['pid']}," in proc.stdout
 
 
 # Every coordination strategy, in two mixes, on the real job with two JAX engines and one coordinator.
