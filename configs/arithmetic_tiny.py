@@ -203,4 +203,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The Ray cluster to join ("host:port", or "auto" for the one started on this machine with `ray
     # start`); None starts a local Ray for the run and stops it at the end. Ray's token auth stays on.
     config.cluster.address = placeholder(str)
+    # Rollout engines each in a Ray actor of its own (mode "ray"; one GPU each where the cluster has GPUs,
+    # one CPU otherwise), scoring rewards there; 0 keeps rollout.num_engines engines in this process.
+    config.cluster.rollout_actors = 0
     return config

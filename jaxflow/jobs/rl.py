@@ -4,7 +4,8 @@
 
 Pieces, all in this process (vLLM engines run their own processes; with `cluster.mode = "ray"` the
 trajectory and parameter services run in a Ray actor, reached through proxies with their methods and
-exceptions):
+exceptions, and with `cluster.rollout_actors` > 0 the rollout engines run in Ray actors of their own,
+`jaxflow.jobs.ray_rollout`):
 
 - the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
 - a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts;
@@ -198,7 +199,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     # refuses them too; this catches a config built or changed in code.
     problems += number_problems(config, problems)
     problems += _task_problems(config)
-    problems += _cluster_problems(config.cluster)
+    problems += _cluster_problems(config.cluster, r.engine)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 
@@ -223,14 +224,21 @@ def _task_problems(config: ml_collections.ConfigDict) -> list[str]:
     return problems
 
 
-def _cluster_problems(cluster: ml_collections.ConfigDict) -> list[str]:
-    """cluster.mode and cluster.address; mode "ray" needs Ray installed (the cluster extra)."""
+def _cluster_problems(cluster: ml_collections.ConfigDict, engine: str) -> list[str]:
+    """cluster.mode, address and rollout_actors; mode "ray" needs Ray installed (the cluster extra)."""
     if cluster.mode not in CLUSTER_MODES:
         return [f"cluster.mode {cluster.mode!r} is not one of {CLUSTER_MODES}"]
     address = cluster.address
     if address is not None and (not isinstance(address, str) or not address.strip()):
         return [f"cluster.address must be None (start a local Ray) or 'host:port' / 'auto', got {address!r}"]
+    actors = cluster.rollout_actors
+    if isinstance(actors, bool) or not isinstance(actors, int) or actors < 0:
+        return [f"cluster.rollout_actors must be an int >= 0, got {actors!r}"]
+    if actors and engine != "jax":
+        return [f"cluster.rollout_actors runs JAX engines only so far; rollout.engine is {engine!r}"]
     if cluster.mode == "embedded":
+        if actors:
+            return [f"cluster.rollout_actors={actors} needs cluster.mode=ray"]
         return [] if address is None else [f"cluster.address is set but cluster.mode is 'embedded'; set "
                                            f"cluster.mode=ray to join the cluster at {address!r}"]
     try:
@@ -323,7 +331,8 @@ def _place_services(config, service: TrajectoryService, cleanup: contextlib.Exit
     they run). cluster.mode "ray": both in one Ray actor of their own (the trajectory service moved there,
     the parameter service built there), with proxies standing in for them (the cluster at
     cluster.address joined, or a local one started and, at the end, stopped); "embedded": the objects."""
-    vllm = config.rollout.engine == "vllm"
+    # HF host tensors are for vLLM and for engines in rollout actors; JAX engines here take device arrays.
+    vllm = config.rollout.engine == "vllm" or config.cluster.rollout_actors > 0
     if config.cluster.mode != "ray":
         return service, ParameterService(keep=2) if vllm else None, {"mode": "embedded"}
     from jaxflow.cluster import ray_actors
@@ -416,12 +425,17 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         if result["base_accuracy"] is None:
             result["base_accuracy"] = evaluator()
             run_log.log_eval(0, result["base_accuracy"])
-        for _ in range(r.num_engines):
+        for _ in range(r.num_engines if not config.cluster.rollout_actors else 0):
             engines.append(_make_engine(config, trainer, base_dir))
             if r.engine == "jax":  # each version is then copied straight onto the engine's layout
                 device_weights.add_target(engines[-1].param_shardings)
-        coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
-                                  sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
+        if config.cluster.rollout_actors:
+            from jaxflow.jobs.ray_rollout import start_fleet
+            coordinator = start_fleet(config, service, params, base_dir, task.reward_ref, tokenizer.eos_id)
+            placement["rollout_actors"] = coordinator.placed
+        else:
+            coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
+                                      sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
         try:
             result.update(_train_loop(config, trainer, service, params, coordinator, ckpt, ledger, run_log,
                                       evaluator, start_step, result["base_accuracy"], pool, reward_errors,

@@ -116,6 +116,10 @@ def test_unwritable_workdir_fails_before_the_base_model(tmp_path, capsys):
     ({"cluster.mode": "slurm"}, "cluster.mode 'slurm' is not one of ('embedded', 'ray')"),
     ({"cluster.address": "10.0.0.1:6379"}, "cluster.address is set but cluster.mode is 'embedded'"),
     ({"cluster.mode": "ray", "cluster.address": ""}, "cluster.address must be None"),
+    ({"cluster.rollout_actors": "2"}, "cluster.rollout_actors=2 needs cluster.mode=ray"),
+    ({"cluster.mode": "ray", "cluster.rollout_actors": "-1"}, "cluster.rollout_actors must be an int >= 0"),
+    ({"cluster.mode": "ray", "cluster.rollout_actors": "1", "rollout.engine": "vllm"},
+     "cluster.rollout_actors runs JAX engines only so far; rollout.engine is 'vllm'"),
 ])
 def test_bad_cluster_section_is_named(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

@@ -277,6 +277,26 @@ def test_the_trajectory_service_in_a_ray_actor_keeps_the_bound_and_the_accountin
     assert a["consumed"] == len(ledger) == 3 * 2 and len(set(ledger)) == len(ledger)
 
 
+def test_rollout_actors_on_ray_keep_the_bound_and_the_accounting(tmp_path, base_dir):
+    pytest.importorskip("ray")
+    from jaxflow.jobs import rl
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "trainer.eta": "1", "eval.every": "100",
+                                                 "cluster.mode": "ray", "cluster.rollout_actors": "2"})
+    assert rl.run(config) == 0
+    workdir = pathlib.Path(config.workdir)
+    steps = [r for r in records(workdir) if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(max(int(k) for k in r["staleness"]) <= 1 for r in steps)  # token by token
+    result = json.loads((workdir / "result.json").read_text())
+    actors = result["cluster"]["rollout_actors"]
+    assert len(actors) == 2 and len({a["pid"] for a in actors} | {os.getpid()}) == 3  # two actors of their own
+    a = result["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
+    assert a["consumed"] == len(ledger) == 3 * 2 and len(set(ledger)) == len(ledger)
+    assert result["coordination"]["requests_submitted"] > 0 and result["coordination"]["syncs"] >= 2
+
+
 def job_command(base_dir, workdir, **more):
     """The RL job's command line on the small config, and an environment with unbuffered output."""
     args = {**SMALL, "base.dir": base_dir, "workdir": workdir, "eval.every": 100, **more}
