@@ -1,18 +1,20 @@
-"""A jaxflow service as a Ray actor, and the proxy that stands in for it.
+"""jaxflow's services in a Ray actor, and the proxy that stands in for each.
 
-`host(service, methods)` moves a service object (a `TrajectoryService`, a `ParameterService`) into an
-actor of its own and returns a `ServiceProxy` with the same allow-listed methods: the same arguments, the
+A `ServiceHost` actor (`start_host`) holds one or more services by name. `host(service, methods, on=...)`
+moves a service object (a `TrajectoryService`) into it, `build(factory, methods, on=...)` builds one there
+(a `ParameterService`, whose shared memory does not pickle); both return a `ServiceProxy` with the same
+allow-listed methods: the same arguments, the
 same return values (Ray pickles them inside its own authenticated channel, so tuples stay tuples and
 records stay records), and the same exceptions (the service's own `ValueError`, `KeyError`,
 `TimeoutError`... unwrapped from Ray's `RayTaskError`, with the actor-side traceback kept in
 `remote_traceback`). A caller cannot tell the proxy from the object, so the coordinator, the trainer
 loop and the service tests take either.
 
-The actor is threaded (`max_concurrency`, default 32 calls at once): a trainer blocked in
-`consume(v, timeout=30)` holds one of its threads and never delays a rollout worker's `dispatch`. The
-services are thread-safe, as they must be when embedded in a multi-threaded process. A service actor
-asks for no CPU (`num_cpus=0`): it waits on callers, and on a small cluster it must not take a CPU that
-a rollout actor needs.
+The actor is threaded (`max_concurrency`, default 32 calls at once over all its services): a trainer
+blocked in `consume(v, timeout=30)` holds one of its threads and never delays a rollout worker's
+`dispatch`. The services are thread-safe, as they must be when embedded in a multi-threaded process.
+A service actor asks for no CPU (`num_cpus=0`): it waits on callers, and on a small cluster it must not
+take a CPU that a rollout actor needs.
 
 Ray is imported inside the functions that need it (the `cluster` extra); `connect` starts or joins a
 cluster with Ray's token authentication on, and refuses to run with it off.
@@ -135,12 +137,13 @@ class ServiceProxy:
     """Stands in for a service hosted by a `ServiceHost` actor: `proxy.name(*args, **kwargs)` runs
     `service.name(*args, **kwargs)` in the actor and returns its result or raises its exception.
 
-    handle: the host actor's handle. name: the service's name there. methods: the served methods. timeout: seconds a call may take before
-    TimeoutError (None: no limit; it must exceed the longest blocking call). A dead or unreachable actor
-    raises ConnectionError, as a lost RPC server does, so callers tell a transport failure from the
-    service's own errors. The proxy pickles (its handle and method names), so it can be handed to other
-    actors. The proxy's own attributes (`call`, `close`, `methods`, `handle`, `name`) take precedence over served
-    methods of the same name; reach those through `call`.
+    handle: the host actor's handle. name: the service's name there. methods: the served methods.
+    timeout: seconds a call may take before TimeoutError (None: no limit; it must exceed the longest
+    blocking call). A dead or unreachable actor raises ConnectionError, as a lost RPC server does, so
+    callers tell a transport failure from the service's own errors. The proxy pickles (its handle and
+    method names), so it can be handed to other actors. The proxy's own attributes (`call`, `close`,
+    `methods`, `handle`, `name`) take precedence over served methods of the same name; reach those
+    through `call`.
     """
 
     def __init__(self, handle: Any, name: str, methods: Iterable[str], *, timeout: float | None = None):
