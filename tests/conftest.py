@@ -4,10 +4,16 @@ Both must be in place before JAX initialises its backend, so this runs before an
 """
 import os
 import pathlib
+import sys
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Ray with token authentication, as jaxflow requires, also for the multi-node clusters tests start
+# (`ray.cluster_utils.Cluster` does not turn it on by itself); read when ray is imported.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import jax  # noqa: E402
 
@@ -15,3 +21,11 @@ _CACHE = pathlib.Path(os.environ.get("JAXFLOW_CACHE", pathlib.Path.home() / ".ca
 jax.config.update("jax_compilation_cache_dir", str(_CACHE / "jax_compilation"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_shutdown():
+    """Shuts down the local Ray cluster that the "ray" service placement started, if any, at session end."""
+    yield
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()

@@ -1,12 +1,16 @@
-"""The two placements of a jaxflow service, for tests that must pass against both.
+"""The three placements of a jaxflow service, for tests that must pass against all of them.
 
 embedded: the object itself. server: the object served by `jaxflow.transport.rpc.Server` on loopback (with a
-token) and reached through a `jaxflow.transport.rpc.Client`, which must behave the same, exceptions included.
+token) and reached through a `jaxflow.transport.rpc.Client`. ray: the object moved into a Ray actor
+(`jaxflow.cluster.ray_actors.host`) and reached through its `ServiceProxy`. Each must behave as the object
+does, exceptions included. The ray placement joins one local Ray (2 CPUs, token authentication) per test
+session, started on first use and shut down by the session fixture in conftest.py.
 """
 
 import contextlib
+import os
 
-PLACEMENTS = ["embedded", "server"]
+PLACEMENTS = ["embedded", "server", "ray"]
 
 SERVICE_METHODS = {
     "TrajectoryService": ["dispatch", "finish", "reward", "abort", "fail", "release_worker", "unrewarded",
@@ -21,6 +25,10 @@ def placed(placement):
     """Yields `place(obj)` returning obj, or a client of a server wrapping obj (closed on exit)."""
     if placement == "embedded":
         yield lambda obj: obj
+        return
+    if placement == "ray":
+        with _ray_placed() as place:
+            yield place
         return
     from jaxflow.transport import rpc
     servers, clients = [], []
@@ -39,3 +47,44 @@ def placed(placement):
             c.close()
         for s in servers:
             s.close()
+
+
+def ray_session():
+    """This test session's service host actor, in its local Ray cluster; both start on first use and
+    stay up for the session (starting an actor takes a process, ~1.5 s here)."""
+    global _RAY_HOST
+    from jaxflow.cluster import ray_actors
+    ray_actors.connect(num_cpus=2)
+    if _RAY_HOST is None:
+        _RAY_HOST = ray_actors.start_host(name=f"test-services-{os.getpid()}")
+    return _RAY_HOST
+
+
+_RAY_HOST = None
+
+
+def ray_session_end():
+    """Leaves this session's local Ray (a test that needs a cluster of its own calls this first); the next
+    "ray" placement starts a new one."""
+    global _RAY_HOST
+    import ray
+    _RAY_HOST = None
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def _ray_placed():
+    from jaxflow.cluster import ray_actors
+    on = ray_session()
+    proxies = []
+
+    def place(obj):
+        proxies.append(ray_actors.host(obj, SERVICE_METHODS[type(obj).__name__], on=on))
+        return proxies[-1]
+
+    try:
+        yield place
+    finally:
+        for p in proxies:
+            p.close()

@@ -560,9 +560,7 @@ class TrajectoryService:
         with self._lock:
             groups = []
             for g in self._groups.values():
-                d = dataclasses.asdict(g)
-                d["state"] = g.state.value
-                groups.append(d)
+                groups.append({**dataclasses.asdict(g), "state": g.state.value})
             return {"v_train": self._v_train, "published": self._published, "next_id": self._next_id,
                     "counts": dict(self._counts), "groups": groups, "source": self.source.get_state()}
 
@@ -578,12 +576,10 @@ class TrajectoryService:
             if self.source.get_state() != parsed["source"]:
                 self.source.set_state(old_source)
                 raise ValueError(f"snapshot source {parsed['source']!r} cannot be restored")
-            self._v_train, self._published = parsed["v_train"], parsed["published"]
-            self._next_id = parsed["next_id"]
+            self._v_train, self._published, self._next_id = parsed["v_train"], parsed["published"], parsed["next_id"]
             self._counts = {**{k: 0 for k in self._counts}, **parsed["counts"]}
-            self._groups = {}
+            self._groups, self._last = {}, None
             self._leases.clear()
-            self._last = None
             for d in parsed["groups"]:
                 g = _Group(**d)
                 g.since = self._clock()
@@ -595,3 +591,9 @@ class TrajectoryService:
             self.source.set_state(snap["source"])
             self._filled_at.clear()
             self._lock.notify_all()
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled into another process (a Ray actor): a new lock there
+        return {k: v for k, v in vars(self).items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Condition())

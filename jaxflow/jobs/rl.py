@@ -2,7 +2,10 @@
 
     python -m jaxflow.main --config=configs/arithmetic_tiny.py
 
-Pieces, all in this process (vLLM engines run their own processes):
+Pieces, all in this process (vLLM engines run their own processes; with `cluster.mode = "ray"` the
+trajectory and parameter services run in a Ray actor, reached through proxies with their methods and
+exceptions, and with `cluster.rollout_actors` > 0 the rollout engines run in Ray actors of their own,
+`jaxflow.jobs.ray_rollout`):
 
 - the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
 - a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts;
@@ -67,6 +70,7 @@ from rollout_bridge.engine import SamplingParams
 log = logging.getLogger(__name__)
 
 ENGINES = ("jax", "vllm")
+CLUSTER_MODES = ("embedded", "ray")
 # Seconds the trainer waits for a buffer before it prints where the groups are.
 _STALL_REPORT_S = 120.0
 # Reward calls that failed (each scored 0), by kind: the reward pool's counts, cumulative, in every step's
@@ -195,6 +199,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     # refuses them too; this catches a config built or changed in code.
     problems += number_problems(config, problems)
     problems += _task_problems(config)
+    problems += _cluster_problems(config.cluster, r.engine)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 
@@ -217,6 +222,31 @@ def _task_problems(config: ml_collections.ConfigDict) -> list[str]:
     except (ValueError, TypeError, OSError) as e:
         problems.append(f"task: {e}")
     return problems
+
+
+def _cluster_problems(cluster: ml_collections.ConfigDict, engine: str) -> list[str]:
+    """cluster.mode, address and rollout_actors; mode "ray" needs Ray installed (the cluster extra)."""
+    if cluster.mode not in CLUSTER_MODES:
+        return [f"cluster.mode {cluster.mode!r} is not one of {CLUSTER_MODES}"]
+    address = cluster.address
+    if address is not None and (not isinstance(address, str) or not address.strip()):
+        return [f"cluster.address must be None (start a local Ray) or 'host:port' / 'auto', got {address!r}"]
+    actors = cluster.rollout_actors
+    if isinstance(actors, bool) or not isinstance(actors, int) or actors < 0:
+        return [f"cluster.rollout_actors must be an int >= 0, got {actors!r}"]
+    if actors and engine != "jax":
+        return [f"cluster.rollout_actors runs JAX engines only so far; rollout.engine is {engine!r}"]
+    if cluster.mode == "embedded":
+        if actors:
+            return [f"cluster.rollout_actors={actors} needs cluster.mode=ray"]
+        return [] if address is None else [f"cluster.address is set but cluster.mode is 'embedded'; set "
+                                           f"cluster.mode=ray to join the cluster at {address!r}"]
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return ["cluster.mode 'ray' needs Ray: install the cluster extra (`pip install -e '.[cluster]'`, or "
+                "rerun `python3 -m jaxflow.setup_env`)"]
+    return []
 
 
 def check_workdir(workdir: pathlib.Path) -> None:
@@ -292,6 +322,38 @@ def _consume(service: TrajectoryService, version: int, stop: _Stop):
 
 def run(config: ml_collections.ConfigDict) -> int:
     """Runs (or resumes) the RL job; see the module docstring. Returns the process exit code."""
+    with contextlib.ExitStack() as cleanup:  # what `_place_services` started, stopped last
+        return _run(config, cleanup)
+
+
+def _place_services(config, service: TrajectoryService, cleanup: contextlib.ExitStack):
+    """(the trajectory service or its stand-in, the parameter service (vLLM only) or its stand-in, where
+    they run). cluster.mode "ray": both in one Ray actor of their own (the trajectory service moved there,
+    the parameter service built there), with proxies standing in for them (the cluster at
+    cluster.address joined, or a local one started and, at the end, stopped); "embedded": the objects."""
+    # HF host tensors are for vLLM and for engines in rollout actors; JAX engines here take device arrays.
+    vllm = config.rollout.engine == "vllm" or config.cluster.rollout_actors > 0
+    if config.cluster.mode != "ray":
+        return service, ParameterService(keep=2) if vllm else None, {"mode": "embedded"}
+    from jaxflow.cluster import ray_actors
+    ray = ray_actors.require_ray()
+    if ray_actors.connect(config.cluster.address):
+        cleanup.callback(ray.shutdown)
+    on = ray_actors.start_host()
+    cleanup.callback(ray.kill, on)
+    proxy = ray_actors.host(service, ray_actors.TRAJECTORY_SERVICE_METHODS, on=on, name="trajectories")
+    params = ray_actors.build(ParameterService, ray_actors.PARAMETER_SERVICE_METHODS, kwargs={"keep": 2},
+                              on=on, name="parameters") if vllm else None
+    where = ray.get(on.where.remote())
+    print(f"jaxflow: the {'data services run' if vllm else 'trajectory service runs'} in a Ray actor "
+          f"(pid {where['pid']}, node {where['node_id'][:12]})", flush=True)
+    placed = {"mode": "ray", "trajectory_service": where}
+    if vllm:
+        placed["parameter_service"] = where
+    return proxy, params, placed
+
+
+def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> int:
     workdir = pathlib.Path(config.workdir)
     try:
         check_config(config)
@@ -341,10 +403,10 @@ def run(config: ml_collections.ConfigDict) -> int:
               f"(raise trainer.steps to train more, or use another workdir)")
         return 0
 
+    service, params, placement = _place_services(config, service, cleanup)
     ledger = Ledger(workdir / "ledger.jsonl", start_step)
     run_log = RunLog(workdir, total_steps=t.steps, start_step=start_step, resume=start_step > 0)
     r = config.rollout
-    params = ParameterService(keep=2) if r.engine == "vllm" else None
     trainer.publish_weights(params)
     # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
     weights = params if params is not None else device_weights
@@ -356,19 +418,24 @@ def run(config: ml_collections.ConfigDict) -> int:
                               stop_token_ids=(tokenizer.eos_id,))
     engines: list = []
     coordinator = None
-    result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy")}
+    result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy"), "cluster": placement}
     reward_fn = group_reward_fn(pool, task.reward_ref, tokenizer.decode)
     never_worked = None
     try:
         if result["base_accuracy"] is None:
             result["base_accuracy"] = evaluator()
             run_log.log_eval(0, result["base_accuracy"])
-        for _ in range(r.num_engines):
+        for _ in range(r.num_engines if not config.cluster.rollout_actors else 0):
             engines.append(_make_engine(config, trainer, base_dir))
             if r.engine == "jax":  # each version is then copied straight onto the engine's layout
                 device_weights.add_target(engines[-1].param_shardings)
-        coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
-                                  sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
+        if config.cluster.rollout_actors:
+            from jaxflow.jobs.ray_rollout import start_fleet
+            coordinator = start_fleet(config, service, params, base_dir, task.reward_ref, tokenizer.eos_id)
+            placement["rollout_actors"] = coordinator.placed
+        else:
+            coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
+                                      sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
         try:
             result.update(_train_loop(config, trainer, service, params, coordinator, ckpt, ledger, run_log,
                                       evaluator, start_step, result["base_accuracy"], pool, reward_errors,

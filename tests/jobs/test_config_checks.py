@@ -110,3 +110,24 @@ def test_unwritable_workdir_fails_before_the_base_model(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"workdir {blocker / 'run'} cannot be written" in err and "base" not in err.split("written")[1]
     assert not (tmp_path / "base").exists()
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"cluster.mode": "slurm"}, "cluster.mode 'slurm' is not one of ('embedded', 'ray')"),
+    ({"cluster.address": "10.0.0.1:6379"}, "cluster.address is set but cluster.mode is 'embedded'"),
+    ({"cluster.mode": "ray", "cluster.address": ""}, "cluster.address must be None"),
+    ({"cluster.rollout_actors": "2"}, "cluster.rollout_actors=2 needs cluster.mode=ray"),
+    ({"cluster.mode": "ray", "cluster.rollout_actors": "-1"}, "cluster.rollout_actors must be an int >= 0"),
+    ({"cluster.mode": "ray", "cluster.rollout_actors": "1", "rollout.engine": "vllm"},
+     "cluster.rollout_actors runs JAX engines only so far; rollout.engine is 'vllm'"),
+])
+def test_bad_cluster_section_is_named(overrides, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        rl.check_config(load_config(CONFIG, overrides))
+
+
+def test_ray_mode_without_ray_says_how_to_install_it(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    with pytest.raises(ConfigError, match=r"cluster\.mode 'ray' needs Ray.*\[cluster\]"):
+        rl.check_config(load_config(CONFIG, {"cluster.mode": "ray"}))

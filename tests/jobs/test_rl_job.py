@@ -258,6 +258,45 @@ def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
     assert rl.run(config) == 0 and "nothing to do" in capsys.readouterr().out
 
 
+def test_the_trajectory_service_in_a_ray_actor_keeps_the_bound_and_the_accounting(tmp_path, base_dir):
+    pytest.importorskip("ray")
+    from jaxflow.jobs import rl
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "trainer.eta": "1", "eval.every": "100",
+                                                 "cluster.mode": "ray"})
+    assert rl.run(config) == 0
+    workdir = pathlib.Path(config.workdir)
+    steps = [r for r in records(workdir) if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(max(int(k) for k in r["staleness"]) <= 1 for r in steps)  # token by token
+    result = json.loads((workdir / "result.json").read_text())
+    placed = result["cluster"]["trajectory_service"]
+    assert result["cluster"]["mode"] == "ray" and placed["pid"] != os.getpid()  # served by another process
+    a = result["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
+    assert a["consumed"] == len(ledger) == 3 * 2 and len(set(ledger)) == len(ledger)
+
+
+def test_rollout_actors_on_ray_keep_the_bound_and_the_accounting(tmp_path, base_dir):
+    pytest.importorskip("ray")
+    from jaxflow.jobs import rl
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "trainer.eta": "1", "eval.every": "100",
+                                                 "cluster.mode": "ray", "cluster.rollout_actors": "2"})
+    assert rl.run(config) == 0
+    workdir = pathlib.Path(config.workdir)
+    steps = [r for r in records(workdir) if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(max(int(k) for k in r["staleness"]) <= 1 for r in steps)  # token by token
+    result = json.loads((workdir / "result.json").read_text())
+    actors = result["cluster"]["rollout_actors"]
+    assert len(actors) == 2 and len({a["pid"] for a in actors} | {os.getpid()}) == 3  # two actors of their own
+    a = result["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
+    assert a["consumed"] == len(ledger) == 3 * 2 and len(set(ledger)) == len(ledger)
+    assert result["coordination"]["requests_submitted"] > 0 and result["coordination"]["syncs"] >= 2
+
+
 def job_command(base_dir, workdir, **more):
     """The RL job's command line on the small config, and an environment with unbuffered output."""
     args = {**SMALL, "base.dir": base_dir, "workdir": workdir, "eval.every": 100, **more}
@@ -322,9 +361,13 @@ def test_sigkill_then_resume_redoes_the_steps_after_the_checkpoint_once(tmp_path
     check_each_step_once(workdir, 8, 2)
 
 
-def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, base_dir):
+@pytest.mark.parametrize("cluster", ["embedded", "ray"])
+def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, base_dir, cluster):
     """The same job with real vLLM (AsyncLLM, its own processes) as the rollout engine. It runs as its own
-    process: vLLM's loggers bind to the streams of the process that imports it."""
+    process: vLLM's loggers bind to the streams of the process that imports it. On Ray, vLLM pulls each
+    version's HF tensors from the parameter service in the data services' actor."""
+    if cluster == "ray":
+        pytest.importorskip("ray")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -332,7 +375,8 @@ def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, bas
             raise
         pytest.skip(f"vLLM is not importable ({e})")
     workdir = tmp_path / "run"
-    cmd, env = job_command(base_dir, workdir, **{"rollout.engine": "vllm", "trainer.steps": 4, "trainer.eta": 1})
+    cmd, env = job_command(base_dir, workdir, **{"rollout.engine": "vllm", "trainer.steps": 4, "trainer.eta": 1,
+                                                 "cluster.mode": cluster})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "held-out accuracy" in proc.stdout
@@ -343,6 +387,10 @@ def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, bas
         # pi_prox / mu stays near 1 (a version mix-up or a half-applied weight update would move it).
         assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
     check_each_step_once(workdir, 4, 2)
+    placed = json.loads((workdir / "result.json").read_text())["cluster"]
+    if cluster == "ray":
+        assert placed["parameter_service"] == placed["trajectory_service"]  # one data-services actor
+        assert f"the data services run in a Ray actor (pid {placed['parameter_service']['pid']}," in proc.stdout
 
 
 # Every coordination strategy, in two mixes, on the real job with two JAX engines and one coordinator.
