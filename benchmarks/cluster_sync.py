@@ -11,6 +11,7 @@ engine has it on its JAX device as well (`jax.device_put`, "device"). Transports
                 it (Ray copies the object into the engine node's store, then numpy views it, no copy).
   ray_tensors   `jaxflow.cluster.weights`: one object per tensor and a manifest of refs
                 (`RayWeightPublisher.publish`, `pull` on the engine): what a sharded trainer would use.
+                Tensors share objects up to 32 MiB; `ray_per_tensor` (not run by default) puts each alone.
   shm           the parameter service in shared memory, served over loopback RPC; each engine's
                 `ParameterClient` maps the segment (zero copy). Works only because these "nodes" share one
                 host's /dev/shm: across real nodes the client cannot attach and streams instead.
@@ -44,14 +45,16 @@ SIZES = {
     "10m": (256, 768, 6, 4, 2, 64, 8192),
     "100m": (768, 2048, 12, 12, 4, 64, 32768),
 }
-TRANSPORTS = ("ray_object", "ray_tensors", "shm", "stream")
+TRANSPORTS = ("ray_object", "ray_tensors", "ray_per_tensor", "shm", "stream")
+DEFAULT_TRANSPORTS = ("ray_object", "ray_tensors", "shm", "stream")
 
 
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="100m", choices=sorted(SIZES))
     parser.add_argument("--engines", default="2,4", help="engine counts, comma-separated (one node each)")
-    parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--transports", default=",".join(DEFAULT_TRANSPORTS),
+                        help=f"comma-separated, of {', '.join(TRANSPORTS)}")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
     parser.add_argument("--node-store-gb", type=float, default=1.0, help="object store per engine node, GB")
     parser.add_argument("--quick", action="store_true", help="a ~10M model, 2 engines, 3 repeats")
@@ -148,7 +151,7 @@ class Engine:
         self.host = self.device = None  # the previous version goes first, as an engine short of memory would
         if transport == "ray_object":
             tensors = ray.get(handle[0])
-        elif transport == "ray_tensors":
+        elif transport in ("ray_tensors", "ray_per_tensor"):
             tensors = pull(handle)[1]
         else:
             tensors = self._clients[transport].pull(handle)[1]
@@ -162,9 +165,9 @@ def run_case(transport, engines, tensors, service, repeats: int, version: list[i
     """Times `repeats` publishes of `tensors` to `engines` by `transport` (after one untimed warm-up)."""
     import ray
 
-    from jaxflow.cluster.weights import RayWeightPublisher
+    from jaxflow.cluster.weights import DEFAULT_BUCKET_BYTES, RayWeightPublisher
 
-    publisher = RayWeightPublisher(keep=2)
+    publisher = RayWeightPublisher(keep=2, bucket_bytes=0 if transport == "ray_per_tensor" else DEFAULT_BUCKET_BYTES)
     kept_refs: list = []
     want = checksum(tensors)
     out = {"host_s": [], "device_s": [], "publish_s": []}
@@ -175,7 +178,7 @@ def run_case(transport, engines, tensors, service, repeats: int, version: list[i
             if transport == "ray_object":
                 kept_refs = kept_refs[-1:] + [ray.put(tensors)]
                 handle = [kept_refs[-1]]
-            elif transport == "ray_tensors":
+            elif transport in ("ray_tensors", "ray_per_tensor"):
                 handle = publisher.publish(version[0], tensors)
             else:
                 service.publish(version[0], tensors)
@@ -220,7 +223,7 @@ def main(argv=None) -> int:
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
-        service = ParameterService(keep=2, shared_memory=True)
+        service = ParameterService(keep=2, shared_memory=True, max_version_jump=1 << 20)  # one counter for all
         server = rpc.Server(service, RPC_METHODS).start()
         tensors = hf_state(cfg)
         nbytes = sum(a.nbytes for a in tensors.values())

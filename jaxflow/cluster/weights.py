@@ -1,15 +1,19 @@
-"""Policy versions through Ray's object store: every tensor (or shard of one) an object, a manifest of refs.
+"""Policy versions through Ray's object store: tensors (or shards of them) as objects, a manifest of refs.
 
 In cluster mode the weights travel the way everything else does on Ray (one transport per deployment):
 
     publisher = RayWeightPublisher(keep=2)                # in the trainer process (the objects' owner)
-    manifest = publisher.publish(7, hf_tensors)           # ray.put per tensor; keeps the newest `keep`
+    manifest = publisher.publish(7, hf_tensors)           # ray.put of the tensors; keeps the newest `keep`
     version, tensors = pull(publisher.manifest())         # on an engine: {HF name: read-only array}
 
 A manifest is a plain dict, cheap to send to an engine actor (it carries refs, not bytes):
 
     {"version": 7, "tensors": {name: {"dtype": "float32", "shape": [..],
-                                      "shards": [{"start": [..], "shape": [..], "ref": ObjectRef}, ...]}}}
+                                      "shards": [{"start": [..], "shape": [..], "ref": ObjectRef,
+                                                  "item": None or i}, ...]}}}
+
+Small pieces share an object (a list of arrays, `item` says which), up to `bucket_bytes` each: Ray's
+cost per object is well above a small tensor's copy time.
 
 A sharded trainer gathers nothing on one host: each of its processes calls `put_shards` with the pieces
 it holds (in HF layout, with where each piece starts in the whole tensor; a replicated piece is put by
@@ -38,7 +42,12 @@ import numpy as np
 
 from jaxflow.data.param_service import DTYPES, UnknownVersionError
 
-__all__ = ["RayWeightPublisher", "UnknownVersionError", "merge_manifests", "pull", "put_shards"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "RayWeightPublisher", "UnknownVersionError", "merge_manifests", "pull", "put_shards"]
+
+
+# Pieces share an object up to this many bytes (see put_shards): Ray's cost per object is far above a
+# small tensor's copy time, while a few tens of MiB per object keep the transfer pipelined.
+DEFAULT_BUCKET_BYTES = 32 << 20
 
 
 def _check_version(version: Any) -> int:
@@ -54,14 +63,25 @@ def _shape(value: Any, where: str) -> list[int]:
     return [int(d) for d in value]
 
 
-def put_shards(version: int, shards: Iterable[tuple[str, Sequence[int], Sequence[int], np.ndarray]]) -> dict:
-    """Puts each shard into Ray's object store; returns this process's part of the version's manifest.
+def _check_bucket_bytes(bucket_bytes: Any) -> int:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+    return bucket_bytes
+
+
+def put_shards(version: int, shards: Iterable[tuple[str, Sequence[int], Sequence[int], np.ndarray]], *,
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+    """Puts the shards into Ray's object store; returns this process's part of the version's manifest.
 
     shards: (HF name, the whole tensor's shape, where this piece starts in it, the piece as a host array
     in HF layout). A whole tensor is the shard (name, arr.shape, [0] * arr.ndim, arr). Everything is
     checked (dtypes, ranks, bounds, a name given twice at one start) before the first put.
+    bucket_bytes: consecutive pieces share one object (a list of arrays) up to this many bytes, which
+        saves Ray's per-object cost on the many small tensors of a model; a bigger piece is an object of
+        its own, and 0 puts every piece alone.
     """
     version = _check_version(version)
+    bucket_bytes = _check_bucket_bytes(bucket_bytes)
     checked: list[tuple[str, list[int], list[int], np.ndarray]] = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for item in shards:
@@ -86,12 +106,26 @@ def put_shards(version: int, shards: Iterable[tuple[str, Sequence[int], Sequence
     import ray
 
     tensors: dict[str, dict] = {}
-    for name, shape, start, arr in checked:
+    for name, shape, _, arr in checked:
         entry = tensors.setdefault(name, {"dtype": arr.dtype.name, "shape": shape, "shards": []})
         if entry["dtype"] != arr.dtype.name or entry["shape"] != shape:
             raise ValueError(f"version {version}: tensor {name!r} has pieces of {entry['dtype']} {entry['shape']} "
                              f"and of {arr.dtype.name} {shape}")
-        entry["shards"].append({"start": start, "shape": list(arr.shape), "ref": ray.put(arr)})
+    bucket: list[tuple[str, list[int], np.ndarray]] = []
+
+    def flush() -> None:
+        # A lone piece is put as itself, a bucket as a list; "item" says where a piece is in its object.
+        ref = ray.put(bucket[0][2] if len(bucket) == 1 else [arr for _, _, arr in bucket])
+        for i, (name, start, arr) in enumerate(bucket):
+            tensors[name]["shards"].append({"start": start, "shape": list(arr.shape), "ref": ref,
+                                            "item": None if len(bucket) == 1 else i})
+        bucket.clear()
+
+    for name, _, start, arr in checked:
+        if bucket and sum(a.nbytes for _, _, a in bucket) + arr.nbytes > bucket_bytes:
+            flush()
+        bucket.append((name, start, arr))
+    flush()
     return {"version": version, "tensors": tensors}
 
 
@@ -138,9 +172,9 @@ def pull(manifest: Mapping[str, Any], timeout: float | None = None) -> tuple[int
 
     version = manifest["version"]
     entries = list(manifest["tensors"].items())
-    refs = [s["ref"] for _, e in entries for s in e["shards"]]
+    refs = list({s["ref"]: None for _, e in entries for s in e["shards"]})
     try:
-        got = iter(ray.get(refs, timeout=timeout))
+        objects = dict(zip(refs, ray.get(refs, timeout=timeout)))
     except ray.exceptions.GetTimeoutError:
         raise TimeoutError(f"version {version}: its tensors did not arrive within {timeout} s") from None
     except ray.exceptions.ObjectLostError as exc:
@@ -149,7 +183,8 @@ def pull(manifest: Mapping[str, Any], timeout: float | None = None) -> tuple[int
     out = {}
     for name, entry in entries:
         dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
-        pieces = [(s, next(got)) for s in entry["shards"]]
+        pieces = [(s, objects[s["ref"]] if s.get("item") is None else objects[s["ref"]][s["item"]])
+                  for s in entry["shards"]]
         for s, arr in pieces:
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype or list(arr.shape) != s["shape"]:
                 raise ValueError(f"version {version}: tensor {name!r}: a piece at {s['start']} is "
@@ -169,14 +204,17 @@ def pull(manifest: Mapping[str, Any], timeout: float | None = None) -> tuple[int
 class RayWeightPublisher:
     """Keeps the manifests (and so the objects) of the newest `keep` committed versions. Thread-safe.
 
+    bucket_bytes: how many bytes of tensors `publish` puts into one object at most (see put_shards).
+
     Run it in the trainer process that puts the objects, or as a Ray actor (`ray.remote(RayWeightPublisher)`)
     that engines ask for the newest manifest: refs committed to it keep their objects alive there.
     """
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 2, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         self.keep = keep
+        self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
         self._lock = threading.Lock()
         self._manifests: dict[int, dict] = {}  # in increasing version order
 
@@ -190,7 +228,8 @@ class RayWeightPublisher:
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2):
                 raise ValueError(f"version {version}: expected (name, array) pairs, got {item!r:.80}")
-        manifest = put_shards(version, [(name, np.shape(a), [0] * np.ndim(a), np.asarray(a)) for name, a in items])
+        manifest = put_shards(version, [(name, np.shape(a), [0] * np.ndim(a), np.asarray(a)) for name, a in items],
+                              bucket_bytes=self.bucket_bytes)
         self.commit(manifest)
         return manifest
 

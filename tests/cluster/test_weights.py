@@ -130,3 +130,16 @@ def test_a_manifest_that_does_not_match_its_objects_is_refused(local_ray):
     manifest["tensors"]["x"]["dtype"] = "int32"
     with pytest.raises(ValueError, match="tensor 'x': a piece at \\[0\\] is float32"):
         pull(manifest)
+
+
+def test_small_tensors_share_objects_up_to_bucket_bytes(local_ray):
+    tensors = {f"t{i}": np.full(256, i, np.float32) for i in range(10)}  # 1 KiB each
+    tensors["big"] = np.arange(1024, dtype=np.float32)  # 4 KiB: over the bucket, an object of its own
+    publisher = RayWeightPublisher(bucket_bytes=3 * 1024)
+    manifest = publisher.publish(1, tensors)
+    refs = [s["ref"] for e in manifest["tensors"].values() for s in e["shards"]]
+    assert len(set(refs)) == 5  # t0-t2, t3-t5, t6-t8, t9, big
+    got = pull(manifest)[1]
+    assert all(_bits(got[name]) == _bits(want) for name, want in tensors.items())
+    with pytest.raises(ValueError, match="bucket_bytes must be an int >= 0"):
+        RayWeightPublisher(bucket_bytes=-1)
