@@ -17,9 +17,12 @@ engine has it on its JAX device as well (`jax.device_put`, "device"). Transports
                 host's /dev/shm: across real nodes the client cannot attach and streams instead.
   stream        the same service, `ParameterClient(shared_memory=False)`: 8 MiB `read` chunks over TCP.
 
+Then the same with one engine on the publisher's own node ("head"; `--no-same-node` skips it): where
+Ray's `ray.get` maps the object from its node's store without moving a byte.
+
 Beside them, a memory copy of the same bytes (`np.copyto` into warm memory, median of N) on this
 machine; `cluster_sync_vs_memcpy` = memcpy time / the best transport's host time to all engines (the
-worst engine count's). Run:
+worst engine count's, engines on other nodes only). Run:
 
     .venv/bin/python benchmarks/cluster_sync.py --json /tmp/cluster_sync.json      # 100M params, 2 and 4 engines
     .venv/bin/python benchmarks/cluster_sync.py --quick                            # 10M params, 2 engines
@@ -56,6 +59,10 @@ def parse(argv):
     parser.add_argument("--transports", default=",".join(DEFAULT_TRANSPORTS),
                         help=f"comma-separated, of {', '.join(TRANSPORTS)}")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
+    parser.add_argument("--bucket-mib", type=int, default=None,
+                        help="ray_tensors: MiB of tensors per object (default: the library's)")
+    parser.add_argument("--no-same-node", dest="same_node", action="store_false",
+                        help="skip the case of one engine on the publisher's own node")
     parser.add_argument("--node-store-gb", type=float, default=1.0, help="object store per engine node, GB")
     parser.add_argument("--quick", action="store_true", help="a ~10M model, 2 engines, 3 repeats")
     parser.add_argument("--json", default=None, help="write the figures to this path")
@@ -161,13 +168,13 @@ class Engine:
         return host_t, time.time(), checksum(tensors)
 
 
-def run_case(transport, engines, tensors, service, repeats: int, version: list[int]) -> dict:
+def run_case(transport, engines, tensors, service, repeats: int, version: list[int], bucket_bytes: int) -> dict:
     """Times `repeats` publishes of `tensors` to `engines` by `transport` (after one untimed warm-up)."""
     import ray
 
-    from jaxflow.cluster.weights import DEFAULT_BUCKET_BYTES, RayWeightPublisher
+    from jaxflow.cluster.weights import RayWeightPublisher
 
-    publisher = RayWeightPublisher(keep=2, bucket_bytes=0 if transport == "ray_per_tensor" else DEFAULT_BUCKET_BYTES)
+    publisher = RayWeightPublisher(keep=2, bucket_bytes=0 if transport == "ray_per_tensor" else bucket_bytes)
     kept_refs: list = []
     want = checksum(tensors)
     out = {"host_s": [], "device_s": [], "publish_s": []}
@@ -207,15 +214,17 @@ def main(argv=None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
+    from jaxflow.cluster.weights import DEFAULT_BUCKET_BYTES
     from jaxflow.data.param_service import RPC_METHODS, ParameterService
     from jaxflow.transport import rpc
 
     # The cluster's processes start before this one imports JAX (forking a multithreaded JAX warns).
     cfg = model_config(args.params)
+    bucket_bytes = DEFAULT_BUCKET_BYTES if args.bucket_mib is None else args.bucket_mib << 20
     store = int(args.node_store_gb * 1e9)
     head_store = max(store, int(3.5 * 4 * cfg.num_params()))  # two kept versions and one being put
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": head_store, "include_dashboard": False})
+        "num_cpus": 1, "object_store_memory": head_store, "include_dashboard": False, "resources": {"publisher": 1}})
     for i in range(max(args.engines)):
         cluster.add_node(num_cpus=1, object_store_memory=store, resources={f"engine_{i}": 1})
     service = server = None
@@ -235,16 +244,19 @@ def main(argv=None) -> int:
         actor = ray.remote(Engine)
         engines = [actor.options(num_cpus=0, resources={f"engine_{i}": 0.01}).remote(list(server.address))
                    for i in range(max(args.engines))]
-        nodes = ray.get([e.node_id.remote() for e in engines])
-        assert len(set(nodes)) == len(engines), "two engines landed on one node"
+        local = actor.options(num_cpus=0, resources={"publisher": 0.01}).remote(list(server.address))
+        nodes = ray.get([e.node_id.remote() for e in [local, *engines]])
+        assert len(set(nodes)) == len(engines) + 1, "two engines landed on one node"
         version = [0]
-        for n in args.engines:
+        cases = [(engines[:n], n, False) for n in args.engines] + ([([local], 1, True)] if args.same_node else [])
+        for group, n, same_node in cases:
             for transport in args.transports:
-                row = run_case(transport, engines[:n], tensors, service, args.repeats, version)
-                row.update(transport=transport, engines=n, vs_memcpy=memcpy / row["host_s_median"],
-                           device_vs_memcpy=memcpy / row["device_s_median"])
+                row = run_case(transport, group, tensors, service, args.repeats, version, bucket_bytes)
+                row.update(transport=transport, engines=n, same_node=same_node,
+                           vs_memcpy=memcpy / row["host_s_median"], device_vs_memcpy=memcpy / row["device_s_median"])
                 results.append(row)
-                print(f"  {n} engines, {transport}: {1e3 * row['host_s_median']:.0f} ms", flush=True)
+                print(f"  {n} engines{' (same node)' if same_node else ''}, {transport}: "
+                      f"{1e3 * row['host_s_median']:.0f} ms", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -253,18 +265,20 @@ def main(argv=None) -> int:
         if service is not None:
             service.close()
 
-    print(f"\n{'engines':<9}{'transport':<13}{'publish':>10}{'host':>10}{'device':>10}{'GB/s/engine':>13}"
+    print(f"\n{'engines':<12}{'transport':<13}{'publish':>10}{'host':>10}{'device':>10}{'GB/s/engine':>13}"
           f"{'memcpy/host':>13}")
     for r in results:
-        print(f"{r['engines']:<9}{r['transport']:<13}{1e3 * r['publish_s_median']:>8.0f}ms"
+        print(f"{str(r['engines']) + (' (head)' if r['same_node'] else ''):<12}{r['transport']:<13}{1e3 * r['publish_s_median']:>8.0f}ms"
               f"{1e3 * r['host_s_median']:>8.0f}ms{1e3 * r['device_s_median']:>8.0f}ms"
               f"{nbytes / r['host_s_median'] / 1e9:>13.2f}{r['vs_memcpy']:>12.2f}x")
-    # The transport whose worst engine count is fastest.
-    worst = {t: min(r["vs_memcpy"] for r in results if r["transport"] == t) for t in args.transports}
+    # The transport whose worst engine count is fastest, engines on other nodes only.
+    worst = {t: min(r["vs_memcpy"] for r in results if r["transport"] == t and not r["same_node"])
+             for t in args.transports}
     best = max(worst, key=worst.get)
     figures = {
         "params": args.params, "num_params": int(n_params), "bytes": nbytes, "tensors": len(tensors),
-        "dtype": "float32", "repeats": args.repeats, "cpus": os.cpu_count(), "engine_counts": args.engines,
+        "dtype": "float32", "repeats": args.repeats, "bucket_bytes": bucket_bytes, "cpus": os.cpu_count(),
+        "engine_counts": args.engines,
         "memcpy_s": memcpy, "best_transport": best, "cluster_sync_vs_memcpy": worst[best],
         "vs_memcpy_worst_per_transport": worst, "cases": results,
     }
