@@ -1,6 +1,8 @@
 """Weights through Ray's object store: a pulled version is bit-identical, old versions are let go, and bad
 manifests and unknown versions are clear errors. A local Ray instance (2 CPUs, a small object store)."""
 
+import time
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -143,3 +145,27 @@ def test_small_tensors_share_objects_up_to_bucket_bytes(local_ray):
     assert all(_bits(got[name]) == _bits(want) for name, want in tensors.items())
     with pytest.raises(ValueError, match="bucket_bytes must be an int >= 0"):
         RayWeightPublisher(bucket_bytes=-1)
+
+
+def test_a_version_whose_owner_died_is_unknown(local_ray):
+    n = 1 << 16  # 256 KiB: over Ray's limit for objects inlined into the reply, so it stays with its owner
+
+    @ray.remote(num_cpus=0)
+    class Trainer:
+        # Builds the manifest by hand: the worker need not import jaxflow.
+        def put(self):
+            return [ray.put(np.arange(n, dtype=np.float32))]
+
+    trainer = Trainer.remote()
+    [ref] = ray.get(trainer.put.remote())
+    manifest = {"version": 1, "tensors": {"x": {"dtype": "float32", "shape": [n], "shards": [
+        {"start": [0], "shape": [n], "ref": ref, "item": None}]}}}
+    ray.kill(trainer)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(trainer.put.remote())  # returns once the owner is gone
+    # News of the owner's death reaches this process a moment later; until then the local copy still reads.
+    deadline = time.monotonic() + 60
+    with pytest.raises(UnknownVersionError, match="version 1: a tensor's object is gone"):
+        while time.monotonic() < deadline:
+            pull(manifest, timeout=60)
+            time.sleep(0.1)
