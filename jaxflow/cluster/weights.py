@@ -46,7 +46,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "RayWeightPublisher", "UnknownVersionError", 
 
 
 # Pieces share an object up to this many bytes (see put_shards): Ray's cost per object is far above a
-# small tensor's copy time (an object per tensor took 1.1 to 2 times as long to reach every engine in
+# small tensor's copy time (an object per tensor took 1.1 to 2.1 times as long to reach every engine in
 # benchmarks/cluster_sync.py), and 32 MiB is still a small part of a model.
 DEFAULT_BUCKET_BYTES = 32 << 20
 
