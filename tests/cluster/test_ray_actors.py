@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-pytest.importorskip("ray")
+import ray  # noqa: F401  (the `cluster` extra, which the setup script installs: never skipped)
 
 from jaxflow.cluster import ray_actors  # noqa: E402
 from jaxflow.data.prompt_source import PromptSource  # noqa: E402

@@ -6,7 +6,7 @@ keeps the staleness bound token by token, and the accounting closes."""
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
 
 from jaxflow.cluster import ray_actors  # noqa: E402
 from jaxflow.data.param_service import ParameterService  # noqa: E402

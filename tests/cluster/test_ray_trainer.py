@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
 
 from jaxflow.cluster.ray_trainer import run_on_ray  # noqa: E402
 from jaxflow.models.tiny import write_tiny_model  # noqa: E402

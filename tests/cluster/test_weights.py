@@ -1,5 +1,5 @@
 """Weights through Ray's object store: a pulled version is bit-identical, old versions are let go, and bad
-manifests and unknown versions are clear errors. A local Ray instance (2 CPUs, a small object store)."""
+manifests and unknown versions are clear errors. The test session's local Ray (2 CPUs)."""
 
 import time
 
@@ -7,8 +7,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
 
+from service_placements import ray_session  # noqa: E402
 from jaxflow.cluster.weights import (  # noqa: E402
     RayWeightPublisher,
     UnknownVersionError,
@@ -20,11 +21,9 @@ from jaxflow.cluster.weights import (  # noqa: E402
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, object_store_memory=128 << 20, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    """This test session's local Ray (2 CPUs), shared with the service-placement tests."""
+    ray_session()
+    yield
 
 
 def _tensors(seed: int) -> dict[str, np.ndarray]:
