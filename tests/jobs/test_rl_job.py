@@ -258,42 +258,35 @@ def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
     assert rl.run(config) == 0 and "nothing to do" in capsys.readouterr().out
 
 
-def test_the_trajectory_service_in_a_ray_actor_keeps_the_bound_and_the_accounting(tmp_path, base_dir):
-    pytest.importorskip("ray")
+def _run_on_ray(tmp_path, base_dir, **cluster) -> dict:
+    """Runs the small job for 3 steps at eta 1 with `cluster.*` overrides; checks the bound token by token and
+    that every group is accounted and trained once; returns result.json."""
     from jaxflow.jobs import rl
     config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "trainer.eta": "1", "eval.every": "100",
-                                                 "cluster.mode": "ray"})
+                                                 **{f"cluster.{k}": v for k, v in cluster.items()}})
     assert rl.run(config) == 0
     workdir = pathlib.Path(config.workdir)
     steps = [r for r in records(workdir) if "loss" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert all(max(int(k) for k in r["staleness"]) <= 1 for r in steps)  # token by token
     result = json.loads((workdir / "result.json").read_text())
-    placed = result["cluster"]["trajectory_service"]
-    assert result["cluster"]["mode"] == "ray" and placed["pid"] != os.getpid()  # served by another process
     a = result["accounting"]
     assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
     ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
     assert a["consumed"] == len(ledger) == 3 * 2 and len(set(ledger)) == len(ledger)
+    return result
+
+
+def test_the_trajectory_service_in_a_ray_actor_keeps_the_bound_and_the_accounting(tmp_path, base_dir):
+    result = _run_on_ray(tmp_path, base_dir, mode="ray")
+    placed = result["cluster"]["trajectory_service"]
+    assert result["cluster"]["mode"] == "ray" and placed["pid"] != os.getpid()  # served by another process
 
 
 def test_rollout_actors_on_ray_keep_the_bound_and_the_accounting(tmp_path, base_dir):
-    pytest.importorskip("ray")
-    from jaxflow.jobs import rl
-    config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "trainer.eta": "1", "eval.every": "100",
-                                                 "cluster.mode": "ray", "cluster.rollout_actors": "2"})
-    assert rl.run(config) == 0
-    workdir = pathlib.Path(config.workdir)
-    steps = [r for r in records(workdir) if "loss" in r]
-    assert [r["step"] for r in steps] == [0, 1, 2]
-    assert all(max(int(k) for k in r["staleness"]) <= 1 for r in steps)  # token by token
-    result = json.loads((workdir / "result.json").read_text())
+    result = _run_on_ray(tmp_path, base_dir, mode="ray", rollout_actors="2")
     actors = result["cluster"]["rollout_actors"]
     assert len(actors) == 2 and len({a["pid"] for a in actors} | {os.getpid()}) == 3  # two actors of their own
-    a = result["accounting"]
-    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
-    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
-    assert a["consumed"] == len(ledger) == 3 * 2 and len(set(ledger)) == len(ledger)
     assert result["coordination"]["requests_submitted"] > 0 and result["coordination"]["syncs"] >= 2
 
 
@@ -366,8 +359,6 @@ def test_vllm_rollouts_keep_the_staleness_bound_and_the_accounting(tmp_path, bas
     """The same job with real vLLM (AsyncLLM, its own processes) as the rollout engine. It runs as its own
     process: vLLM's loggers bind to the streams of the process that imports it. On Ray, vLLM pulls each
     version's HF tensors from the parameter service in the data services' actor."""
-    if cluster == "ray":
-        pytest.importorskip("ray")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
