@@ -10,14 +10,12 @@ session, started on first use and shut down by the session fixture in conftest.p
 import contextlib
 import os
 
+from jaxflow.cluster import ray_actors  # Ray itself is imported only where a placement needs it
+
 PLACEMENTS = ["embedded", "server", "ray"]
 
-SERVICE_METHODS = {
-    "TrajectoryService": ["dispatch", "finish", "reward", "abort", "fail", "release_worker", "unrewarded",
-                          "needs_sync", "take_surplus", "progress", "release", "mark_published", "buffer_state",
-                          "consume", "stats", "snapshot", "renew", "ack",
-                          "restore"],
-}
+# The allow-list every placement serves: the library's own (the RL job serves the same on Ray).
+SERVICE_METHODS = {"TrajectoryService": list(ray_actors.TRAJECTORY_SERVICE_METHODS)}
 
 
 @contextlib.contextmanager
@@ -53,7 +51,6 @@ def ray_session():
     """This test session's service host actor, in its local Ray cluster; both start on first use and
     stay up for the session (starting an actor takes a process, ~1.5 s here)."""
     global _RAY_HOST
-    from jaxflow.cluster import ray_actors
     ray_actors.connect(num_cpus=2)
     if _RAY_HOST is None:
         _RAY_HOST = ray_actors.start_host(name=f"test-services-{os.getpid()}")
@@ -75,7 +72,6 @@ def ray_session_end():
 
 @contextlib.contextmanager
 def _ray_placed():
-    from jaxflow.cluster import ray_actors
     on = ray_session()
     proxies = []
 
