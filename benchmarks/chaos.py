@@ -53,12 +53,14 @@ CONFIG = "configs/arithmetic_tiny.py"
 # data-service failure rolls back to the newest one), short leases (a killed rollout actor's groups come back
 # within seconds).
 SMALL = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2,
-         "base.steps": 30, "base.num_examples": 400, "trainer.batch_groups": 2,
+         "base.steps": 300, "base.num_examples": 2000, "task.max_ops": 1, "trainer.batch_groups": 4,
          "rollout.group_size": 4, "rollout.max_slots": 16, "rollout.coordination.max_running": 16,
          "rollout.max_tokens": 48, "eval.num_prompts": 16, "eval.every": 1000, "checkpoint.every": 1,
-         "data.train_prompts": 2000, "trainer.eta": 2, "rollout.lease_s": 5.0,
+         "data.train_prompts": 2000, "trainer.eta": 2, "trainer.lr": 1e-3, "rollout.lease_s": 5.0,
          "cluster.mode": "ray", "cluster.rollout_actors": 2, "cluster.trainer_processes": 2,
-         "cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, "cluster.trainer_mesh.tensor": 2}
+         "cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, "cluster.trainer_mesh.tensor": 2,
+         "cluster.node_resource.data": "data", "cluster.node_resource.rewards": "data",
+         "cluster.node_resource.trainer": "trainer", "cluster.node_resource.rollout": "rollout"}
 FULL = {"rollout": 10, "trainer": 3, "data": 2}
 QUICK = {"rollout": 3, "trainer": 1, "data": 1}
 KINDS = ("rollout", "trainer", "data")
@@ -204,7 +206,8 @@ def run(quick: bool, seed: int, workdir: pathlib.Path, steps: int | None) -> dic
     steps = steps or 4 * len(schedule) + 6
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"data": 1}})
+    ray_actors.ensure_auth_token()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"data": 2}})
     cluster.add_node(num_cpus=2, resources={"trainer": 2})
     cluster.add_node(num_cpus=2, resources={"rollout": 2})
     try:

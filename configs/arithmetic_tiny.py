@@ -206,4 +206,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Rollout engines each in a Ray actor of its own (mode "ray"; one GPU each where the cluster has GPUs,
     # one CPU otherwise), scoring rewards there; 0 keeps rollout.num_engines engines in this process.
     config.cluster.rollout_actors = 0
+    # The trainer as this many Ray actors (one GPU each where the cluster has GPUs) forming one JAX mesh
+    # (mode "ray", with rollout actors); 0 trains in the job's process.
+    config.cluster.trainer_processes = 0
+    # CPU devices per trainer process (CPU hosts and tests); None: what JAX finds there.
+    config.cluster.trainer_cpu_devices = placeholder(int)
+    # The mesh over all the trainer processes' devices: fsdp x tensor (fsdp -1: the devices left).
+    config.cluster.trainer_mesh = ml_collections.ConfigDict({"fsdp": -1, "tensor": 1})
+    # Custom Ray node resources that place each piece: the actors of a piece each ask for one unit of the
+    # named resource, so they run on the nodes started with it (`ray start --resources='{"trainer": 8}'`);
+    # None: any node.
+    config.cluster.node_resource = ml_collections.ConfigDict(
+        {"data": placeholder(str), "trainer": placeholder(str), "rollout": placeholder(str),
+         "rewards": placeholder(str)})
     return config

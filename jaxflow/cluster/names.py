@@ -4,7 +4,8 @@ Every named actor of a run carries the run's tag (from its workdir), so two runs
 share a name:
 
     jaxflow-<tag>-data          the data services' host actor (trajectory and parameter service)
-    jaxflow-<tag>-trainer-<i>   trainer process i of the group (a re-formed group reuses the names)
+    jaxflow-<tag>-trainer-<i>   trainer process i of the group (of a group re-formed after a failure:
+                                jaxflow-<tag>-trainer-<i>-r<n>, the n-th re-formed group)
     jaxflow-<tag>-rollout-<i>   rollout actor i
     jaxflow-<tag>-rewards       the reward pool's actor
 
@@ -21,7 +22,7 @@ __all__ = ["NAMESPACE", "PATTERNS", "data", "rewards", "rollout", "run_tag", "tr
 
 NAMESPACE = "jaxflow"
 # Regular expressions matching each kind's names, whatever the run.
-PATTERNS = {"data": r"jaxflow-[0-9a-f]{8}-data", "trainer": r"jaxflow-[0-9a-f]{8}-trainer-\d+",
+PATTERNS = {"data": r"jaxflow-[0-9a-f]{8}-data", "trainer": r"jaxflow-[0-9a-f]{8}-trainer-\d+(-r\d+)?",
             "rollout": r"jaxflow-[0-9a-f]{8}-rollout-\d+", "rewards": r"jaxflow-[0-9a-f]{8}-rewards"}
 
 
@@ -34,8 +35,8 @@ def data(tag: str) -> str:
     return f"jaxflow-{tag}-data"
 
 
-def trainer(tag: str, i: int) -> str:
-    return f"jaxflow-{tag}-trainer-{i}"
+def trainer(tag: str, i: int, generation: int = 0) -> str:
+    return f"jaxflow-{tag}-trainer-{i}" + (f"-r{generation}" if generation else "")
 
 
 def rollout(tag: str, i: int) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["INSTALL_HINT", "PARAMETER_SERVICE_METHODS", "TRAJECTORY_SERVICE_METHODS", "ServiceHost",
-           "ServiceProxy", "build", "connect", "host", "require_ray", "start_host"]
+           "ServiceNotHosted", "ServiceProxy", "build", "connect", "host", "require_ray", "start_host"]
 
 INSTALL_HINT = ("Ray is not installed: install the cluster extra (`pip install -e '.[cluster]'`, or rerun "
                 "`python3 -m jaxflow.setup_env`, which installs it)")
@@ -77,9 +77,52 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> bool:
     return started
 
 
+def ensure_auth_token() -> None:
+    """Turns token authentication on for clusters this process starts (RAY_AUTH_MODE=token unless set) and
+    makes sure a token exists, creating ~/.ray/auth_token on a machine that has none: what `ray.init()`
+    does for a local cluster, needed before starting a `ray.cluster_utils.Cluster` (whose GCS otherwise
+    exits, finding no token) on a fresh machine. Refuses RAY_AUTH_MODE other than "token", as `connect`."""
+    require_ray()
+    mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if mode.lower() != "token":
+        raise ValueError(f"RAY_AUTH_MODE={mode!r}: jaxflow runs on Ray only with token authentication "
+                         f"(unset RAY_AUTH_MODE or set it to 'token')")
+    # Ray's own set-up step for a new local cluster (no public API does this one).
+    from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
+    ensure_token_if_auth_enabled(create_token_if_missing=True)
+
+
+def jax_env(cpu_devices: int | None = None) -> dict[str, str]:
+    """Environment variables for an actor that runs JAX: this process's compilation cache settings (so
+    actors reuse what was compiled before), and with `cpu_devices` that many CPU devices on the CPU
+    platform (CPU hosts and tests)."""
+    import re
+    import sys
+    env = {}
+    jax = sys.modules.get("jax")
+    for option in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_min_entry_size_bytes"):
+        value = os.environ.get(option.upper())
+        if value is None and jax is not None:
+            value = getattr(jax.config, option, None)
+        if value is not None:
+            env[option.upper()] = str(value)
+    if cpu_devices is not None:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
 def _token_auth_on() -> bool:
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
     return is_token_auth_enabled()
+
+
+class ServiceNotHosted(ConnectionError, KeyError):
+    """A call for a service that its host actor does not hold: closed, or the actor was restarted by Ray and
+    holds nothing yet. A ConnectionError (the service is unreachable: callers wait and retry, as for a dead
+    actor) and a KeyError (it is not there)."""
 
 
 class ServiceHost:
@@ -123,10 +166,10 @@ class ServiceHost:
 
     def call(self, name: str, method: str, args: tuple, kwargs: dict) -> Any:
         """Runs `method(*args, **kwargs)` on the service `name`; AttributeError for a method not allowed,
-        KeyError for a service not hosted."""
+        ServiceNotHosted for a service not hosted."""
         entry = self._services.get(name)
         if entry is None:
-            raise KeyError(f"no service named {name!r} is hosted here (hosted: {sorted(self._services)})")
+            raise ServiceNotHosted(f"no service named {name!r} is hosted here (hosted: {sorted(self._services)})")
         service, methods = entry
         if method not in methods:
             raise AttributeError(f"{method!r} is not served by {name!r}; served: {', '.join(sorted(methods))}")
@@ -195,19 +238,22 @@ class ServiceProxy:
 
 
 def start_host(*, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, resources: dict[str, float] | None = None,
-               name: str | None = None) -> Any:
+               name: str | None = None, max_restarts: int = 0, num_cpus: float = 0) -> Any:
     """Starts a `ServiceHost` actor and returns its handle. The cluster must be connected (`connect`).
 
     max_concurrency: calls served at once, over all its services. resources: custom node resources the
     actor needs (e.g. {"data": 0.01}), which place it on the nodes that have them. name: the actor's
-    name in Ray's dashboard and logs.
+    name in Ray's dashboard and logs. max_restarts: how often Ray restarts it when its process dies (-1:
+    always); a restarted host is empty (its owner hosts the services again) and the handle, and every
+    proxy holding it, reaches the new process. num_cpus: CPUs it reserves (a reward pool's workers use some).
     """
     ray = require_ray()
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
         raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
     if not ray.is_initialized():
         raise RuntimeError("Ray is not connected: call jaxflow.cluster.ray_actors.connect(address) first")
-    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": max_concurrency}
+    options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": max_concurrency,
+                               "max_restarts": max_restarts}
     if resources:
         options["resources"] = dict(resources)
     if name is not None:

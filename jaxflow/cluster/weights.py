@@ -42,7 +42,8 @@ import numpy as np
 
 from jaxflow.data.param_service import DTYPES, UnknownVersionError
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "RayWeightPublisher", "UnknownVersionError", "merge_manifests", "pull", "put_shards"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "PUBLISHER_METHODS", "ManifestSource", "RayWeightPublisher", "UnknownVersionError",
+           "merge_manifests", "pull", "put_shards"]
 
 
 # Pieces share an object up to this many bytes (see put_shards): Ray's cost per object is far above a
@@ -269,3 +270,26 @@ class RayWeightPublisher:
         latest = next(reversed(self._manifests), None)
         if latest is not None and version <= latest:
             raise ValueError(f"version {version} is not newer than the latest published version {latest}")
+
+    def reset(self) -> None:
+        """Forgets every version (a run rolled back to a checkpoint publishes an older version next)."""
+        with self._lock:
+            self._manifests.clear()
+
+
+# What a publisher hosted in a service actor serves (`ray_actors.build(RayWeightPublisher, ...)`).
+PUBLISHER_METHODS = ("commit", "manifest", "latest", "versions", "reset")
+
+
+class ManifestSource:
+    """A rollout engine's weight source (the coordinator's `latest()` / `pull(version)`) over a publisher
+    (or its proxy): `pull` fetches the version's objects and returns its HF-named tensors."""
+
+    def __init__(self, publisher: Any, timeout: float | None = 300.0):
+        self.publisher, self.timeout = publisher, timeout
+
+    def latest(self) -> int | None:
+        return self.publisher.latest()
+
+    def pull(self, version: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        return pull(self.publisher.manifest(version), timeout=self.timeout)

@@ -10,54 +10,96 @@ custom node resources (which pick the nodes it may run on).
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import types
 from typing import Any
 
-from jaxflow.cluster import ray_actors
+from jaxflow.cluster import names, ray_actors
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.jobs.rollout_worker import make_engine
 from rollout_bridge.engine import SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 class RolloutActor:
-    """The body of a rollout actor. trajectories / params: proxies of the two services. model: the HF
-    directory the engine starts from (on the actor's node). reward_ref: "module:function" scoring
-    (response text, meta) in the actor, or None to leave rewarding to the trainer's side. coordination:
-    `Coordination` options (max_running defaults to slots; stuck buffers are the trainer's business, so
-    `stuck` is "wait")."""
+    """The body of a rollout actor. trajectories / params: proxies of the two services (params: any weight
+    source with `latest` / `pull`). model: the HF directory the engine starts from (on the actor's node).
+    reward_ref: "module:function" scoring (response text, meta), or None to leave rewarding to the
+    trainer's side; rewards: the proxy of a `RewardPool` in its own actor to score it in (its time limit
+    and crash isolation), or None to score in this actor. coordination: `Coordination` options
+    (max_running defaults to slots; stuck buffers are the trainer's business, so `stuck` is "wait").
+    index: the actor's place in its fleet (in its reports)."""
 
     def __init__(self, name: str, trajectories: Any, params: Any, model: str, *, engine: str = "jax",
                  max_len: int = 256, slots: int = 8, max_tokens: int = 64, temperature: float = 1.0,
-                 stop_token_ids: tuple[int, ...] = (), reward_ref: str | None = None,
-                 coordination: dict[str, Any] | None = None):
+                 stop_token_ids: tuple[int, ...] = (), reward_ref: str | None = None, rewards: Any = None,
+                 coordination: dict[str, Any] | None = None, index: int = 0):
         options = {"max_running": slots, "sync": "all", **(coordination or {}), "stuck": "wait"}
         strategy = Coordination.from_config(options)
         self.engine = make_engine(engine, model, max_len, slots)
         reward_fn = None
         if reward_ref is not None:
-            from jaxflow.rewards import resolve
+            from jaxflow.rewards import group_reward_fn, resolve
             from jaxflow.tokenizer import Tokenizer
-            score, tokenizer = resolve(reward_ref), Tokenizer.from_dir(model)
+            tokenizer = Tokenizer.from_dir(model)
+            if rewards is not None:
+                reward_fn = group_reward_fn(rewards, reward_ref, tokenizer.decode)
+            else:
+                score = resolve(reward_ref)
 
-            def reward_fn(task, samples):
-                return [float(score(tokenizer.decode(s.tokens), task.meta)) for s in samples]
+                def reward_fn(task, samples):
+                    return [float(score(tokenizer.decode(s.tokens), task.meta)) for s in samples]
 
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                   stop_token_ids=tuple(stop_token_ids))
-        self.coordinator = Coordinator(name, [self.engine], trajectories, params, strategy=strategy, eta=0,
-                                       sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
+        self.name, self.index = name, index
+        self._coordinator_args = dict(strategy=strategy, eta=0, sampling=sampling, reward_fn=reward_fn,
+                                      trace_every_s=0.25)
+        self.coordinator = Coordinator(name, [self.engine], trajectories, params, **self._coordinator_args)
+        self._started = False
+        self.restarts = 0
+        if ray_actors.require_ray().get_runtime_context().was_current_actor_reconstructed:
+            # Ray restarted this actor after its process died: what the old process held goes back to the
+            # service now (rather than when its leases run out), then this one generates again.
+            self.restarts = 1
+            try:
+                trajectories.release_worker(name, "rollout actor restarted")
+            except Exception as e:  # noqa: BLE001 - the service may be down too; its leases then run out
+                log.warning("%s: could not release the groups of the previous process: %s", name, e)
+            self.start()
 
     def start(self) -> dict[str, Any]:
-        """Loads the newest published weights and starts generating; {"pid", "node_id", "version"}."""
-        self.coordinator.load_weights()
-        self.coordinator.start()
+        """Loads the newest published weights and starts generating (unless it already is); {"pid",
+        "node_id", "version"}."""
+        if not self._started:
+            self.coordinator.load_weights()
+            self.coordinator.start()
+            self._started = True
         node = ray_actors.require_ray().get_runtime_context().get_node_id()
         return {"pid": os.getpid(), "node_id": node, "version": self.engine.version}
 
+    def pause(self) -> dict[str, int]:
+        """Stops generating and forgets every group held (handed back to the service if it answers): before
+        the services are restored from a checkpoint, so that no group of the old state is finished into
+        the new one. The engine and its weights stay. The stopped coordinator's counts."""
+        self.coordinator.stop(abort_in_flight=True)
+        self._started = False
+        return dict(self.coordinator.counts)
+
+    def resume(self, trajectories: Any = None, params: Any = None) -> dict[str, Any]:
+        """After `pause`: a new coordinator (over these service proxies, default the old ones) loads the
+        newest published version, whatever the engine held, and generates again; as `start`."""
+        old = self.coordinator
+        self.coordinator = Coordinator(self.name, [self.engine], trajectories or old.trajectories,
+                                       params or old.params, **self._coordinator_args)
+        self._started = False
+        return self.start()
+
     def report(self, trace: bool = False) -> dict[str, Any]:
         """{"stats": the coordinator's stats, and with `trace` "trace": its trace as lists}."""
-        out: dict[str, Any] = {"stats": self.coordinator.stats()}
+        out: dict[str, Any] = {"stats": self.coordinator.stats(), "index": self.index, "pid": os.getpid()}
         if trace:
             out["trace"] = {k: list(v) for k, v in self.coordinator.trace.items()}
         return out
@@ -71,12 +113,17 @@ class RolloutActor:
 
 
 def start_rollout_actor(name: str, trajectories: Any, params: Any, model: str, *,
-                        resources: dict[str, float] | None = None, **options: Any) -> Any:
-    """Starts a `RolloutActor` (one GPU if the cluster has any, else one CPU) and returns its handle;
-    `options` are `RolloutActor`'s. Call `handle.start.remote()` to set it going."""
+                        resources: dict[str, float] | None = None, max_restarts: int = -1,
+                        **options: Any) -> Any:
+    """Starts a `RolloutActor` named `name` (one GPU if the cluster has any, else one CPU) and returns its
+    handle; `options` are `RolloutActor`'s. Call `handle.start.remote()` to set it going. Ray restarts
+    the actor when its process dies, up to `max_restarts` times (-1: always); a restarted actor hands back
+    what its old process held and generates again by itself."""
     ray = ray_actors.require_ray()
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     actor_options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
+    actor_options["max_restarts"] = max_restarts
+    actor_options["runtime_env"] = {"env_vars": ray_actors.jax_env()}
     if resources:
         actor_options["resources"] = dict(resources)
     return ray.remote(RolloutActor).options(name=name, **actor_options).remote(
@@ -85,13 +132,37 @@ def start_rollout_actor(name: str, trajectories: Any, params: Any, model: str, *
 
 class RolloutFleet:
     """Rollout actors seen as one coordinator by the RL job's train loop: `start`, `stop`, `counts`,
-    `instances` (each with `idle_s`), `stats()` and `trace`, summed or joined over the actors."""
+    `instances` (each with `idle_s`), `stats()` and `trace`, summed or joined over the actors that answer
+    (one that is dead or being restarted by Ray is left out of that report); `restarts` counts the actor
+    processes seen replaced; `pause` and `resume` stop and restart generation on every actor."""
 
-    def __init__(self, actors: list[Any]):
-        self.actors, self.placed = actors, []
+    def __init__(self, actors: list[Any], report_timeout_s: float = 10.0):
+        self.actors, self.placed, self.report_timeout_s = actors, [], report_timeout_s
+        self._pids: list[set[int]] = [set() for _ in actors]
+
+    @property
+    def restarts(self) -> int:
+        return sum(max(len(p) - 1, 0) for p in self._pids)
+
+    def _answers(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """`method(*args)` on every actor; the answers of those that gave one."""
+        ray = ray_actors.require_ray()
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s or self.report_timeout_s)
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=0.01))
+            except ray.exceptions.RayError as e:
+                log.warning("rollout actor %d gave no %s: %s", i, method, type(e).__name__)
+                ray.cancel(ref)
+        return out
 
     def _reports(self, trace: bool = False) -> list[dict[str, Any]]:
-        return ray_actors.require_ray().get([a.report.remote(trace) for a in self.actors])
+        reports = self._answers("report", trace)
+        for r in reports:
+            self._pids[r["index"]].add(r["pid"])
+        return reports
 
     def start(self, timeout_s: float = 600) -> RolloutFleet:
         """Sets every actor going (each loads the newest weights first); `placed` says where they run.
@@ -110,6 +181,14 @@ class RolloutFleet:
             raise
         return self
 
+    def pause(self, timeout_s: float = 120.0) -> None:
+        """Every actor that answers stops generating and forgets its groups (see `RolloutActor.pause`)."""
+        self._answers("pause", timeout_s=timeout_s)
+
+    def resume(self, trajectories: Any = None, params: Any = None, timeout_s: float = 300.0) -> None:
+        """Every actor that answers generates again, over these service proxies (default its old ones)."""
+        self._answers("resume", trajectories, params, timeout_s=timeout_s)
+
     @property
     def counts(self) -> collections.Counter:
         total: collections.Counter = collections.Counter()
@@ -126,7 +205,8 @@ class RolloutFleet:
         out: dict[str, Any] = collections.Counter()
         for r in reports:
             out.update({k: v for k, v in r["stats"].items() if isinstance(v, int)})
-        return {**out, "instances": [i for r in reports for i in r["stats"]["instances"]]}
+        return {**out, "instances": [i for r in reports for i in r["stats"]["instances"]],
+                "actor_restarts": self.restarts}
 
     @property
     def trace(self) -> dict[str, list]:
@@ -140,22 +220,27 @@ class RolloutFleet:
         """Stops every actor (handing its in-flight groups back unless told to let them finish) and ends it."""
         ray = ray_actors.require_ray()
         try:
-            ray.get([a.stop.remote(abort_in_flight) for a in self.actors], timeout=120)
+            self._answers("stop", abort_in_flight, timeout_s=120)
         finally:
             for a in self.actors:
-                ray.kill(a)
+                ray.kill(a, no_restart=True)
 
 
 def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_ref: str,
-                eos_id: int) -> RolloutFleet:
+                eos_id: int, resources: dict[str, float] | None = None, rewards: Any = None) -> RolloutFleet:
     """The RL job's `cluster.rollout_actors` rollout actors (each a coordinator over one engine of
-    `rollout.engine`, with the `rollout.*` sizes and sampling and the `rollout.coordination` options),
-    started and generating. Rewards are scored in the actors, by `reward_ref`."""
+    `rollout.engine`, with the `rollout.*` sizes and sampling and the `rollout.coordination` options,
+    named `names.rollout(tag, i)`), started and generating. Rewards are scored by `reward_ref`, in the
+    reward pool's actor `rewards` (a proxy), or in the actors when None. resources: custom node
+    resources each actor needs."""
     r = config.rollout
     coordination = r.coordination.to_dict()
-    actors = [start_rollout_actor(f"rollout-{i}-{os.getpid()}", trajectories, params, str(model),
+    tag = names.run_tag(config.workdir)
+    actors = [start_rollout_actor(names.rollout(tag, i), trajectories, params, str(model), index=i,
+                                  resources=resources,
                                   engine=r.engine, max_len=r.max_len, slots=r.max_slots, max_tokens=r.max_tokens,
                                   temperature=r.temperature, stop_token_ids=(eos_id,), reward_ref=reward_ref,
+                                  rewards=rewards,
                                   coordination=coordination)
               for i in range(config.cluster.rollout_actors)]
     return RolloutFleet(actors).start()

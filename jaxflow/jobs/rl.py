@@ -38,7 +38,6 @@ import contextlib
 import json
 import logging
 import pathlib
-import signal
 import sys
 import tempfile
 import time
@@ -50,7 +49,10 @@ import ml_collections
 from jaxflow import sharding
 from jaxflow.config import ConfigError, check_float, check_int, number_problems
 
+from jaxflow.cluster.config import cluster_problems
 from jaxflow.jobs import warm_start
+from jaxflow.jobs.bookkeeping import (REWARD_FAILURES, Ledger, RewardErrors, RewardNeverWorked, StopRequest,
+                                      accounting, check_first_batch)
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.jobs.evaluation import evaluate
@@ -70,84 +72,8 @@ from rollout_bridge.engine import SamplingParams
 log = logging.getLogger(__name__)
 
 ENGINES = ("jax", "vllm")
-CLUSTER_MODES = ("embedded", "ray")
 # Seconds the trainer waits for a buffer before it prints where the groups are.
 _STALL_REPORT_S = 120.0
-# Reward calls that failed (each scored 0), by kind: the reward pool's counts, cumulative, in every step's
-# metrics and in result.json's accounting as reward_<kind>.
-_REWARD_FAILURES = ("raised", "timed_out", "crashed", "invalid")
-# Distinct reward errors printed; any more are counted only.
-_MAX_PRINTED_REWARD_ERRORS = 5
-
-
-class _RewardErrors:
-    """The reward pool's `on_failure`: prints the first occurrence of each distinct reward error to stderr,
-    and remembers the first one for the error that stops a run whose reward never works."""
-
-    def __init__(self, failed_value: float):
-        self.failed_value, self.seen, self.first = failed_value, 0, None
-
-    def __call__(self, message: str) -> None:
-        self.seen += 1
-        self.first = self.first or message
-        if self.seen <= _MAX_PRINTED_REWARD_ERRORS:
-            print(f"jaxflow: {message}; the sample scores {self.failed_value:g} and the run goes on (more "
-                  f"failures with this message are counted in the metrics as reward_*, not printed)",
-                  file=sys.stderr, flush=True)
-        elif self.seen == _MAX_PRINTED_REWARD_ERRORS + 1:
-            print("jaxflow: more distinct reward errors: counted in the metrics, not printed",
-                  file=sys.stderr, flush=True)
-
-
-class RewardNeverWorked(RuntimeError):
-    """The reward function failed on every sample of the run's first batch: training would learn nothing."""
-
-
-class _Stop:
-    """First Ctrl-C: finish the step in progress, checkpoint, exit. Second: stop at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        def handler(signum, frame):
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-            print("\njaxflow: stopping after this step and saving a checkpoint (Ctrl-C again to stop now)",
-                  file=sys.stderr, flush=True)
-
-        with contextlib.suppress(ValueError):  # not the main thread: no handler
-            self._previous = signal.signal(signal.SIGINT, handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
-class Ledger:
-    """ledger.jsonl: per trained step, the ids of the groups it consumed. Resuming drops the steps that
-    will be redone, so the file always describes the run whose parameters survive."""
-
-    def __init__(self, path: pathlib.Path, start_step: int):
-        self.path = path
-        lines = path.read_text().splitlines() if path.exists() else []
-        kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] < start_step]
-        path.write_text("".join(ln + "\n" for ln in kept))
-        self._file = path.open("a")
-
-    def record(self, step: int, group_ids: list[int]) -> None:
-        self._file.write(json.dumps({"step": step, "groups": group_ids}) + "\n")
-        self._file.flush()
-
-    def group_ids(self) -> list[int]:
-        return [g for ln in self.path.read_text().splitlines() if ln.strip()
-                for g in json.loads(ln)["groups"]]
-
-    def close(self) -> None:
-        self._file.close()
 
 
 # Integer fields and their lower bounds (each at most config.INT_LIMIT).
@@ -199,7 +125,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     # refuses them too; this catches a config built or changed in code.
     problems += number_problems(config, problems)
     problems += _task_problems(config)
-    problems += _cluster_problems(config.cluster, r.engine)
+    problems += cluster_problems(config.cluster, r.engine)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 
@@ -222,31 +148,6 @@ def _task_problems(config: ml_collections.ConfigDict) -> list[str]:
     except (ValueError, TypeError, OSError) as e:
         problems.append(f"task: {e}")
     return problems
-
-
-def _cluster_problems(cluster: ml_collections.ConfigDict, engine: str) -> list[str]:
-    """cluster.mode, address and rollout_actors; mode "ray" needs Ray installed (the cluster extra)."""
-    if cluster.mode not in CLUSTER_MODES:
-        return [f"cluster.mode {cluster.mode!r} is not one of {CLUSTER_MODES}"]
-    address = cluster.address
-    if address is not None and (not isinstance(address, str) or not address.strip()):
-        return [f"cluster.address must be None (start a local Ray) or 'host:port' / 'auto', got {address!r}"]
-    actors = cluster.rollout_actors
-    if isinstance(actors, bool) or not isinstance(actors, int) or actors < 0:
-        return [f"cluster.rollout_actors must be an int >= 0, got {actors!r}"]
-    if actors and engine != "jax":
-        return [f"cluster.rollout_actors runs JAX engines only so far; rollout.engine is {engine!r}"]
-    if cluster.mode == "embedded":
-        if actors:
-            return [f"cluster.rollout_actors={actors} needs cluster.mode=ray"]
-        return [] if address is None else [f"cluster.address is set but cluster.mode is 'embedded'; set "
-                                           f"cluster.mode=ray to join the cluster at {address!r}"]
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return ["cluster.mode 'ray' needs Ray: install the cluster extra (`pip install -e '.[cluster]'`, or "
-                "rerun `python3 -m jaxflow.setup_env`)"]
-    return []
 
 
 def check_workdir(workdir: pathlib.Path) -> None:
@@ -278,13 +179,16 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
 class _Evaluator:
     """Held-out greedy accuracy of the current policy, on a JAX engine of its own."""
 
-    def __init__(self, config, trainer: RLTrainer, weights: DeviceParamSource, task, tokenizer, pool):
+    def __init__(self, config, trainer, weights, task, tokenizer, pool, model=None):
+        """trainer: its `version` is evaluated; weights: where that version is pulled from; model: what the
+        engine starts from (default the trainer's model; a path for a trainer in other processes)."""
         from rollout_bridge.jax_engine import JaxEngine
         e, r = config.eval, config.rollout
         self.records = task.to_prompt_records(task.examples("eval", e.num_prompts, seed=0), tokenizer)
-        self.engine = JaxEngine(trainer.model(), max_slots=min(r.max_slots, 64), max_len=r.max_len,
-                                decode_chunk=r.decode_chunk, version=trainer.version)
-        weights.add_target(self.engine.param_shardings)
+        self.engine = JaxEngine(trainer.model() if model is None else model, max_slots=min(r.max_slots, 64),
+                                max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version)
+        if isinstance(weights, DeviceParamSource):
+            weights.add_target(self.engine.param_shardings)
         self.trainer, self.weights, self.task, self.tokenizer, self.pool, self.max_tokens = \
             trainer, weights, task, tokenizer, pool, r.max_tokens
 
@@ -306,7 +210,7 @@ _COORDINATION_METRICS = ("requests_migrated", "requests_retried", "requests_resu
                          "buffers_released")
 
 
-def _consume(service: TrajectoryService, version: int, stop: _Stop):
+def _consume(service: TrajectoryService, version: int, stop: StopRequest):
     """Waits for buffer `version`; None if a stop was requested meanwhile."""
     waited = 0.0
     while not stop.requested:
@@ -367,6 +271,9 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     # A seed apart from the warm start's: RL prompts are train-split problems the base model has not seen.
     train_records = task.to_prompt_records(
         task.examples("train", config.data.train_prompts, seed=config.seed + 1000), tokenizer)
+    if config.cluster.trainer_processes:  # the trainer as Ray actors: the cluster driver takes it from here
+        from jaxflow.cluster import rl_cluster
+        return rl_cluster.run(config, cleanup, base_dir, tokenizer, task, train_records)
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     # JAX engines and the evaluator (this process) take each version on device; only vLLM needs the HF
     # host tensors of a parameter service (see `params` below). Two versions kept, as the parameter
@@ -410,7 +317,7 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     trainer.publish_weights(params)
     # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
     weights = params if params is not None else device_weights
-    reward_errors = _RewardErrors(failed_value=0.0)
+    reward_errors = RewardErrors(failed_value=0.0)
     pool = RewardPool(num_workers=config.rollout.reward_workers, timeout_s=config.rollout.reward_timeout_s,
                       failed_value=0.0, on_failure=reward_errors)
     evaluator = _Evaluator(config, trainer, device_weights, task, tokenizer, pool)
@@ -458,20 +365,30 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         ckpt.close()
         ledger.close()
         run_log.close()
+    return _conclude(config, result, service, ledger, pool, never_worked, trainer,
+                     lambda: hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir,
+                                                overwrite=True))
+
+
+def _conclude(config, result: dict[str, Any], service, ledger: Ledger, pool, never_worked: str | None, trainer,
+              export) -> int:
+    """After the train loop: the accounting, the export (`export()`), result.json and the closing lines;
+    the process exit code."""
+    workdir, t = pathlib.Path(config.workdir), config.trainer
     if result.get("interrupted"):
         print(f"jaxflow: stopped at step {trainer.version}; rerun the same command to resume", flush=True)
         return 130
-    result["accounting"] = _accounting(service, ledger, pool)
+    result["accounting"] = accounting(service, ledger, pool)
     a = result["accounting"]
     reward_line = (f"jaxflow: reward calls {a['reward_calls']}: scored {a['reward_scored']}, failed (scored 0) "
-                   + ", ".join(f"{k.replace('_', ' ')} {a['reward_' + k]}" for k in _REWARD_FAILURES))
+                   + ", ".join(f"{k.replace('_', ' ')} {a['reward_' + k]}" for k in REWARD_FAILURES))
     if never_worked is not None:
         result["error"] = never_worked
         (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"jaxflow: error: {never_worked}\n{reward_line}", file=sys.stderr, flush=True)
         return 2
     result["train_step_compiles"], result["train_step_compile_s"] = trainer.compiles, round(trainer.compile_s, 2)
-    hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True)
+    export()
     (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"jaxflow: done. held-out accuracy {result['base_accuracy']:.1%} (base) -> "
           f"{result['final_accuracy']:.1%} after {t.steps} steps; policy exported to {workdir / 'export'}\n"
@@ -483,37 +400,9 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     return 0
 
 
-def _accounting(service: TrajectoryService, ledger: Ledger, pool: RewardPool) -> dict[str, int]:
-    """Where every group went (created = consumed + in flight + failed + surplus), how many the ledger
-    trained (and twice), and the reward calls by outcome (rollouts and evals; a failed call scored 0)."""
-    stats = service.stats()
-    ids = ledger.group_ids()
-    counts = stats["counts"]
-    rewards = pool.stats()
-    return {
-        "created": counts["created"], "consumed": counts["consumed"], "failed": counts["failed"],
-        "surplus": counts["surplus"],
-        "in_flight": sum(v for k, v in stats["groups"].items() if k not in ("consumed", "failed", "surplus")),
-        "ledger_groups": len(ids), "ledger_duplicates": len(ids) - len(set(ids)),
-        "reward_calls": rewards["submitted"], "reward_scored": rewards["scored"],
-        **{f"reward_{k}": rewards[k] for k in _REWARD_FAILURES}}
-
-
-def _check_first_batch(pool: RewardPool, before: dict[str, int], batch_samples: int, errors: _RewardErrors,
-                       fn_ref: str) -> None:
-    """Raises RewardNeverWorked if not one reward call since `before` (the pool's stats when rollouts
-    started) scored, though at least a batch's worth of them finished."""
-    now = pool.stats()
-    finished = sum(now[k] - before[k] for k in ("scored", *_REWARD_FAILURES))
-    if now["scored"] == before["scored"] and finished >= batch_samples:
-        raise RewardNeverWorked(
-            f"the reward function {fn_ref} failed on all {finished} samples of the first batch "
-            f"({batch_samples} samples): {errors.first or 'see the errors above'}; fix it and rerun")
-
-
 def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordinator, ckpt, ledger, run_log,
-                evaluator, start_step: int, base_accuracy: float, pool: RewardPool, reward_errors: _RewardErrors,
-                reward_ref: str) -> dict[str, Any]:
+                evaluator, start_step: int, base_accuracy: float, pool: RewardPool, reward_errors: RewardErrors,
+                reward_ref: str, step_done=None) -> dict[str, Any]:
     t = config.trainer
     rewards_before = pool.stats()
     coordinator.start()
@@ -526,11 +415,10 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
 
     def save():
         if saved[-1] != trainer.version:
-            ckpt.save(trainer.version, trainer.state, {"trajectories": service.snapshot(),
-                                                       "base_accuracy": base_accuracy}, force=True)
+            trainer.checkpoint(ckpt, {"trajectories": service.snapshot(), "base_accuracy": base_accuracy})
             saved.append(trainer.version)
 
-    with _Stop() as stop:
+    with StopRequest() as stop:
         for step in range(start_step, t.steps):
             before = time.monotonic()
             consumed = _consume(service, step, stop)
@@ -538,7 +426,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
                 break
             waited += time.monotonic() - before
             if step == start_step:  # before any update: a reward that never works must not train on zeros
-                _check_first_batch(pool, rewards_before, t.batch_groups * config.rollout.group_size,
+                check_first_batch(pool, rewards_before, t.batch_groups * config.rollout.group_size,
                                    reward_errors, reward_ref)
             busy_from = time.monotonic()
             metrics, staleness = trainer.train(consumed)
@@ -549,7 +437,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
             trained_tokens += metrics["trained_tokens"]
             consumed_tokens += metrics["consumed_tokens"]
             instances = coordinator.instances
-            idle = sum(i.idle_s for i in instances) / (elapsed * len(instances))
+            idle = sum(i.idle_s for i in instances) / (elapsed * max(len(instances), 1))
             counts = service.stats()["counts"]
             metrics.update(trainer_idle_frac=waited / elapsed, rollout_idle_frac=min(idle, 1.0),
                            trained_tokens_per_s=trained_tokens / elapsed,
@@ -559,7 +447,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
                            weight_syncs=float(coordinator.counts["syncs"]))
             metrics.update({k: float(coordinator.counts[k]) for k in _COORDINATION_METRICS})
             reward_stats = pool.stats()
-            metrics.update({f"reward_{k}": float(reward_stats[k]) for k in _REWARD_FAILURES})
+            metrics.update({f"reward_{k}": float(reward_stats[k]) for k in REWARD_FAILURES})
             done = step + 1 == t.steps
             if (step + 1) % config.eval.every == 0 or done:
                 eval_from = time.monotonic()
@@ -568,6 +456,8 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
                 metrics["eval_s"] = time.monotonic() - eval_from
                 eval_s += metrics["eval_s"]
             run_log.log_step(step, metrics, staleness=staleness)
+            if step_done is not None:  # the cluster driver times its recoveries by it
+                step_done(step)
             if (step + 1) % config.checkpoint.every == 0 or done or stop.requested:
                 save()
             if stop.requested:

@@ -131,3 +131,11 @@ class ArithmeticTask(Task):
         tokens = [t if t in OPERATORS else int(t) for t in example["expression"].split()]
         body = "\n".join("= " + render(step) for step in evaluation_steps(tokens))
         return answer_tagged(body, str(example["answer"]))
+
+
+def even_answer_reward(response: str, meta: dict) -> float:
+    """1.0 if the response's `<answer>` is an even integer, else 0.0, whatever the question: a sanity-check
+    reward that any policy learns within a few steps (one token's distribution moves), so a short run shows
+    whether an RL set-up learns at all; the cluster tests use it (`task.reward_ref`)."""
+    value = parse_number(extract_answer(response))
+    return float(value is not None and value == int(value) and int(value) % 2 == 0)

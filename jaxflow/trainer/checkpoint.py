@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -51,7 +52,11 @@ class CheckpointDamaged(RuntimeError):
 
 
 def _digest(value) -> str:
-    """sha256 of an array's dtype, shape and C-order host bytes: the same for any sharding of it."""
+    """sha256 of an array's dtype, shape and C-order host bytes: the same for any sharding of it. An
+    array spread over processes (a multi-process trainer) cannot be read to host here: it gets the
+    `_spread_digest` of its words instead, computed where it lives, marked "w32:"."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return _spread_digest(value)
     host = np.asarray(value)
     h = hashlib.sha256(f"{host.dtype.str}{host.shape}".encode())
     h.update(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
@@ -97,6 +102,42 @@ def _nest(flat: Mapping[str, Any]) -> dict:
     return root
 
 
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bytes as a flat uint32 vector (narrower items widened, 8-byte ones split in two)."""
+    size = x.dtype.itemsize
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+
+
+@jax.jit
+def _word_sums(x: jax.Array) -> jax.Array:
+    # Two position-weighted sums mod 2**32 (exact integer arithmetic: the same for every sharding and
+    # every reduction order), catching a changed word and two swapped ones.
+    w = _words(x)
+    i = jnp.arange(w.shape[0], dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(w * (i * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32),
+                      jnp.sum((w ^ (w >> 15)) * (i * jnp.uint32(40503) + jnp.uint32(97)), dtype=jnp.uint32)])
+
+
+def _spread_digest(value: jax.Array) -> str:
+    """The checksum of an array spread over processes, computed on its devices; every process gets it."""
+    from jax.experimental import multihost_utils
+    sums = _word_sums(value)
+    sums = np.asarray(sums.addressable_data(0) if sums.sharding.is_fully_replicated
+                      else multihost_utils.process_allgather(sums, tiled=True))
+    return f"w32:{value.dtype.str}{tuple(value.shape)}:{int(sums[0]):08x}{int(sums[1]):08x}"
+
+
+def _matches(saved: str, value) -> bool:
+    """Whether `value` has the digest `saved`, of whichever kind was saved."""
+    if isinstance(saved, str) and saved.startswith("w32:"):
+        return saved == (_spread_digest(value) if isinstance(value, jax.Array)
+                         else _spread_digest(jnp.asarray(value)))
+    return saved == _digest(value)
+
+
 class Checkpointer:
     """Saves and restores (TrainState, extra) by step in `directory`, keeping the newest `max_to_keep`.
 
@@ -130,7 +171,7 @@ class Checkpointer:
         overwrite it. extra: JSON-serialisable dict, saved atomically with the state. Raises TypeError
         for an extra that JSON cannot encode and ValueError for one using the reserved checksum key, before
         anything is written. The checksums are computed here, from a host copy of each array (one pass over
-        the state's bytes; the arrays must be addressable from this process, as on one machine).
+        the state's bytes; an array spread over processes is summed where it lives, see `_digest`).
         """
         extra = {} if extra is None else extra
         if not isinstance(extra, Mapping):
@@ -222,7 +263,7 @@ class Checkpointer:
             log.warning("%s has no checksums (saved by an older jaxflow): restored unverified", where)
         else:
             bad = [name for name in wanted if not isinstance(sums, Mapping)
-                   or sums.get(name) != _digest(arrays[name])]
+                   or not _matches(sums.get(name), arrays[name])]
             if bad:
                 raise CheckpointDamaged(f"{where} is damaged: {len(bad)} array(s) differ from the checksums "
                                         f"saved with them: {bad[:5]}")

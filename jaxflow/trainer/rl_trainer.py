@@ -302,6 +302,10 @@ class RLTrainer:
         }
         return metrics, dict(sorted(staleness.items()))
 
+    def checkpoint(self, ckpt, extra: dict) -> None:
+        """Saves the current version to `ckpt` (a `Checkpointer`) with `extra`, overwriting nothing."""
+        ckpt.save(self.version, self.state, extra, force=True)
+
     def publish(self, trajectories, params=None) -> int:
         """Makes the current version available: the service first (its contract), then the weights."""
         v = self.version

@@ -25,6 +25,7 @@ ETA, BATCH, STEPS = 1, 2, 3
 def cluster():
     from ray.cluster_utils import Cluster
     ray_session_end()  # one driver connection per process: leave the session's local Ray
+    ray_actors.ensure_auth_token()  # a fresh machine has no token yet
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"data": 1}})
     for _ in range(2):
         c.add_node(num_cpus=1, resources={"rollout": 1})

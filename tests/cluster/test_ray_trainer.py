@@ -4,42 +4,57 @@ import jax
 import numpy as np
 import pytest
 
-import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
+import ray  # noqa: F401 - the `cluster` extra, which the setup script installs: missing Ray fails, never skips
 
-from jaxflow.cluster.ray_trainer import run_on_ray  # noqa: E402
-from jaxflow.models.tiny import write_tiny_model  # noqa: E402
-from jaxflow.trainer import distributed  # noqa: E402
+from jaxflow.cluster.trainer_group import TrainerGroup, TrainerGroupFailed
+from jaxflow.models.tiny import write_tiny_model
+from jaxflow.trainer import distributed
 
-from service_placements import ray_session  # noqa: E402
-from trainer.test_distributed import BOUND, TIMINGS, buffer, trainer_section  # noqa: E402
+from service_placements import ray_session
+from trainer.test_distributed import BOUND, TIMINGS, buffer, trainer_section
+
+
+def group_of(tmp_path, model_dir, **mesh):
+    spec = TrainerGroup.spec(str(model_dir), trainer_section(), seq_len=64, max_sequences=16,
+                             checkpoints=str(tmp_path / "checkpoints"), max_to_keep=1, **mesh)
+    return TrainerGroup(spec, num_processes=2, tag="0123abcd", cpu_devices=4, timeout_s=400)
 
 
 def test_two_trainer_actors_train_like_one_process_with_all_the_devices(tmp_path):
-    ray_session()  # this session's local Ray (2 CPUs): the two actors ask for no CPU
+    ray_session()  # this session's local Ray (2 CPUs): the two actors ask for one CPU each
     model_dir = write_tiny_model(tmp_path / "model")
-    config = distributed.process_config(str(model_dir), trainer_section(), seq_len=64, max_sequences=16,
-                                        fsdp=4, tensor=2, init_timeout_s=120, return_params=True)
-    buffers = [buffer(0, seed=0), buffer(1, seed=1)]
-    results = run_on_ray(config, buffers, num_processes=2, cpu_devices_per_process=4, num_cpus=0, timeout_s=400)
+    group = group_of(tmp_path, model_dir, fsdp=4, tensor=2)
+    try:
+        assert group.start() == (0, None)  # no checkpoint yet
+        assert group.started[0]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+        assert len({s["pid"] for s in group.started}) == 2
+        buffers = [buffer(0, seed=0), buffer(1, seed=1)]
+        metrics = [group.train(b)[0] for b in buffers]
+        params = group.params()
+    finally:
+        group.close()
     assert len(jax.devices()) == 8
+    config = distributed.process_config(str(model_dir), trainer_section(), seq_len=64, max_sequences=16,
+                                        fsdp=4, tensor=2, return_params=True)
     reference = distributed.train_on_mesh(config, buffers)
-    assert [r["process_id"] for r in results] == [0, 1] and all(r["num_processes"] == 2 for r in results)
-    assert results[0]["mesh"] == reference["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
-    computed = lambda metrics: [{k: v for k, v in m.items() if k not in TIMINGS} for m in metrics]  # noqa: E731
-    assert computed(results[0]["metrics"]) == computed(results[1]["metrics"])  # one computation
-    for got, want in zip(results[0]["metrics"], reference["metrics"]):
+    assert reference["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    for got, want in zip(metrics, reference["metrics"]):
         assert got["trained_tokens"] == want["trained_tokens"] > 0
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=0, atol=BOUND * 2 * want["adv_adv_abs_max"])
         np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=BOUND)
+        assert set(got) - set(TIMINGS) == set(want) - set(TIMINGS)
+    assert sorted(params) == sorted(reference["params"])
     for name, want in reference["params"].items():
-        np.testing.assert_allclose(results[0]["params"][name], want, rtol=0, atol=BOUND, err_msg=name)
+        np.testing.assert_allclose(params[name], want, rtol=0, atol=BOUND, err_msg=name)
 
 
 def test_a_failing_trainer_process_is_named(tmp_path):
     ray_session()
     # A directory without a model: the group forms, then loading the model fails in every process.
-    config = distributed.process_config(str(tmp_path), trainer_section(), seq_len=64, max_sequences=16,
-                                        init_timeout_s=60)
-    with pytest.raises(distributed.ProcessGroupError, match=r"trainer process 0 failed: \w+"):
-        run_on_ray(config, [buffer(0, seed=0)], num_processes=2, cpu_devices_per_process=1, num_cpus=0,
-                   timeout_s=300)
+    group = group_of(tmp_path, tmp_path)
+    try:
+        with pytest.raises(TrainerGroupFailed, match=r"trainer process \d \(jaxflow-0123abcd-trainer-\d\) "
+                                                     r"failed in start: \w+"):
+            group.start()
+    finally:
+        group.close(graceful=False)

@@ -1,0 +1,125 @@
+"""The RL job on a 3-node Ray cluster: 2 trainer processes forming one mesh, 2 rollout actors, the data
+services in their own actor; and its recovery when a trainer process or the data-services actor dies."""
+
+import json
+import pathlib
+import statistics
+import threading
+import time
+
+import pytest
+
+import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
+from ray.cluster_utils import Cluster
+
+from jaxflow.cluster import names, ray_actors
+from jaxflow.config import load_config
+from jaxflow.jobs import rl
+
+from service_placements import ray_session_end
+
+CONFIG = "configs/arithmetic_tiny.py"
+ETA = 2
+SMALL = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2,
+         "base.steps": 300, "base.num_examples": 2000, "trainer.batch_groups": 4, "task.max_ops": 1,
+         # A reward any policy learns in a few steps (an even answer): the run must show learning, fast.
+         "trainer.lr": 1e-3, "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward",
+         "rollout.group_size": 4, "rollout.max_slots": 16, "rollout.coordination.max_running": 16,
+         "rollout.max_tokens": 48, "eval.num_prompts": 16, "eval.every": 1000, "checkpoint.every": 1,
+         "data.train_prompts": 2000, "trainer.eta": ETA, "rollout.lease_s": 5.0,
+         "cluster.mode": "ray", "cluster.rollout_actors": 2, "cluster.trainer_processes": 2,
+         "cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, "cluster.trainer_mesh.tensor": 2,
+         "cluster.node_resource.data": "data", "cluster.node_resource.rewards": "data",
+         "cluster.node_resource.trainer": "trainer", "cluster.node_resource.rollout": "rollout"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray_session_end()  # this module's cluster, not the session's local Ray
+    ray_actors.ensure_auth_token()  # a fresh machine has no token yet
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"data": 2}})
+    c.add_node(num_cpus=2, resources={"trainer": 2})
+    c.add_node(num_cpus=2, resources={"rollout": 2})
+    ray_actors.connect(c.address)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def config_for(cluster, tmp_path, base_dir, **more):
+    overrides = {**SMALL, "cluster.address": cluster.address, "base.dir": base_dir,
+                 "workdir": tmp_path / "run", **more}
+    return load_config(CONFIG, {k: str(v) for k, v in overrides.items()})
+
+
+def records(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def check_run(workdir: pathlib.Path, steps: int):
+    """Each step once, each group trained once, the bound token by token, the accounting closed."""
+    trained = [r for r in records(workdir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in trained] == list(range(steps))
+    for r in trained:
+        assert max(int(k) for k in r["staleness"]) <= ETA, r["staleness"]
+    ledger = [g for r in records(workdir / "ledger.jsonl") for g in r["groups"]]
+    assert len(ledger) == len(set(ledger)) == steps * 4
+    result = json.loads((workdir / "result.json").read_text())
+    a = result["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    assert a["consumed"] == len(ledger) and a["ledger_duplicates"] == 0
+    return trained, result
+
+
+def test_two_trainer_processes_and_two_rollout_actors_learn(cluster, tmp_path):
+    steps = 20
+    config = config_for(cluster, tmp_path, tmp_path / "base", **{"trainer.steps": steps})
+    assert rl.run(config) == 0
+    trained, result = check_run(pathlib.Path(config.workdir), steps)
+    placed = result["cluster"]
+    assert len(placed["trainer_processes"]) == 2 and placed["trainer_processes"][0]["mesh"] == {
+        "data": 1, "fsdp": 4, "tensor": 2}
+    assert len({p["pid"] for p in placed["trainer_processes"]}) == 2
+    assert len(placed["rollout_actors"]) == 2
+    rewards = [r["reward_mean"] for r in trained]
+    first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+    print("rewards", [round(x, 3) for x in rewards])
+    print(f"reward first 4 steps {first:.3f}, last 4 {last:.3f}; accuracy {result['base_accuracy']} -> "
+          f"{result['final_accuracy']}")
+    assert last > first
+    assert (pathlib.Path(config.workdir) / "export" / "config.json").exists()
+
+
+def _steps_trained(workdir: pathlib.Path) -> int:
+    path = workdir / "metrics.jsonl"
+    return sum('"loss"' in ln for ln in path.read_text().splitlines()) if path.exists() else 0
+
+
+def _kill_when(workdir, steps, name, deadline_s=300):
+    """Waits for `steps` trained steps, then kills the actor `name` (Ray may restart it)."""
+    deadline = time.monotonic() + deadline_s
+    while _steps_trained(workdir) < steps:
+        assert time.monotonic() < deadline, f"the run did not reach step {steps}"
+        time.sleep(0.2)
+    ray.kill(ray.get_actor(name), no_restart=False)
+    return time.time()
+
+
+def test_the_run_survives_a_trainer_process_and_the_data_services_actor_killed(cluster, tmp_path):
+    steps = 9
+    config = config_for(cluster, tmp_path, tmp_path / "base", **{"trainer.steps": steps})
+    workdir = pathlib.Path(config.workdir)
+    tag = names.run_tag(workdir)
+    code = []
+    job = threading.Thread(target=lambda: code.append(rl.run(config)), daemon=True)
+    job.start()
+    killed = [("trainer", _kill_when(workdir, 3, names.trainer(tag, 1)))]
+    killed.append(("data", _kill_when(workdir, 6, names.data(tag))))
+    job.join(timeout=600)
+    assert code == [0]
+    _, result = check_run(workdir, steps)
+    recoveries = result["recoveries"]
+    assert [r["kind"] for r in recoveries] == ["trainer", "data"], recoveries
+    for (kind, at), r in zip(killed, recoveries):
+        assert r["detected_at"] >= at - 1 and r["recovered_s"] > 0
+        assert r["step"] <= steps
