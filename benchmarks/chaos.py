@@ -56,7 +56,7 @@ SMALL = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_lay
          "base.steps": 300, "base.num_examples": 2000, "task.max_ops": 1, "trainer.batch_groups": 4,
          "rollout.group_size": 4, "rollout.max_slots": 16, "rollout.coordination.max_running": 16,
          "rollout.max_tokens": 48, "eval.num_prompts": 16, "eval.every": 1000, "checkpoint.every": 1,
-         "data.train_prompts": 2000, "trainer.eta": 2, "trainer.lr": 1e-3, "rollout.lease_s": 5.0,
+         "data.train_prompts": 2000, "trainer.eta": 2, "rollout.lease_s": 5.0,
          "cluster.mode": "ray", "cluster.rollout_actors": 2, "cluster.trainer_processes": 2,
          "cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, "cluster.trainer_mesh.tensor": 2,
          "cluster.node_resource.data": "data", "cluster.node_resource.rewards": "data",
@@ -193,10 +193,11 @@ def _summary(workdir: pathlib.Path, kills: list[dict], eta: int) -> dict:
 
 
 def run(quick: bool, seed: int, workdir: pathlib.Path, steps: int | None) -> dict:
+    from jaxflow.cluster import ray_actors
+    ray_actors.ensure_auth_token()  # before ray is imported: the cluster and this process use one token
+
     import ray
     from ray.cluster_utils import Cluster
-
-    from jaxflow.cluster import ray_actors
 
     counts = QUICK if quick else FULL
     schedule = [k for k in KINDS for _ in range(counts[k])]
@@ -206,7 +207,6 @@ def run(quick: bool, seed: int, workdir: pathlib.Path, steps: int | None) -> dic
     steps = steps or 4 * len(schedule) + 6
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    ray_actors.ensure_auth_token()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"data": 2}})
     cluster.add_node(num_cpus=2, resources={"trainer": 2})
     cluster.add_node(num_cpus=2, resources={"rollout": 2})

@@ -214,7 +214,6 @@ def main(argv=None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from jaxflow.cluster import ray_actors
     from jaxflow.cluster.weights import DEFAULT_BUCKET_BYTES
     from jaxflow.data.param_service import RPC_METHODS, ParameterService
     from jaxflow.transport import rpc
@@ -224,7 +223,6 @@ def main(argv=None) -> int:
     bucket_bytes = DEFAULT_BUCKET_BYTES if args.bucket_mib is None else args.bucket_mib << 20
     store = int(args.node_store_gb * 1e9)
     head_store = max(store, int(3.5 * 4 * cfg.num_params()))  # two kept versions and one being put
-    ray_actors.ensure_auth_token()  # a fresh machine has no token yet
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "object_store_memory": head_store, "include_dashboard": False, "resources": {"publisher": 1}})
     for i in range(max(args.engines)):

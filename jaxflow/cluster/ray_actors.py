@@ -81,12 +81,14 @@ def ensure_auth_token() -> None:
     """Turns token authentication on for clusters this process starts (RAY_AUTH_MODE=token unless set) and
     makes sure a token exists, creating ~/.ray/auth_token on a machine that has none: what `ray.init()`
     does for a local cluster, needed before starting a `ray.cluster_utils.Cluster` (whose GCS otherwise
-    exits, finding no token) on a fresh machine. Refuses RAY_AUTH_MODE other than "token", as `connect`."""
-    require_ray()
+    exits, finding no token) on a fresh machine. Call it before `ray` is first imported in this process.
+    Refuses RAY_AUTH_MODE other than "token", as `connect`."""
+    # Ray reads RAY_AUTH_MODE when it is imported: set it first (call this before importing ray).
     mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
     if mode.lower() != "token":
         raise ValueError(f"RAY_AUTH_MODE={mode!r}: jaxflow runs on Ray only with token authentication "
                          f"(unset RAY_AUTH_MODE or set it to 'token')")
+    require_ray()
     # Ray's own set-up step for a new local cluster (no public API does this one).
     from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
     ensure_token_if_auth_enabled(create_token_if_missing=True)
