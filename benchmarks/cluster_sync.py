@@ -48,8 +48,8 @@ SIZES = {
     "10m": (256, 768, 6, 4, 2, 64, 8192),
     "100m": (768, 2048, 12, 12, 4, 64, 32768),
 }
-TRANSPORTS = ("ray_object", "ray_tensors", "ray_per_tensor", "shm", "stream")
-DEFAULT_TRANSPORTS = ("ray_object", "ray_tensors", "shm", "stream")
+TRANSPORTS = ("ray_object", "ray_tensors", "ray_per_tensor", "shm", "shm_push", "stream")
+DEFAULT_TRANSPORTS = ("ray_object", "ray_tensors", "shm", "shm_push", "stream")
 
 
 def parse(argv):
@@ -147,25 +147,33 @@ class Engine:
 
         return ray.get_runtime_context().get_node_id()
 
-    def load(self, transport: str, handle, device: bool) -> tuple[float, float, float]:
-        """Pulls version `handle` (a version number, a manifest, or [object ref]); returns (time the host
-        arrays were held, time they were on the device (or the same), checksum)."""
+    def load(self, transport: str, handle, device: bool) -> tuple[float, float, float, float, bool]:
+        """Pulls version `handle` (a version number, a manifest, or [object ref]); returns (time the call
+        arrived, time the host arrays were held, time they were on the device (or the same), checksum,
+        whether the device arrays alias the host arrays (JAX on CPU may map host memory, not copy it))."""
+        arrived = time.time()
         import jax
         import ray
 
         from jaxflow.cluster.weights import pull
+        from jaxflow.transport.param_client import attach_shared
 
         self.host = self.device = None  # the previous version goes first, as an engine short of memory would
-        if transport == "ray_object":
+        if transport == "shm_push":
+            tensors = attach_shared(handle)  # the service's manifest came with the call: no RPC
+        elif transport == "ray_object":
             tensors = ray.get(handle[0])
         elif transport in ("ray_tensors", "ray_per_tensor"):
             tensors = pull(handle)[1]
         else:
             tensors = self._clients[transport].pull(handle)[1]
         self.host, host_t = tensors, time.time()
+        aliases = False
         if device:
             self.device = jax.block_until_ready(jax.device_put(tensors, may_alias=False))
-        return host_t, time.time(), checksum(tensors)
+            name = max(tensors, key=lambda k: tensors[k].nbytes)
+            aliases = self.device[name].unsafe_buffer_pointer() == tensors[name].ctypes.data
+        return arrived, host_t, time.time(), checksum(tensors), aliases
 
 
 def run_case(transport, engines, tensors, service, repeats: int, version: list[int], bucket_bytes: int) -> dict:
@@ -177,7 +185,8 @@ def run_case(transport, engines, tensors, service, repeats: int, version: list[i
     publisher = RayWeightPublisher(keep=2, bucket_bytes=0 if transport == "ray_per_tensor" else bucket_bytes)
     kept_refs: list = []
     want = checksum(tensors)
-    out = {"host_s": [], "device_s": [], "publish_s": []}
+    out = {"host_s": [], "device_s": [], "publish_s": [], "notify_s": []}
+    aliased = []
     for r in range(repeats + 1):
         for device in (False, True):
             version[0] += 1
@@ -187,22 +196,28 @@ def run_case(transport, engines, tensors, service, repeats: int, version: list[i
                 handle = [kept_refs[-1]]
             elif transport in ("ray_tensors", "ray_per_tensor"):
                 handle = publisher.publish(version[0], tensors)
+            elif transport == "shm_push":
+                service.publish(version[0], tensors)
+                handle = service.manifest(version[0])
             else:
                 service.publish(version[0], tensors)
                 handle = version[0]
             published = time.time()
             done = ray.get([e.load.remote(transport, handle, device) for e in engines])
-            for _, _, got in done:
+            for *_, got, _ in done:
                 if got != want:
                     raise AssertionError(f"{transport}: an engine's pulled state differs from the published one")
             if r == 0:
                 continue
             if device:
-                out["device_s"].append(max(d for _, d, _ in done) - t0)
+                out["device_s"].append(max(d for _, _, d, _, _ in done) - t0)
+                aliased += [a for *_, a in done]
             else:
-                out["host_s"].append(max(h for h, _, _ in done) - t0)
+                out["host_s"].append(max(h for _, h, _, _, _ in done) - t0)
                 out["publish_s"].append(published - t0)
-    return {**{k + "_median": statistics.median(v) for k, v in out.items()}, "repeats": out}
+                out["notify_s"].append(max(a for a, *_ in done) - published)
+    return {**{k + "_median": statistics.median(v) for k, v in out.items()}, "repeats": out,
+            "device_aliases_host": all(aliased)}
 
 
 def main(argv=None) -> int:
@@ -265,12 +280,13 @@ def main(argv=None) -> int:
         if service is not None:
             service.close()
 
-    print(f"\n{'engines':<12}{'transport':<13}{'publish':>10}{'host':>10}{'device':>10}{'GB/s/engine':>13}"
-          f"{'memcpy/host':>13}")
+    print(f"\n{'engines':<12}{'transport':<13}{'publish':>10}{'notify':>10}{'host':>10}{'device':>10}"
+          f"{'GB/s/engine':>13}{'memcpy/host':>13}  device aliases host")
     for r in results:
-        print(f"{str(r['engines']) + (' (head)' if r['same_node'] else ''):<12}{r['transport']:<13}{1e3 * r['publish_s_median']:>8.0f}ms"
+        print(f"{str(r['engines']) + (' (head)' if r['same_node'] else ''):<12}{r['transport']:<13}"
+              f"{1e3 * r['publish_s_median']:>8.0f}ms{1e3 * r['notify_s_median']:>8.0f}ms"
               f"{1e3 * r['host_s_median']:>8.0f}ms{1e3 * r['device_s_median']:>8.0f}ms"
-              f"{nbytes / r['host_s_median'] / 1e9:>13.2f}{r['vs_memcpy']:>12.2f}x")
+              f"{nbytes / r['host_s_median'] / 1e9:>13.2f}{r['vs_memcpy']:>12.2f}x  {r['device_aliases_host']}")
     # The transport whose worst engine count is fastest, engines on other nodes only.
     worst = {t: min(r["vs_memcpy"] for r in results if r["transport"] == t and not r["same_node"])
              for t in args.transports}
