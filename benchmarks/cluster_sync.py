@@ -15,7 +15,15 @@ engine has it on its JAX device as well (`jax.device_put`, "device"). Transports
   shm           the parameter service in shared memory, served over loopback RPC; each engine's
                 `ParameterClient` maps the segment (zero copy). Works only because these "nodes" share one
                 host's /dev/shm: across real nodes the client cannot attach and streams instead.
+  shm_push      the same segment, but the service's manifest travels with the notify call and the engine
+                maps it at once (`attach_shared`): no RPC round trip into the trainer's process.
   stream        the same service, `ParameterClient(shared_memory=False)`: 8 MiB `read` chunks over TCP.
+
+Each publish follows `--gap-s` idle seconds (default 1 s: the trainer's step between versions, during
+which the parameter service pre-faults its next shared-memory buffer; with back-to-back publishes that
+pre-fault races the publish). Per case the JSON also has the notify latency (publish done -> the last
+engine's call arrived) and `device_aliases_host`: JAX on CPU maps 64-byte-aligned host memory instead of
+copying it, even with `may_alias=False` (checked by buffer address), so there "device" costs no copy.
 
 Then the same with one engine on the publisher's own node ("head"; `--no-same-node` skips it): where
 Ray's `ray.get` maps the object from its node's store without moving a byte.
@@ -28,7 +36,8 @@ worst engine count's, engines on other nodes only). Run:
     .venv/bin/python benchmarks/cluster_sync.py --quick                            # 10M params, 2 engines
 
 JSON: every figure per transport and engine count (median and all repeats), `vs_memcpy` per transport and
-engine count, `best_transport`, `cluster_sync_vs_memcpy`. Needs `ray` (the cluster extra).
+engine count, `best_transport`, `cluster_sync_vs_memcpy`, the load average before and after (the
+figures are only as steady as the machine is idle). Needs `ray` (the cluster extra).
 """
 
 from __future__ import annotations
@@ -48,8 +57,8 @@ SIZES = {
     "10m": (256, 768, 6, 4, 2, 64, 8192),
     "100m": (768, 2048, 12, 12, 4, 64, 32768),
 }
-TRANSPORTS = ("ray_object", "ray_tensors", "ray_per_tensor", "shm", "stream")
-DEFAULT_TRANSPORTS = ("ray_object", "ray_tensors", "shm", "stream")
+TRANSPORTS = ("ray_object", "ray_tensors", "ray_per_tensor", "shm", "shm_push", "stream")
+DEFAULT_TRANSPORTS = ("ray_object", "ray_tensors", "shm", "shm_push", "stream")
 
 
 def parse(argv):
@@ -59,6 +68,8 @@ def parse(argv):
     parser.add_argument("--transports", default=",".join(DEFAULT_TRANSPORTS),
                         help=f"comma-separated, of {', '.join(TRANSPORTS)}")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
+    parser.add_argument("--gap-s", type=float, default=1.0,
+                        help="idle seconds before each publish (the trainer's step between versions)")
     parser.add_argument("--bucket-mib", type=int, default=None,
                         help="ray_tensors: MiB of tensors per object (default: the library's)")
     parser.add_argument("--no-same-node", dest="same_node", action="store_false",
@@ -82,6 +93,8 @@ def parse(argv):
         parser.error(f"unknown transports {unknown}; choose from {', '.join(TRANSPORTS)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.gap_s < 0:
+        parser.error(f"--gap-s must be >= 0, got {args.gap_s}")
     return args
 
 
@@ -147,29 +160,39 @@ class Engine:
 
         return ray.get_runtime_context().get_node_id()
 
-    def load(self, transport: str, handle, device: bool) -> tuple[float, float, float]:
-        """Pulls version `handle` (a version number, a manifest, or [object ref]); returns (time the host
-        arrays were held, time they were on the device (or the same), checksum)."""
+    def load(self, transport: str, handle, device: bool) -> tuple[float, float, float, float, bool]:
+        """Pulls version `handle` (a version number, a manifest, or [object ref]); returns (time the call
+        arrived, time the host arrays were held, time they were on the device (or the same), checksum,
+        whether the device arrays alias the host arrays (JAX on CPU may map host memory, not copy it))."""
+        arrived = time.time()
         import jax
         import ray
 
         from jaxflow.cluster.weights import pull
+        from jaxflow.transport.param_client import attach_shared
 
         self.host = self.device = None  # the previous version goes first, as an engine short of memory would
-        if transport == "ray_object":
+        if transport == "shm_push":
+            tensors = attach_shared(handle)  # the service's manifest came with the call: no RPC
+        elif transport == "ray_object":
             tensors = ray.get(handle[0])
         elif transport in ("ray_tensors", "ray_per_tensor"):
             tensors = pull(handle)[1]
         else:
             tensors = self._clients[transport].pull(handle)[1]
         self.host, host_t = tensors, time.time()
+        aliases = False
         if device:
             self.device = jax.block_until_ready(jax.device_put(tensors, may_alias=False))
-        return host_t, time.time(), checksum(tensors)
+            name = max(tensors, key=lambda k: tensors[k].nbytes)
+            aliases = self.device[name].unsafe_buffer_pointer() == tensors[name].ctypes.data
+        return arrived, host_t, time.time(), checksum(tensors), aliases
 
 
-def run_case(transport, engines, tensors, service, repeats: int, version: list[int], bucket_bytes: int) -> dict:
-    """Times `repeats` publishes of `tensors` to `engines` by `transport` (after one untimed warm-up)."""
+def run_case(transport, engines, tensors, service, repeats: int, version: list[int], bucket_bytes: int,
+             gap_s: float) -> dict:
+    """Times `repeats` publishes of `tensors` to `engines` by `transport` (after one untimed warm-up),
+    each after `gap_s` idle seconds."""
     import ray
 
     from jaxflow.cluster.weights import RayWeightPublisher
@@ -177,32 +200,40 @@ def run_case(transport, engines, tensors, service, repeats: int, version: list[i
     publisher = RayWeightPublisher(keep=2, bucket_bytes=0 if transport == "ray_per_tensor" else bucket_bytes)
     kept_refs: list = []
     want = checksum(tensors)
-    out = {"host_s": [], "device_s": [], "publish_s": []}
+    out = {"host_s": [], "device_s": [], "publish_s": [], "notify_s": []}
+    aliased = []
     for r in range(repeats + 1):
         for device in (False, True):
             version[0] += 1
+            time.sleep(gap_s)
             t0 = time.time()
             if transport == "ray_object":
                 kept_refs = kept_refs[-1:] + [ray.put(tensors)]
                 handle = [kept_refs[-1]]
             elif transport in ("ray_tensors", "ray_per_tensor"):
                 handle = publisher.publish(version[0], tensors)
+            elif transport == "shm_push":
+                service.publish(version[0], tensors)
+                handle = service.manifest(version[0])
             else:
                 service.publish(version[0], tensors)
                 handle = version[0]
             published = time.time()
             done = ray.get([e.load.remote(transport, handle, device) for e in engines])
-            for _, _, got in done:
+            for *_, got, _ in done:
                 if got != want:
                     raise AssertionError(f"{transport}: an engine's pulled state differs from the published one")
             if r == 0:
                 continue
             if device:
-                out["device_s"].append(max(d for _, d, _ in done) - t0)
+                out["device_s"].append(max(d for _, _, d, _, _ in done) - t0)
+                aliased += [a for *_, a in done]
             else:
-                out["host_s"].append(max(h for h, _, _ in done) - t0)
+                out["host_s"].append(max(h for _, h, _, _, _ in done) - t0)
                 out["publish_s"].append(published - t0)
-    return {**{k + "_median": statistics.median(v) for k, v in out.items()}, "repeats": out}
+                out["notify_s"].append(max(a for a, *_ in done) - published)
+    return {**{k + "_median": statistics.median(v) for k, v in out.items()}, "repeats": out,
+            "device_aliases_host": all(aliased)}
 
 
 def main(argv=None) -> int:
@@ -220,6 +251,7 @@ def main(argv=None) -> int:
 
     # The cluster's processes start before this one imports JAX (forking a multithreaded JAX warns).
     cfg = model_config(args.params)
+    load_before = os.getloadavg()
     bucket_bytes = DEFAULT_BUCKET_BYTES if args.bucket_mib is None else args.bucket_mib << 20
     store = int(args.node_store_gb * 1e9)
     head_store = max(store, int(3.5 * 4 * cfg.num_params()))  # two kept versions and one being put
@@ -251,7 +283,7 @@ def main(argv=None) -> int:
         cases = [(engines[:n], n, False) for n in args.engines] + ([([local], 1, True)] if args.same_node else [])
         for group, n, same_node in cases:
             for transport in args.transports:
-                row = run_case(transport, group, tensors, service, args.repeats, version, bucket_bytes)
+                row = run_case(transport, group, tensors, service, args.repeats, version, bucket_bytes, args.gap_s)
                 row.update(transport=transport, engines=n, same_node=same_node,
                            vs_memcpy=memcpy / row["host_s_median"], device_vs_memcpy=memcpy / row["device_s_median"])
                 results.append(row)
@@ -265,19 +297,21 @@ def main(argv=None) -> int:
         if service is not None:
             service.close()
 
-    print(f"\n{'engines':<12}{'transport':<13}{'publish':>10}{'host':>10}{'device':>10}{'GB/s/engine':>13}"
-          f"{'memcpy/host':>13}")
+    print(f"\n{'engines':<12}{'transport':<13}{'publish':>10}{'notify':>10}{'host':>10}{'device':>10}"
+          f"{'GB/s/engine':>13}{'memcpy/host':>13}  device aliases host")
     for r in results:
-        print(f"{str(r['engines']) + (' (head)' if r['same_node'] else ''):<12}{r['transport']:<13}{1e3 * r['publish_s_median']:>8.0f}ms"
+        print(f"{str(r['engines']) + (' (head)' if r['same_node'] else ''):<12}{r['transport']:<13}"
+              f"{1e3 * r['publish_s_median']:>8.0f}ms{1e3 * r['notify_s_median']:>8.0f}ms"
               f"{1e3 * r['host_s_median']:>8.0f}ms{1e3 * r['device_s_median']:>8.0f}ms"
-              f"{nbytes / r['host_s_median'] / 1e9:>13.2f}{r['vs_memcpy']:>12.2f}x")
+              f"{nbytes / r['host_s_median'] / 1e9:>13.2f}{r['vs_memcpy']:>12.2f}x  {r['device_aliases_host']}")
     # The transport whose worst engine count is fastest, engines on other nodes only.
     worst = {t: min(r["vs_memcpy"] for r in results if r["transport"] == t and not r["same_node"])
              for t in args.transports}
     best = max(worst, key=worst.get)
     figures = {
         "params": args.params, "num_params": int(n_params), "bytes": nbytes, "tensors": len(tensors),
-        "dtype": "float32", "repeats": args.repeats, "bucket_bytes": bucket_bytes, "cpus": os.cpu_count(),
+        "dtype": "float32", "repeats": args.repeats, "gap_s": args.gap_s, "bucket_bytes": bucket_bytes, "cpus": os.cpu_count(),
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "engine_counts": args.engines,
         "memcpy_s": memcpy, "best_transport": best, "cluster_sync_vs_memcpy": worst[best],
         "vs_memcpy_worst_per_transport": worst, "cases": results,
