@@ -254,8 +254,9 @@ def start_host(*, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, resources: dic
         raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
     if not ray.is_initialized():
         raise RuntimeError("Ray is not connected: call jaxflow.cluster.ray_actors.connect(address) first")
-    options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": max_concurrency,
-                               "max_restarts": max_restarts}
+    options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": max_concurrency}
+    if max_restarts:
+        options["max_restarts"] = max_restarts
     if resources:
         options["resources"] = dict(resources)
     if name is not None:
