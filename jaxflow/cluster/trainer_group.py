@@ -21,7 +21,7 @@ its HF layout is gathered and put whole by process 0.
 
 A group cannot heal: when one process dies (or a call times out) every call raises `TrainerGroupFailed`
 naming it, and the driver ends the group (`close`) and forms a new one in fresh processes, which
-restores the newest checkpoint (`jaxflow.cluster.rl_cluster`).
+restores the newest checkpoint (`jaxflow.jobs.rl_cluster`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 Pieces, all in this process (vLLM engines run their own processes; with `cluster.mode = "ray"` the
 trajectory and parameter services run in a Ray actor, reached through proxies with their methods and
 exceptions, and with `cluster.rollout_actors` > 0 the rollout engines run in Ray actors of their own,
-`jaxflow.jobs.ray_rollout`):
+`jaxflow.jobs.ray_rollout`; with `cluster.trainer_processes` > 0 the trainer runs as that many Ray
+processes forming one mesh, and `jaxflow.jobs.rl_cluster` drives the run through the same train loop):
 
 - the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
 - a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts;
@@ -272,7 +273,7 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     train_records = task.to_prompt_records(
         task.examples("train", config.data.train_prompts, seed=config.seed + 1000), tokenizer)
     if config.cluster.trainer_processes:  # the trainer as Ray actors: the cluster driver takes it from here
-        from jaxflow.cluster import rl_cluster
+        from jaxflow.jobs import rl_cluster
         return rl_cluster.run(config, cleanup, base_dir, tokenizer, task, train_records)
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     # JAX engines and the evaluator (this process) take each version on device; only vLLM needs the HF
