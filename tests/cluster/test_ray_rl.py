@@ -105,7 +105,7 @@ def _kill_when(workdir, steps, name, deadline_s=300):
     return time.time()
 
 
-def test_the_run_survives_a_trainer_process_and_the_data_services_actor_killed(cluster, tmp_path):
+def test_the_run_survives_a_rollout_actor_a_trainer_process_and_the_data_services_actor_killed(cluster, tmp_path):
     steps = 9
     config = config_for(cluster, tmp_path, tmp_path / "base", **{"trainer.steps": steps})
     workdir = pathlib.Path(config.workdir)
@@ -113,11 +113,13 @@ def test_the_run_survives_a_trainer_process_and_the_data_services_actor_killed(c
     code = []
     job = threading.Thread(target=lambda: code.append(rl.run(config)), daemon=True)
     job.start()
+    _kill_when(workdir, 2, names.rollout(tag, 0))  # Ray restarts it; it rejoins by itself
     killed = [("trainer", _kill_when(workdir, 3, names.trainer(tag, 1)))]
     killed.append(("data", _kill_when(workdir, 6, names.data(tag))))
     job.join(timeout=600)
     assert code == [0]
     _, result = check_run(workdir, steps)
+    assert result["coordination"]["actor_restarts"] >= 1  # the rollout actor's process was replaced
     recoveries = result["recoveries"]
     assert [r["kind"] for r in recoveries] == ["trainer", "data"], recoveries
     for (kind, at), r in zip(killed, recoveries):
