@@ -7,6 +7,8 @@
     cluster.trainer_cpu_devices  CPU devices each trainer process gets (CPU hosts, tests); None: its own
     cluster.trainer_mesh.fsdp / .tensor
                                  the mesh over all the trainer processes' devices (fsdp -1: the rest)
+    cluster.node_resource.<piece>
+                                 a custom Ray resource placing data / trainer / rollout / rewards actors
 
 `cluster_problems` returns one message per bad key (the RL job's `check_config` joins them).
 """
@@ -62,6 +64,10 @@ def cluster_problems(cluster: ml_collections.ConfigDict, engine: str) -> list[st
     if actors and engine != "jax":
         return [f"cluster.rollout_actors runs JAX engines only so far; rollout.engine is {engine!r}"]
     problems = _trainer_problems(cluster)
+    for piece, resource in cluster.node_resource.items():
+        if resource is not None and (not isinstance(resource, str) or not resource.strip()):
+            problems.append(f"cluster.node_resource.{piece} must be None (any node) or the name of a custom Ray "
+                            f"resource, got {resource!r}")
     if problems:
         return problems
     trainers = cluster.trainer_processes

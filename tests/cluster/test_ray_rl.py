@@ -23,7 +23,7 @@ ETA = 2
 SMALL = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2,
          "base.steps": 300, "base.num_examples": 2000, "trainer.batch_groups": 4, "task.max_ops": 1,
          # A reward any policy learns in a few steps (an even answer): the run must show learning, fast.
-         "trainer.lr": 1e-3, "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward",
+         "trainer.lr": 3e-4, "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward",
          "rollout.group_size": 4, "rollout.max_slots": 16, "rollout.coordination.max_running": 16,
          "rollout.max_tokens": 48, "eval.num_prompts": 16, "eval.every": 1000, "checkpoint.every": 1,
          "data.train_prompts": 2000, "trainer.eta": ETA, "rollout.lease_s": 5.0,
@@ -56,14 +56,14 @@ def records(path):
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def check_run(workdir: pathlib.Path, steps: int):
+def check_run(workdir: pathlib.Path, steps: int, groups_per_step: int = 4):
     """Each step once, each group trained once, the bound token by token, the accounting closed."""
     trained = [r for r in records(workdir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in trained] == list(range(steps))
     for r in trained:
         assert max(int(k) for k in r["staleness"]) <= ETA, r["staleness"]
     ledger = [g for r in records(workdir / "ledger.jsonl") for g in r["groups"]]
-    assert len(ledger) == len(set(ledger)) == steps * 4
+    assert len(ledger) == len(set(ledger)) == steps * groups_per_step
     result = json.loads((workdir / "result.json").read_text())
     a = result["accounting"]
     assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
@@ -72,21 +72,24 @@ def check_run(workdir: pathlib.Path, steps: int):
 
 
 def test_two_trainer_processes_and_two_rollout_actors_learn(cluster, tmp_path):
-    steps = 20
-    config = config_for(cluster, tmp_path, tmp_path / "base", **{"trainer.steps": steps})
+    steps = 24
+    config = config_for(cluster, tmp_path, tmp_path / "base", **{"trainer.steps": steps, "trainer.batch_groups": 8})
     assert rl.run(config) == 0
-    trained, result = check_run(pathlib.Path(config.workdir), steps)
+    trained, result = check_run(pathlib.Path(config.workdir), steps, groups_per_step=8)
     placed = result["cluster"]
     assert len(placed["trainer_processes"]) == 2 and placed["trainer_processes"][0]["mesh"] == {
         "data": 1, "fsdp": 4, "tensor": 2}
     assert len({p["pid"] for p in placed["trainer_processes"]}) == 2
     assert len(placed["rollout_actors"]) == 2
+    # The engines generate with the trainer's weights: pi_prox / mu stays near 1 (wrong or half-published
+    # weights would move it).
+    for r in trained:
+        assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
+    # The reward rises: the first 8 steps' mean against the last 8's (32 samples a step; embedded, the same
+    # settings went from 0.51 to 0.63, about 2.7 standard errors of the difference).
     rewards = [r["reward_mean"] for r in trained]
-    first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
-    print("rewards", [round(x, 3) for x in rewards])
-    print(f"reward first 4 steps {first:.3f}, last 4 {last:.3f}; accuracy {result['base_accuracy']} -> "
-          f"{result['final_accuracy']}")
-    assert last > first
+    first, last = statistics.mean(rewards[:8]), statistics.mean(rewards[-8:])
+    assert last > first, [round(x, 3) for x in rewards]
     assert (pathlib.Path(config.workdir) / "export" / "config.json").exists()
 
 
