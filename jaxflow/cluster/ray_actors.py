@@ -116,6 +116,18 @@ def jax_env(cpu_devices: int | None = None) -> dict[str, str]:
     return env
 
 
+def actor_options(resources: dict[str, float] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Ray options of an actor that runs a model (a trainer process, a rollout engine): one GPU where the
+    cluster has GPUs, one CPU otherwise; plus custom node `resources` and environment variables `env`."""
+    gpus = require_ray().cluster_resources().get("GPU", 0) > 0
+    options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
+    if resources:
+        options["resources"] = dict(resources)
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
+    return options
+
+
 def _token_auth_on() -> bool:
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
     return is_token_auth_enabled()

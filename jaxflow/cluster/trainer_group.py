@@ -36,7 +36,7 @@ import ml_collections
 import numpy as np
 
 from jaxflow.cluster import names, weights
-from jaxflow.cluster.ray_actors import jax_env, require_ray
+from jaxflow.cluster.ray_actors import actor_options, jax_env, require_ray
 from jaxflow.data.records import ConsumedBatch
 from jaxflow.trainer import distributed
 
@@ -215,13 +215,7 @@ class TrainerGroup:
                  timeout_s: float = 600.0):
         ray = require_ray()
         self.spec, self.num_processes, self.timeout_s = spec, num_processes, timeout_s
-        env = jax_env(cpu_devices)
-        gpus = ray.cluster_resources().get("GPU", 0) > 0
-        options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
-        if resources:
-            options["resources"] = dict(resources)
-        if env:
-            options["runtime_env"] = {"env_vars": env}
+        options = actor_options(resources, jax_env(cpu_devices))
         remote = ray.remote(TrainerActor)
         self.names = [names.trainer(tag, i, generation) for i in range(num_processes)]
         self.actors = [remote.options(name=n, **options).remote() for n in self.names]

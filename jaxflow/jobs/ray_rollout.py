@@ -59,11 +59,9 @@ class RolloutActor:
                                       trace_every_s=0.25)
         self.coordinator = Coordinator(name, [self.engine], trajectories, params, **self._coordinator_args)
         self._started = False
-        self.restarts = 0
         if ray_actors.require_ray().get_runtime_context().was_current_actor_reconstructed:
             # Ray restarted this actor after its process died: what the old process held goes back to the
             # service now (rather than when its leases run out), then this one generates again.
-            self.restarts = 1
             try:
                 trajectories.release_worker(name, "rollout actor restarted")
             except Exception as e:  # noqa: BLE001 - the service may be down too; its leases then run out
@@ -120,12 +118,7 @@ def start_rollout_actor(name: str, trajectories: Any, params: Any, model: str, *
     the actor when its process dies, up to `max_restarts` times (-1: always); a restarted actor hands back
     what its old process held and generates again by itself."""
     ray = ray_actors.require_ray()
-    gpus = ray.cluster_resources().get("GPU", 0) > 0
-    actor_options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if gpus else {"num_cpus": 1}
-    actor_options["max_restarts"] = max_restarts
-    actor_options["runtime_env"] = {"env_vars": ray_actors.jax_env()}
-    if resources:
-        actor_options["resources"] = dict(resources)
+    actor_options = {**ray_actors.actor_options(resources, ray_actors.jax_env()), "max_restarts": max_restarts}
     return ray.remote(RolloutActor).options(name=name, **actor_options).remote(
         name, trajectories, params, model, **options)
 
