@@ -24,22 +24,27 @@ Where the buffer lives:
   * `shared_memory=True` (Linux): a named POSIX shared-memory segment per version
     (`multiprocessing.shared_memory.SharedMemory`, named `jxf<random>_<n>`). The manifest carries the
     segment's name, and `attach_shared(manifest)` maps it read-only in another process on the same host,
-    again as zero-copy views. Segments are unlinked when their version is evicted (on a background
-    thread: freeing the pages of a big segment takes tens of milliseconds) and on `close()`, which waits
-    for those threads. Unlinking only removes the name: processes that have the segment mapped keep a
-    valid mapping until their last view of it is gone (POSIX semantics on Linux), and a new attach fails.
-    Readers map the segment's file under /dev/shm directly rather than through SharedMemory, which
-    before Python 3.13 registers every attach with the reader's resource tracker: that tracker would
-    unlink the service's segment when the reader exits and warn about a "leaked" segment. The creating
-    service does register its segments, so the tracker cleans them up if the service dies unclosed.
+    again as zero-copy views. A segment is unlinked when its version is evicted (on a background
+    thread: freeing the pages of a big segment takes tens of milliseconds) unless registered readers
+    still read it or it is kept for reuse (below), and on `close()`, which waits for those threads.
+    Unlinking only removes the name: processes that have the segment mapped keep a valid mapping until
+    their last view of it is gone (POSIX semantics on Linux), and a new attach fails. Readers map the
+    segment's file under /dev/shm directly rather than through SharedMemory, which before Python 3.13
+    registers every attach with the reader's resource tracker: that tracker would unlink the service's
+    segment when the reader exits and warn about a "leaked" segment. The creating service does register
+    its segments, so the tracker cleans them up if the service dies unclosed.
 
 Memory that was never touched costs a page fault per page on its first write, which makes copying into a
-fresh buffer several times slower than `np.copyto` into warm memory. So the service keeps one spare
-buffer ready: an evicted in-process buffer that nobody holds views of any more is reused as is, otherwise
-(and always for shared memory, whose evicted segments other processes may still have mapped) a thread
-pre-faults a fresh one after each commit. The next publish then copies at memcpy speed. The cost is
-memory: up to `keep` + 2 versions at once (kept, being published, spare); `prefault=False` drops the
-spare.
+fresh buffer several times slower than `np.copyto` into warm memory; mapping a fresh segment costs a
+reader as much again. So buffers are reused (`jaxflow.data.param_storage._Pool`): an evicted buffer that
+nothing can read any more becomes the spare the next version is written into. In process that means no
+pulled array views it; for a shared segment, also that every reader that was handed its name registered
+(`attach`, which `ParameterClient.pull` uses) and has released it since. A reader that keeps its
+mapping then reads the next versions through pages it already maps: a version reaches it without a
+copy, a new mapping or a page fault. A name handed out by plain `manifest` (no reader to say when it
+is done) is never written again. When no spare is ready, a thread pre-faults a fresh buffer after a
+commit. The cost is memory: `keep` versions, one being published, one spare, one being pre-faulted,
+and up to 4 evicted segments still read; `prefault=False` drops the pre-faulting.
 
 Remote access: serve a ParameterService with `jaxflow.transport.rpc.Server(service, RPC_METHODS, ...)`;
 `ParameterClient(rpc_client)` pulls from it (attaching the shared-memory segment when it can, streaming
@@ -76,11 +81,11 @@ from jaxflow.data.param_storage import (
     _Coverage,
     _layout,
     _Slot,
-    _spare_fits,
-    _SpareJob,
+    _Pool,
     _unlink_all,
     _views,
 )
+from jaxflow.data import checks
 from jaxflow.data.timeouts import check_timeout
 
 __all__ = ["ALIGNMENT", "DEFAULT_CHUNK_BYTES", "DTYPES", "RPC_METHODS", "ParameterService", "UnknownVersionError"]
@@ -90,7 +95,8 @@ __all__ = ["ALIGNMENT", "DEFAULT_CHUNK_BYTES", "DTYPES", "RPC_METHODS", "Paramet
 DEFAULT_CHUNK_BYTES = 8 << 20
 
 RPC_METHODS: tuple[str, ...] = ("begin", "put", "commit", "abort_publish", "latest", "versions",
-                                "manifest", "read", "wait_for_version", "poll_version")
+                                "manifest", "attach", "release_reader", "read", "wait_for_version",
+                                "poll_version")
 """The ParameterService methods to serve over RPC (what ParameterClient calls)."""
 
 
@@ -155,15 +161,13 @@ class ParameterService:
         self._pending: dict[int, _Version] = {}
         self._latest: int | None = None
         self._closed = False
-        self._spare: _Buffer | None = None
-        self._spare_job: _SpareJob | None = None
-        self._releasing: list[threading.Thread] = []  # threads unlinking evicted segments
         # Random per service, so two services (or a stale segment of a dead one) never collide.
         self._prefix = f"jxf{secrets.token_hex(5)}_"
         self._names = itertools.count()
         # Segments not yet unlinked, by name. Plain dict operations are atomic under the GIL, so the
         # pre-fault thread and the finalizer may touch it without the lock.
         self._segments: dict[str, _shm.SharedMemory] = {}
+        self._pool = _Pool(shared_memory, prefault, self._new_buffer)
         self._finalizer = weakref.finalize(self, _unlink_all, self._segments)
 
     # --- publishing ---
@@ -220,9 +224,9 @@ class ParameterService:
                                      f"already reserve {pending} of max_pending_bytes={self.max_pending_bytes}; "
                                      f"commit or abort_publish them first")
                 self._pending[version] = entry
-                spare, job = self._take_spare(total)
+                spare, job = self._pool.take(total)
             try:
-                entry.buffer = self._buffer(total, spare, job)
+                entry.buffer = self._pool.fill(total, spare, job)
             except BaseException:
                 entry.state = "aborted"
                 with self._lock:
@@ -303,14 +307,14 @@ class ParameterService:
                 self._pending.pop(version, None)
                 if stale:
                     entry.state = "aborted"
-                    self._recycle(entry.buffer)
+                    self._pool.recycle(entry.buffer)
                 else:
                     entry.state = "committed"
                     entry.covered = {}
                     self._committed[version] = entry
                     self._latest = version
-                    self._release_in_background(self._evict())
-                    self._start_prefault(entry.total)
+                    self._evict()
+                    self._pool.after_commit(entry.total)
                     self._lock.notify_all()
             if stale:
                 raise ValueError(f"version {version} is not newer than the latest published version "
@@ -330,7 +334,7 @@ class ParameterService:
                 self._pending.pop(version, None)
                 if entry.buffer is not None:
                     # No view of an uncommitted buffer was ever handed out, so it is safe to reuse.
-                    self._recycle(entry.buffer)
+                    self._pool.recycle(entry.buffer)
         return True
 
     # --- reading ---
@@ -356,14 +360,57 @@ class ParameterService:
         """
         with self._lock:
             entry = self._get(version)
-            return {
+            self._pool.expose(entry.buffer)
+            return self._manifest(entry)
+
+    def attach(self, reader: str, version: int | None = None, release: list[str] | tuple[str, ...] = ()
+               ) -> dict[str, Any]:
+        """`manifest(version)` for a reader in another process that maps the shared segment and says when
+        it stops reading: the service may then write a later version into the same segment, which the
+        reader keeps mapped (no new mapping, its page tables already filled: see `_Pool`).
+
+        reader: an id unique to the reading process (`ParameterClient` makes one). Its hold on the
+        version's segment lasts until it names the segment in `release` (here or in `release_reader`).
+        release: segment names this reader no longer reads (unknown ones are ignored), released first.
+        The manifest gains "live": the names of the segments the service still has (kept, being written,
+        spare or still read), which it may write into again: a reader may unmap any other. Without shared memory, the same as `manifest` (no segment, no hold).
+        """
+        checks.check_str("reader", reader, empty_ok=False)
+        release = self._check_names(release)
+        with self._lock:
+            self._pool.release(reader, release)
+            entry = self._get(version)
+            self._pool.hold(reader, entry.buffer)
+            live = [e.buffer.name for e in [*self._committed.values(), *self._pending.values()]
+                    if e.buffer is not None and e.buffer.name is not None]
+            return {**self._manifest(entry), "live": live + self._pool.live()}
+
+    def release_reader(self, reader: str, names: list[str] | tuple[str, ...] | None = None) -> int:
+        """`reader` reads none of the segments `names` (None: of any segment it holds) any more; returns
+        how many of its holds were dropped. Call when a reading process closes."""
+        checks.check_str("reader", reader, empty_ok=False)
+        names = None if names is None else self._check_names(names)
+        with self._lock:
+            held = self._pool.readers(reader)
+            names = held if names is None else [n for n in names if n in held]
+            self._pool.release(reader, names)
+            return len(names)
+
+    @staticmethod
+    def _check_names(names: Any) -> list[str]:
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"release must be a list of segment names (str), got {names!r:.200}")
+        return list(names)
+
+    def _manifest(self, entry: _Version) -> dict[str, Any]:
+        return {
                 "version": entry.number,
                 "total_bytes": entry.total,
                 "alignment": ALIGNMENT,
                 "segment": entry.buffer.name,
                 "tensors": {name: {"dtype": s.dtype.name, "shape": list(s.shape), "nbytes": s.nbytes,
                                    "offset": s.offset} for name, s in entry.slots.items()},
-            }
+        }
 
     def pull(self, version: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
         """(version, {name: read-only array}) of a committed version (default the latest), without copying.
@@ -433,18 +480,16 @@ class ParameterService:
             self._closed = True
             pending = list(self._pending.values())
             buffers = [e.buffer for e in self._committed.values()]
-            spare, job, releasing = self._spare, self._spare_job, self._releasing
             self._pending.clear()
             self._committed.clear()
-            self._spare = self._spare_job = None
             self._lock.notify_all()
+        held, releasing = self._pool.close()  # waits for a pre-fault in flight
+        buffers += held
         for entry in pending:
             with entry.lock:  # waits for a put in flight
                 entry.state = "aborted"
                 buffers.append(entry.buffer)
-        if job is not None:
-            buffers.append(job.result())
-        for buffer in [spare, *buffers]:
+        for buffer in buffers:
             if buffer is not None:
                 buffer.release()
         for thread in releasing:
@@ -501,69 +546,10 @@ class ParameterService:
             return _Buffer(size)
         return _Buffer(size, f"{self._prefix}{next(self._names)}", self._segments)
 
-    def _take_spare(self, total: int) -> tuple[_Buffer | None, _SpareJob | None]:
-        """The spare if it suits a version of `total` bytes, else the job making one (whatever its size:
-        `_buffer` releases a misfit). Holds `_lock`."""
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            if _spare_fits(spare.size, total):
-                return spare, None
-            spare.release()
-        job, self._spare_job = self._spare_job, None
-        return None, job
-
-    def _buffer(self, total: int, spare: _Buffer | None, job: _SpareJob | None) -> _Buffer:
-        """A buffer for `total` bytes: the spare, the job's (waiting for it), or a new one."""
-        if spare is not None:
-            return spare
-        if job is not None:
-            buffer = job.result()
-            if buffer is not None and _spare_fits(buffer.size, total):
-                return buffer
-            if buffer is not None:
-                buffer.release()  # made for a different model size: rare enough to just drop
-        return self._new_buffer(total)
-
-    def _recycle(self, buffer: _Buffer) -> None:
-        """Keeps `buffer`, known to have no outside views, as the spare if there is none. Holds `_lock`."""
-        if self._spare is None and not self._closed:
-            self._spare = buffer
-        else:
-            buffer.release()
-
-    def _evict(self) -> list[_Buffer]:
-        """Drops the oldest committed versions beyond `keep`; returns buffers to release. Holds `_lock`."""
+    def _evict(self) -> None:
+        """Drops the oldest committed versions beyond `keep`, handing their buffers to the pool (reused,
+        retired while registered readers hold them, or released). Holds `_lock`."""
         dropped = []
         while len(self._committed) > self.keep:
-            oldest = next(iter(self._committed))
-            buffer = self._committed.pop(oldest).buffer
-            # Another process may have a shared segment mapped (unknowable from here), so only private
-            # buffers are ever reused, and only once no pulled array views them any more.
-            if not self.shared_memory and self._spare is None and buffer.unreferenced():
-                self._spare = buffer
-            else:
-                dropped.append(buffer)
-        return dropped
-
-    def _release_in_background(self, buffers: list[_Buffer]) -> None:
-        """Releases `buffers` on a thread that close() joins. Holds `_lock`.
-
-        Unlinking a segment that no process maps any more frees its pages there and then, which takes
-        about as long as writing them (~60 ms/GB): too long for commit to wait on.
-        """
-        if not self.shared_memory or not buffers:
-            return  # private memory goes with its last reference; there is nothing to do
-
-        def release() -> None:
-            for buffer in buffers:
-                buffer.release()
-
-        thread = threading.Thread(target=release, name="param-service-release", daemon=True)
-        self._releasing = [t for t in self._releasing if t.is_alive()] + [thread]
-        thread.start()
-
-    def _start_prefault(self, size: int) -> None:
-        """Prepares a warm spare for the next version (about `size` bytes) if there is none. Holds `_lock`."""
-        if not self._prefault or self._spare is not None or self._spare_job is not None:
-            return
-        self._spare_job = _SpareJob(lambda: self._new_buffer(size), max(size, ALIGNMENT))
+            dropped.append(self._committed.pop(next(iter(self._committed))).buffer)
+        self._pool.evict(dropped)

@@ -4,7 +4,8 @@ A version is one contiguous, page-aligned buffer holding its tensors as raw C-or
 each at an `ALIGNMENT`-byte offset (`_layout`). The buffer is private anonymous memory or a named POSIX
 shared-memory segment (`_Buffer`); readers in other processes map the segment through /dev/shm
 (`_map_segment`) and view it without a copy (`_views`). `_SpareJob` pre-faults the next buffer on a
-thread, and `_Coverage` tracks which bytes of a tensor a streamed publish has written.
+thread, `_Pool` decides when a buffer may be written again (who may still read it), and `_Coverage`
+tracks which bytes of a tensor a streamed publish has written.
 `jaxflow.data.param_service` explains the policy (what is kept, reused and unlinked, and when).
 """
 
@@ -224,6 +225,166 @@ class _SpareJob:
 def _spare_fits(size: int, total: int) -> bool:
     # A spare much bigger than needed is not worth pinning for a small version.
     return total <= size <= 2 * max(total, ALIGNMENT)
+
+
+# --- the pool of buffers ------------------------------------------------------------------------------------
+
+class _Pool:
+    """Where the service's version buffers come from and go to. Not thread-safe: the service's lock
+    guards every call except `fill` (which may wait on a pre-fault thread).
+
+    A buffer is reused only when nothing can read it any more: no numpy view of it remains in this
+    process (`_Buffer.unreferenced`) and, for a shared segment, every other process that was handed its
+    name registered as a reader (`hold`) and has `release`d it since. A segment whose name went out
+    without a reader (`expose`: a plain manifest) is never reused, only unlinked when evicted. So readers
+    that register keep their mapping across versions (the service writes the next version into pages
+    they already map), and readers that do not are never written under.
+
+    State: `spare` (one warm free buffer), `job` (a spare being pre-faulted), `retired` (evicted
+    buffers that registered readers still hold, at most `max_retired`: beyond that the oldest is
+    unlinked, which leaves existing mappings valid), `holders` (segment name -> reader ids),
+    `exposed` (names handed out without a reader).
+    """
+
+    def __init__(self, shared: bool, prefault: bool, new_buffer, max_retired: int = 4):
+        self.shared, self.prefault, self.new_buffer, self.max_retired = shared, prefault, new_buffer, max_retired
+        self.spare: _Buffer | None = None
+        self.job: _SpareJob | None = None
+        self.retired: dict[str, _Buffer] = {}
+        self.holders: dict[str, set[str]] = {}
+        self.exposed: set[str] = set()
+        self.releasing: list[threading.Thread] = []  # threads unlinking segments
+        self.closed = False
+
+    # -- readers --
+
+    def expose(self, buffer: _Buffer) -> None:
+        if buffer.name is not None:
+            self.exposed.add(buffer.name)
+
+    def hold(self, reader: str, buffer: _Buffer) -> None:
+        if buffer.name is not None:
+            self.holders.setdefault(buffer.name, set()).add(reader)
+
+    def release(self, reader: str, names) -> None:
+        """`reader` reads none of the segments `names` any more (unknown names are ignored); a retired
+        buffer nobody reads becomes the spare, or is unlinked if there is one."""
+        freed = []
+        for name in names:
+            held = self.holders.get(name)
+            if held is None:
+                continue
+            held.discard(reader)
+            if not held:
+                del self.holders[name]
+            buffer = self.retired.get(name)
+            if buffer is not None and self._reusable(buffer):
+                del self.retired[name]
+                freed.append(buffer)
+        self._drop([b for b in freed if not self._keep_as_spare(b)])
+
+    def readers(self, reader: str) -> list[str]:
+        return [name for name, held in self.holders.items() if reader in held]
+
+    def live(self) -> list[str]:
+        """The names of the free and retired segments (the service adds its versions')."""
+        return list(self.retired) + [b.name for b in (self.spare,) if b is not None and b.name]
+
+    # -- buffers --
+
+    def _reusable(self, buffer: _Buffer) -> bool:
+        if not buffer.unreferenced():
+            return False
+        return buffer.name is None or (buffer.name not in self.exposed and not self.holders.get(buffer.name))
+
+    def _keep_as_spare(self, buffer: _Buffer) -> bool:
+        if self.spare is None and not self.closed:
+            self.spare = buffer
+            return True
+        return False
+
+    def take(self, total: int) -> tuple[_Buffer | None, _SpareJob | None]:
+        """The spare if it suits a version of `total` bytes, else the job making one (whatever its size:
+        `fill` releases a misfit)."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            if _spare_fits(spare.size, total):
+                return spare, None
+            self._drop([spare])
+        job, self.job = self.job, None
+        return None, job
+
+    def fill(self, total: int, spare: _Buffer | None, job: _SpareJob | None) -> _Buffer:
+        """A buffer for `total` bytes: the spare, the job's (waiting for it), or a new one."""
+        if spare is not None:
+            return spare
+        if job is not None:
+            buffer = job.result()
+            if buffer is not None and _spare_fits(buffer.size, total):
+                return buffer
+            if buffer is not None:
+                buffer.release()  # made for a different model size: rare enough to just drop
+        return self.new_buffer(total)
+
+    def recycle(self, buffer: _Buffer) -> None:
+        """Keeps `buffer`, known to have no outside views, as the spare if there is none."""
+        if not self._keep_as_spare(buffer):
+            buffer.release()
+
+    def evict(self, buffers: list[_Buffer]) -> None:
+        """Buffers of evicted versions: reused, kept while registered readers hold them, or dropped."""
+        dropped = []
+        for buffer in buffers:
+            if self._reusable(buffer) and self._keep_as_spare(buffer):
+                continue
+            if buffer.name is not None and self.holders.get(buffer.name) and buffer.name not in self.exposed:
+                self.retired[buffer.name] = buffer
+            else:
+                dropped.append(buffer)
+        while len(self.retired) > self.max_retired:  # readers that never release (gone): stop waiting
+            name = next(iter(self.retired))
+            self.holders.pop(name, None)
+            dropped.append(self.retired.pop(name))
+        for buffer in dropped:
+            if buffer.name is not None:
+                self.exposed.discard(buffer.name)
+                self.holders.pop(buffer.name, None)
+        self._drop(dropped)
+
+    def after_commit(self, size: int) -> None:
+        """Prepares a warm spare for the next version (about `size` bytes) unless one is there or being
+        made (a retired buffer that readers release in time becomes the spare first)."""
+        if not self.prefault or self.spare is not None or self.job is not None:
+            return
+        self.job = _SpareJob(lambda: self.new_buffer(size), max(size, ALIGNMENT))
+
+    def _drop(self, buffers: list[_Buffer]) -> None:
+        """Releases `buffers` on a thread that `close` joins.
+
+        Unlinking a segment that no process maps any more frees its pages there and then, which takes
+        about as long as writing them (~60 ms/GB): too long for a commit to wait on. Private memory goes
+        with its last reference: there is nothing to do.
+        """
+        buffers = [b for b in buffers if b.name is not None]
+        if not buffers:
+            return
+
+        def release() -> None:
+            for buffer in buffers:
+                buffer.release()
+
+        thread = threading.Thread(target=release, name="param-service-release", daemon=True)
+        self.releasing = [t for t in self.releasing if t.is_alive()] + [thread]
+        thread.start()
+
+    def close(self) -> tuple[list[_Buffer], list[threading.Thread]]:
+        """Stops reusing; (the buffers it held, to release; the threads unlinking, to join)."""
+        self.closed = True
+        buffers = [self.spare, *self.retired.values()]
+        if self.job is not None:
+            buffers.append(self.job.result())
+        self.spare, self.job, self.retired = None, None, {}
+        return [b for b in buffers if b is not None], self.releasing
 
 
 # --- coverage -----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from param_helpers import SHM, W, WireLoopback, assert_same, sample_tensors
 from jaxflow.transport import rpc
 
 from jaxflow.transport import process_server
-from jaxflow.transport.param_client import ParameterClient
+from jaxflow.transport.param_client import ParameterClient, attach_shared
 from jaxflow.data.param_service import RPC_METHODS, ParameterService, UnknownVersionError
 
 # --- over a wire loopback -----------------------------------------------------------------------------------
@@ -38,7 +38,7 @@ def test_client_streams_when_the_segment_is_not_reachable():
     class OtherHost(WireLoopback):
         def call(self, method, *args, **kwargs):
             result = super().call(method, *args, **kwargs)
-            if method == "manifest":
+            if method == "attach":
                 result["segment"] = "jxf_no_such_segment_here"
             return result
 
@@ -152,3 +152,70 @@ def test_client_attaches_to_a_server_process_shared_memory():
         process_server.stop_subprocess(process)
     assert not os.path.exists(f"/dev/shm/{segment}")  # the server's close() unlinked it
     assert_same(pulled, tensors)  # and our mapping is still good
+
+
+# --- segments reused across versions for readers that say when they stop reading ---------------------------
+
+def _version(v: int) -> dict[str, np.ndarray]:
+    return {"w": np.full((64, 64), v, np.float32), "b": np.arange(7, dtype=np.int64) + v}
+
+
+def test_a_released_segment_is_written_again_and_read_through_the_same_mapping():
+    with ParameterService(keep=2, shared_memory=True) as svc:
+        client = ParameterClient(WireLoopback(svc))
+        names = []
+        for v in range(8):
+            svc.publish(v, _version(v))
+            version, pulled = client.pull()
+            assert version == v
+            assert_same(pulled, _version(v))
+            names.append(svc._committed[v].buffer.name)  # (manifest() would expose it: never reused)
+            del pulled  # the engine moved on: the next pull releases this segment
+        # keep=2 kept versions + the one just released: three segments in turn from the fourth version on.
+        assert len(set(names[3:])) <= 3 and set(names[4:]) <= set(names[:4]), names
+        assert len(client._maps) <= 3
+        client.close()
+        assert svc._pool.holders == {}
+
+
+def test_segments_still_read_are_never_written_under():
+    with ParameterService(keep=1, shared_memory=True) as svc:
+        client = ParameterClient(WireLoopback(svc))
+        svc.publish(0, _version(0))
+        _, kept = client.pull()  # a registered reader that keeps its arrays for the whole test
+        svc.publish(1, _version(1))
+        plain = attach_shared(svc.manifest(1))  # a reader that never registers
+        for v in range(2, 10):
+            svc.publish(v, _version(v))
+            _, pulled = client.pull()
+            assert_same(pulled, _version(v))
+            del pulled
+        assert_same(kept, _version(0))
+        assert_same(plain, _version(1))
+
+
+def test_a_reader_that_never_releases_pins_a_bounded_number_of_segments():
+    with ParameterService(keep=1, shared_memory=True) as svc:
+        for v in range(12):
+            svc.publish(v, _version(v))
+            svc.attach("gone-reader")  # holds every version, releases none
+        assert 1 <= len(svc._pool.retired) <= svc._pool.max_retired
+        assert svc.release_reader("gone-reader") >= 1 and svc._pool.holders == {}
+        assert svc._pool.retired == {}
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (("", None, []), ValueError, "reader"),
+    ((7, None, []), TypeError, "reader"),
+    (("r", None, "seg"), ValueError, "release"),
+    (("r", None, [3]), ValueError, "release"),
+    (("r", 99, []), UnknownVersionError, "99"),
+])
+def test_bad_attach_is_refused_and_changes_nothing(args, error, match):
+    with ParameterService(keep=2, shared_memory=True) as svc:
+        svc.publish(0, _version(0))
+        svc.attach("r")
+        before = {k: set(v) for k, v in svc._pool.holders.items()}
+        with pytest.raises(error, match=match):
+            svc.attach(*args)
+        assert {k: set(v) for k, v in svc._pool.holders.items()} == before
