@@ -13,10 +13,13 @@ engine has it on its JAX device as well (`jax.device_put`, "device"). Transports
                 (`RayWeightPublisher.publish`, `pull` on the engine): what a sharded trainer would use.
                 Tensors share objects up to 32 MiB; `ray_per_tensor` (not run by default) puts each alone.
   shm           the parameter service in shared memory, served over loopback RPC; each engine's
-                `ParameterClient` maps the segment (zero copy). Works only because these "nodes" share one
-                host's /dev/shm: across real nodes the client cannot attach and streams instead.
-  shm_push      the same segment, but the service's manifest travels with the notify call and the engine
-                maps it at once (`attach_shared`): no RPC round trip into the trainer's process.
+                `ParameterClient` attaches as a registered reader and keeps its mappings, and the service
+                writes each version into a segment the engines released and still map (zero copy, no new
+                mapping). Works only because these "nodes" share one host's /dev/shm: across real nodes
+                the client cannot attach and streams instead.
+  shm_push      the service's manifest travels with the notify call and the engine maps it at once
+                (`attach_shared`): no RPC round trip, but a fresh mapping per version (a plain manifest's
+                segment is never written again).
   stream        the same service, `ParameterClient(shared_memory=False)`: 8 MiB `read` chunks over TCP.
 
 Each publish follows `--gap-s` idle seconds (default 1 s: the trainer's step between versions, during
@@ -27,6 +30,9 @@ copying it, even with `may_alias=False` (checked by buffer address), so there "d
 
 Then the same with one engine on the publisher's own node ("head"; `--no-same-node` skips it): where
 Ray's `ray.get` maps the object from its node's store without moving a byte.
+
+Every version differs from the last where the engines' checksum looks, so an engine that read a stale
+or half-written version fails the run.
 
 Beside them, a memory copy of the same bytes (`np.copyto` into warm memory, median of N) on this
 machine; `cluster_sync_vs_memcpy` = memcpy time / the best transport's host time to all engines (the
@@ -116,7 +122,7 @@ def hf_state(cfg) -> dict:
     from jaxflow.models import hf_io
     from jaxflow.models.transformer import Transformer
 
-    return {name: np.ascontiguousarray(a, np.float32)
+    return {name: np.array(a, np.float32)  # a writable copy: each version is marked (`run_case`)
             for name, a in hf_io.iter_hf_tensors(Transformer(cfg, rngs=nnx.Rngs(0)))}
 
 
@@ -199,12 +205,16 @@ def run_case(transport, engines, tensors, service, repeats: int, version: list[i
 
     publisher = RayWeightPublisher(keep=2, bucket_bytes=0 if transport == "ray_per_tensor" else bucket_bytes)
     kept_refs: list = []
-    want = checksum(tensors)
     out = {"host_s": [], "device_s": [], "publish_s": [], "notify_s": []}
     aliased = []
     for r in range(repeats + 1):
         for device in (False, True):
             version[0] += 1
+            # Each version differs where `checksum` looks, so an engine reading a stale one is caught
+            # (the shared-memory service writes versions into segments readers keep mapped).
+            for a in tensors.values():
+                a.reshape(-1)[::4099] = version[0]
+            want = checksum(tensors)
             time.sleep(gap_s)
             t0 = time.time()
             if transport == "ray_object":

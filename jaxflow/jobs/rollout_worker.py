@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         worker.stop(abort_in_flight=not args.drain)
         engine.close()
+        params.close()  # the service may write into the segments this process mapped again
         log.info("worker %s stopped: %s", args.name, dict(worker.counts))
     return 0
 
