@@ -98,7 +98,6 @@ def jax_env(cpu_devices: int | None = None) -> dict[str, str]:
     """Environment variables for an actor that runs JAX: this process's compilation cache settings (so
     actors reuse what was compiled before), and with `cpu_devices` that many CPU devices on the CPU
     platform (CPU hosts and tests)."""
-    import re
     import sys
     env = {}
     jax = sys.modules.get("jax")
@@ -110,9 +109,8 @@ def jax_env(cpu_devices: int | None = None) -> dict[str, str]:
         if value is not None:
             env[option.upper()] = str(value)
     if cpu_devices is not None:
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
-        env["JAX_PLATFORMS"] = "cpu"
+        from jaxflow.trainer.distributed import cpu_devices_env
+        env.update(cpu_devices_env(cpu_devices))
     return env
 
 

@@ -360,6 +360,14 @@ def _child(results, env: dict[str, str], args: tuple) -> None:
         results.put(("error", process_id, "".join(traceback.format_exception_only(e)).strip()))
 
 
+def cpu_devices_env(cpu_devices: int) -> dict[str, str]:
+    """The environment that gives a new process `cpu_devices` JAX devices on the CPU platform (CPU hosts,
+    tests): XLA_FLAGS as this process has them, with its device count replaced, and JAX_PLATFORMS=cpu."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip(),
+            "JAX_PLATFORMS": "cpu"}
+
+
 def run_local(config: ml_collections.ConfigDict, buffers: Sequence[ConsumedBatch], *, num_processes: int,
               cpu_devices_per_process: int | None = None, process_ids: Sequence[int] | None = None,
               port: int | None = None, env: dict[str, str] | None = None,
@@ -379,9 +387,7 @@ def run_local(config: ml_collections.ConfigDict, buffers: Sequence[ConsumedBatch
         raise ValueError(f"process_ids {process_ids} must be distinct ids in 0..{num_processes - 1}")
     env = dict(env or {})
     if cpu_devices_per_process is not None:
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices_per_process}".strip()
-        env["JAX_PLATFORMS"] = "cpu"
+        env.update(cpu_devices_env(cpu_devices_per_process))
     address = f"127.0.0.1:{port or free_port()}"
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
