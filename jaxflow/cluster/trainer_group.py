@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -141,19 +142,28 @@ class TrainerActor:
         mesh = distributed.global_mesh(fsdp=spec["fsdp"], tensor=spec["tensor"])
         self.trainer = RLTrainer(hf_io.load_model(spec["model_dir"], mesh=mesh), spec["trainer"], mesh,
                                  seq_len=spec["seq_len"], max_sequences=spec["max_sequences"])
-        self.mesh = mesh
+        self.mesh, self.process_id = mesh, process_id
         self.ckpt = Checkpointer(spec["checkpoints"], max_to_keep=spec["max_to_keep"])
         extra = self.restore_latest()[1] if self.ckpt.latest_step() is not None else None
         return {"version": self.trainer.version, "extra": extra, "compile_s": self.trainer.compile_s,
                 "batch_shape": list(self.trainer.batch_shape), "damaged": list(self.ckpt.damaged),
                 "pid": os.getpid(), "mesh": dict(mesh.shape)}
 
-    def restore_latest(self) -> tuple[int, dict]:
-        """Rolls the trainer back to the newest intact checkpoint; (its version, its extra)."""
+    def restore_latest(self) -> tuple[int, dict, list[list]]:
+        """Rolls the trainer back to the newest intact checkpoint; (its version, its extra, the damaged
+        steps passed over as [step, why])."""
         from jaxflow.trainer.state import abstract_train_state
         state, extra = self.ckpt.restore(abstract_train_state(self.trainer.model(), self.trainer.tx, self.mesh))
         self.trainer.state = state
-        return self.trainer.version, extra
+        return self.trainer.version, extra, [list(d) for d in self.ckpt.damaged]
+
+    def set_aside(self, steps: list[int]) -> list[str]:
+        """Process 0 moves the damaged `steps` out of the step list (`Checkpointer.set_aside`) and returns
+        where they went; the others re-read the step list (call them after process 0)."""
+        if self.process_id == 0:
+            return [str(self.ckpt.set_aside(step)) for step in steps]
+        self.ckpt.reload()
+        return []
 
     def train(self, consumed: ConsumedBatch) -> tuple[dict[str, float], dict[int, int], int]:
         """One update; (metrics, staleness histogram, train-step compiles so far)."""
@@ -249,7 +259,21 @@ class TrainerGroup:
         self.started = self._wait(ray_refs, "start", None)
         self.version = self.started[0]["version"]
         self.compiles, self.compile_s = 1, self.started[0]["compile_s"]
+        self._set_aside(self.started[0]["damaged"])
         return self.version, self.started[0]["extra"]
+
+    def _set_aside(self, damaged: list) -> None:
+        """Damaged checkpoint steps the restore passed over: reported, kept for inspection as
+        damaged-<step>, out of the way of the steps redone now (as the single-process job does)."""
+        if not damaged:
+            return
+        steps = [int(step) for step, _ in damaged]
+        moved = self._wait([self.actors[0].set_aside.remote(steps)], "set_aside", self.timeout_s)[0]
+        # Then the others re-read the step list (a done ref stands in for process 0: ids stay by process).
+        self._wait([require_ray().put([])] + [a.set_aside.remote(steps) for a in self.actors[1:]],
+                   "set_aside", self.timeout_s)
+        for (_, why), where in zip(damaged, moved):
+            print(f"jaxflow: {why}; kept as {where}, not used", file=sys.stderr, flush=True)
 
     def _wait(self, refs: list[Any], method: str, timeout_s: float | None) -> list[Any]:
         """The results of `refs` (one per process) by process id. The first process to fail (dead,
@@ -304,7 +328,8 @@ class TrainerGroup:
 
     def restore_latest(self) -> tuple[int, dict]:
         """Rolls every process back to the newest checkpoint; (version, extra)."""
-        self.version, extra = self._all("restore_latest")[0]
+        self.version, extra, damaged = self._all("restore_latest")[0]
+        self._set_aside(damaged)
         return self.version, extra
 
     def export(self, directory: str, tokenizer_dir: str) -> None:

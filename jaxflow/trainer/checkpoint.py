@@ -300,6 +300,10 @@ class Checkpointer:
         self._manager.reload()
         return dest
 
+    def reload(self) -> None:
+        """Reads the step list from disk again (after another process set a step aside)."""
+        self._manager.reload()
+
     def wait_until_finished(self) -> None:
         """Blocks until every started save is fully written (and old steps pruned)."""
         self._manager.wait_until_finished()

@@ -16,7 +16,7 @@ from trainer.test_distributed import BOUND, TIMINGS, buffer, trainer_section
 
 def group_of(tmp_path, model_dir, **mesh):
     spec = TrainerGroup.spec(str(model_dir), trainer_section(), seq_len=64, max_sequences=16,
-                             checkpoints=str(tmp_path / "checkpoints"), max_to_keep=1, **mesh)
+                             checkpoints=str(tmp_path / "checkpoints"), max_to_keep=2, **mesh)
     return TrainerGroup(spec, num_processes=2, tag="0123abcd", cpu_devices=4, timeout_s=400)
 
 
@@ -29,8 +29,20 @@ def test_two_trainer_actors_train_like_one_process_with_all_the_devices(tmp_path
         assert group.started[0]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
         assert len({s["pid"] for s in group.started}) == 2
         buffers = [buffer(0, seed=0), buffer(1, seed=1)]
-        metrics = [group.train(b)[0] for b in buffers]
+        metrics = []
+        for b in buffers:
+            metrics.append(group.train(b)[0])
+            group.checkpoint(None, {"v": group.version})
         params = group.params()
+        # The newest checkpoint damaged: the group rolls back to the one before, keeps the damaged step
+        # aside (process 0 moves it, every process re-reads the step list) and can save that step again.
+        ckpts = tmp_path / "checkpoints"
+        (ckpts / "2" / "state" / "_METADATA").write_text('{"tree_metadata": ')
+        assert group.restore_latest() == (1, {"v": 1})
+        assert (ckpts / "damaged-2" / "state").is_dir() and not (ckpts / "2").exists()
+        group.train(buffers[1])
+        group.checkpoint(None, {"v": group.version})
+        assert group.version == 2 and (ckpts / "2" / "state").is_dir()
     finally:
         group.close()
     assert len(jax.devices()) == 8
