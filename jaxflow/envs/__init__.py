@@ -1,0 +1,3 @@
+"""Environments of multi-turn, tool-using episodes: jaxflow's environment protocol and its checks
+(`base`), the calculator tool of the arithmetic demo (`calculator`), and adapters for environments
+written for other libraries (`adapters`: SkyRL-gym's `BaseTextEnv`)."""

@@ -1,0 +1,204 @@
+"""The environment side of multi-turn episodes: the protocol's checks, calls under a time limit, the
+calculator tool, and a SkyRL-gym environment through the adapter."""
+
+import asyncio
+import math
+
+import pytest
+
+from jaxflow.envs import base
+from jaxflow.envs.adapters import SkyRLEnv, skyrl_env
+from jaxflow.envs.base import EnvironmentFailed, Step
+from jaxflow.envs.calculator import CalculatorEnv, evaluate
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# --- the checks ---------------------------------------------------------------------------------------------
+
+def test_a_step_is_normalised_from_a_dict_or_a_step():
+    got = base.check_step({"observation": "<result>5</result>", "reward": 1, "done": True}, "w")
+    assert got == Step([{"role": "tool", "content": "<result>5</result>"}], 1.0, True, {})
+    assert base.check_step(Step(), "w") == Step([], None, False, {})
+    messages = [{"role": "user", "content": "go on", "name": "x"}]
+    assert base.check_step({"observation": messages}, "w").observation == [{"role": "user", "content": "go on"}]
+
+
+@pytest.mark.parametrize("answer, match", [
+    ({"observation": 5}, "observation must be None, a string or a list"),
+    ({"observation": [{"role": "user"}]}, "message 0 must be a dict with string 'role' and 'content'"),
+    ({"observation": [{"role": "", "content": "x"}]}, "message 0 has an empty role"),
+    ({"observation": [{"role": "u", "content": "x"}] * (base.MAX_MESSAGES + 1)}, "messages in one observation"),
+    ({"reward": "1.0"}, "reward must be None or a finite number"),
+    ({"reward": True}, "reward must be None or a finite number"),
+    ({"reward": math.nan}, "reward must be None or a finite number"),
+    ({"done": 1}, "done must be a bool"),
+    ({"info": [1]}, "info must be a dict"),
+    ({"obs": "x"}, r"unknown step field\(s\) \['obs'\]"),
+    ("just text", "step must return a Step or a dict, got str"),
+])
+def test_malformed_answers_are_named(answer, match):
+    with pytest.raises(ValueError, match=match):
+        base.check_step(answer, "env")
+
+
+class Scripted:
+    """An environment whose step does what it is told."""
+
+    def __init__(self, behaviour):
+        self.behaviour = behaviour
+
+    async def reset(self, meta):
+        return None
+
+    async def step(self, action):
+        if self.behaviour == "sleep":
+            await asyncio.sleep(30)
+        if self.behaviour == "raise":
+            raise KeyError("the tool broke")
+        if self.behaviour == "malformed":
+            return {"observation": [{"role": "tool", "content": 7}], "reward": 0.0}
+        return {"reward": 0.5, "done": True}
+
+    async def close(self):
+        return None
+
+
+@pytest.mark.parametrize("behaviour, kind, match", [
+    ("sleep", "timeout", "step took more than 0.05 s"),
+    ("raise", "error", "step raised KeyError: 'the tool broke'"),
+    ("malformed", "malformed", "message 0 must be a dict with string 'role' and 'content'"),
+])
+def test_a_failing_call_names_the_environment_and_the_episode(behaviour, kind, match):
+    with pytest.raises(EnvironmentFailed, match=f"environment 'scripted', episode 17: .*{match}") as info:
+        run(base.call(Scripted(behaviour), "step", "hi", timeout_s=0.05, env_name="scripted", episode=17))
+    assert info.value.kind == kind and kind in base.FAILURE_KINDS and info.value.episode == 17
+
+
+def test_a_good_call_returns_the_checked_step():
+    got = run(base.call(Scripted("ok"), "step", "hi", timeout_s=5, env_name="s", episode=0))
+    assert got == Step([], 0.5, True, {})
+
+
+# --- the calculator -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("expression, value", [
+    ("7*8", "56"), (" 7 + 5 * 3 - 2 ", "20"), ("(7+5)*3", "36"), ("-4*-2", "8"), ("7/2", "7/2"), ("84/7", "12"),
+])
+def test_evaluate_is_exact_arithmetic(expression, value):
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression, error, match", [
+    ("__import__('os')", ValueError, "only integers"),
+    ("2**10", ValueError, "only integers"),
+    ("1.5*2", ValueError, "only integers"),
+    ("7 +", ValueError, "not an arithmetic expression"),
+    ("9" * 31, ValueError, "more than 30 digits"),
+    ("1+" * 150 + "1", ValueError, "longer than 200"),
+    ("5/(3-3)", ZeroDivisionError, None),
+])
+def test_evaluate_refuses_what_is_not_small_arithmetic(expression, error, match):
+    with pytest.raises(error, match=match):
+        evaluate(expression)
+
+
+def test_a_calculator_episode():
+    async def episode():
+        env = CalculatorEnv(max_calls=2)
+        await env.reset({"answer": 56})
+        first = await env.step("Compute 7*8 with <tool>7*8</tool>")
+        bad = await env.step("<tool>1/0</tool>")
+        over = await env.step("<tool>2+2</tool>")  # past max_calls: the turn is the final answer
+        return first, bad, over
+
+    first, bad, over = run(episode())
+    assert first == Step([{"role": "tool", "content": "<result>56</result>"}], None, False, {"tool_calls": 1})
+    assert bad.observation[0]["content"] == "<result>error: division by zero</result>" and not bad.done
+    assert over.done and over.reward == 0.0 and over.info == {"tool_calls": 2}
+
+    async def answered():
+        env = CalculatorEnv()
+        await env.reset({"answer": 56})
+        return await env.step("so <answer>56</answer>")
+
+    assert run(answered()) == Step([], 1.0, True, {"tool_calls": 0})
+
+
+def test_tool_latency_overlaps_across_episodes(monkeypatch):
+    """Tool waits are asyncio sleeps (no thread, no CPU): 8 episodes' tool calls all wait at once."""
+    waiting, most = [0], [0]
+    real_sleep = asyncio.sleep
+
+    async def counting_sleep(seconds):
+        assert seconds == 0.3
+        waiting[0] += 1
+        most[0] = max(most[0], waiting[0])
+        await real_sleep(0.01)
+        waiting[0] -= 1
+
+    monkeypatch.setattr("jaxflow.envs.calculator.asyncio.sleep", counting_sleep)
+
+    async def many():
+        envs = [CalculatorEnv(latency_s=0.3) for _ in range(8)]
+        for env in envs:
+            await env.reset({"answer": 1})
+        return await asyncio.gather(*(env.step("<tool>1+1</tool>") for env in envs))
+
+    steps = run(many())
+    assert all(s.observation[0]["content"] == "<result>2</result>" for s in steps)
+    assert most[0] == 8
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"latency_s": -1}, "latency_s"), ({"latency_s": True}, "latency_s"), ({"max_calls": 1.5}, "max_calls"),
+    ({"reward_ref": "nomodule"}, "not of the form"),
+])
+def test_calculator_options_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CalculatorEnv(**kwargs)
+
+
+# --- SkyRL-gym through the adapter --------------------------------------------------------------------------
+
+def test_skyrl_gym_multi_turn_gsm8k_runs_unmodified():
+    """SkyRL-gym's own registered gsm8k_multi_turn environment (its code, its rewards) through the adapter."""
+    async def episode(answers):
+        env = skyrl_env("gsm8k_multi_turn", extras={"reward_spec": {"ground_truth": "42"}, "max_turns": 3})
+        await base.call(env, "reset", {"prompt": [{"role": "user", "content": "6*7?"}]}, timeout_s=10,
+                        env_name="gsm8k_multi_turn", episode=0)
+        steps = []
+        for text in answers:
+            steps.append(await base.call(env, "step", text, timeout_s=10, env_name="gsm8k_multi_turn", episode=0))
+            if steps[-1].done:
+                break
+        await env.close()
+        return steps
+
+    wrong_then_right = run(episode(["I think #### 41", "#### 42"]))
+    assert [s.done for s in wrong_then_right] == [False, True]
+    assert wrong_then_right[0].observation and wrong_then_right[0].observation[0]["role"] == "user"
+    assert wrong_then_right[-1].reward == 1.0
+    assert 0 < wrong_then_right[0].reward < 1.0  # SkyRL's per-turn format score for a wrong answer
+    never = run(episode(["no idea", "still none", "nothing"]))
+    assert len(never) == 3 and never[-1].done and all(s.reward == 0.0 for s in never)
+
+
+def test_a_skyrl_env_answer_that_is_malformed_is_named():
+    class Broken:
+        def init(self, prompt):
+            return prompt, {}
+
+        def step(self, action):
+            return {"observations": "not a list of messages but fine", "reward": "high", "done": False}
+
+        def close(self):
+            pass
+
+    with pytest.raises(EnvironmentFailed, match="environment 'broken', episode 3: .*reward must be None or a "
+                                                "finite number, got 'high'"):
+        run(base.call(SkyRLEnv(Broken()), "step", "x", timeout_s=5, env_name="broken", episode=3))
+    with pytest.raises(TypeError, match="not a SkyRL-gym text environment: no init, step"):
+        SkyRLEnv(object())
