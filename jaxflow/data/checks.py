@@ -69,6 +69,21 @@ def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool) ->
         raise ValueError(f"{what}: finish_reason {s.finish_reason!r} is not None or one of {FINISH_REASONS}")
     if finished and not s.done:
         raise ValueError(f"{what} is not finished (finish_reason={s.finish_reason!r})")
+    check_env_spans(what, s.env_spans, n)
+
+
+def check_env_spans(what: str, spans: Any, n: int) -> None:
+    """A sample's env_spans: a list of [start, end) int pairs, sorted, disjoint, non-empty, within its `n`
+    tokens; else ValueError naming `what`."""
+    if not isinstance(spans, list):
+        raise ValueError(f"{what}: env_spans must be a list of [start, end) pairs, got {type(spans).__name__}")
+    previous_end = 0
+    for i, span in enumerate(spans):
+        if (not isinstance(span, (list, tuple)) or len(span) != 2 or not all(is_int(x) for x in span)
+                or not previous_end <= span[0] < span[1] <= n):
+            raise ValueError(f"{what}: env_spans[{i}] = {span!r:.80}; spans must be sorted, disjoint, non-empty "
+                             f"[start, end) int pairs within the sample's {n} tokens")
+        previous_end = span[1]
 
 
 def check_samples(group_id: int, n: int, samples: Any, what: str, v_start: int, v_max: int,

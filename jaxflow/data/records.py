@@ -22,12 +22,23 @@ class Sample:
     tokens: generated token ids. logprobs: the engine's log-probability of each token (behaviour
     policy). versions: the policy version that produced each token. finish_reason: None while
     unfinished, else one of FINISH_REASONS ("abort" means interrupted, resumable from its tokens).
+    env_spans: in a multi-turn episode, the [start, end) index ranges of `tokens` that the environment
+    wrote (observations, tool results: rendered through the chat template, never trained: log-prob 0,
+    the version of the model turn before them); sorted, disjoint, non-empty. [] for a single answer.
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    env_spans: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def model_mask(self) -> np.ndarray:
+        """bool per token: True where the model wrote it (trained), False inside an env span."""
+        mask = np.ones(len(self.tokens), bool)
+        for start, end in self.env_spans:
+            mask[start:end] = False
+        return mask
 
     @property
     def done(self) -> bool:

@@ -20,10 +20,11 @@ _TOP = ("v_train", "published", "next_id", "counts", "groups", "source")
 def _sample(d: Any, where: str) -> Sample:
     if isinstance(d, Sample):
         return d
-    if not isinstance(d, dict) or set(d) != {"tokens", "logprobs", "versions", "finish_reason"}:
+    required = {"tokens", "logprobs", "versions", "finish_reason"}
+    if not isinstance(d, dict) or not required <= set(d) <= required | {"env_spans"}:
         raise ValueError(f"snapshot {where}: a sample must be a dict of tokens, logprobs, versions, "
-                         f"finish_reason, got {d!r:.200}")
-    return Sample(**d)
+                         f"finish_reason (and env_spans), got {d!r:.200}")
+    return Sample(**d)  # (snapshots from before multi-turn episodes have no env_spans: [])
 
 
 def parse_snapshot(snap: Any, *, group_fields: tuple[str, ...], states: dict[str, Any], n: int,

@@ -23,7 +23,9 @@ class Trajectory:
 
     behav_logp and versions have one entry per completion token: the engine's log-probability of the
     token and the policy version that produced it. group_id identifies the prompt's group (GRPO/RLOO).
-    advantage, when set, is used as is instead of being computed from rewards.
+    advantage, when set, is used as is instead of being computed from rewards. env_spans: [start, end)
+    ranges of completion tokens the environment wrote (a multi-turn episode's observations): context
+    for the tokens after them, never trained (loss mask 0, no behaviour log-prob, version -1).
     """
 
     prompt: Sequence[int]
@@ -33,6 +35,7 @@ class Trajectory:
     reward: float = 0.0
     group_id: int = 0
     advantage: float | None = None
+    env_spans: Sequence[Sequence[int]] = ()
 
 
 @struct.dataclass
@@ -155,6 +158,9 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
                              f"log-probs and {len(t.versions)} versions")
         if not len(t.prompt):
             raise ValueError(f"trajectory {i} has an empty prompt")
+        if any(not 0 <= a < b <= n for a, b in t.env_spans):
+            raise ValueError(f"trajectory {i}: env_spans {list(t.env_spans)} are not [start, end) ranges within "
+                             f"its {n} completion tokens")
         if len(t.prompt) + n > seq_len:
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
         seqs.append(list(t.prompt) + list(t.completion))
@@ -174,6 +180,11 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         out["versions"][row, gen] = t.versions
         out["advantages"][row, gen] = advantages[i]
         out["rewards"][row, gen] = t.reward
+        for span_start, span_end in t.env_spans:  # the environment's tokens: context only
+            env = slice(start + n_prompt + span_start, start + n_prompt + span_end)
+            for name in ("loss_mask", "behav_logp", "advantages", "rewards"):
+                out[name][row, env] = 0
+            out["versions"][row, env] = -1
     # Row r goes to minibatch r % K, position r // K of that minibatch's rows, in micro-batch order.
     k, rows = minibatches, num_rows // micro_batches
     split = {name: v.reshape(num_rows // k, k, seq_len).swapaxes(0, 1).reshape(micro_batches, rows, seq_len)

@@ -144,7 +144,7 @@ def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
     for g in groups:
         for sample, reward in zip(g.samples, g.rewards):
             out.append(Trajectory(g.prompt, sample.tokens, sample.logprobs, sample.versions,
-                                  reward=float(reward), group_id=g.group_id))
+                                  reward=float(reward), group_id=g.group_id, env_spans=sample.env_spans))
     return out
 
 
@@ -277,8 +277,11 @@ class RLTrainer:
         step_metrics = {k: float(x) for k, x in jax.device_get(step_metrics).items()}
         step_s = time.perf_counter() - start
         staleness = collections.Counter()
-        for t in trajs:
-            staleness.update(v - ver for ver in t.versions)
+        for t in trajs:  # the model's tokens (the environment's are not trained)
+            model = np.ones(len(t.versions), bool)
+            for span_start, span_end in t.env_spans:
+                model[span_start:span_end] = False
+            staleness.update(v - ver for ver, m in zip(t.versions, model) if m)
         # Rewards and lengths describe everything the rollout produced; trained_tokens what the update used.
         rewards = np.asarray([r for g in usable for r in g.rewards], np.float64)
         lengths = np.asarray([len(s.tokens) for g in usable for s in g.samples])

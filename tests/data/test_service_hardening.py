@@ -3,6 +3,7 @@ arguments, snapshots), leases that hand back the groups of dead or hung workers,
 across a lost reply."""
 
 import copy
+import json
 import math
 import threading
 import time
@@ -142,7 +143,8 @@ def _corrupt(snap, path, value):
     (("counts", "created"), -2), (("groups", 0, "state"), "bogus"), (("groups", 1, "reserved"), 99),
     (("groups", 0, "samples", 0, "logprobs"), [math.nan, 0.0]), (("groups", 1, "rewards"), ["x", 1.0]),
     (("groups", 0, "group_id"), 1), (("groups", 1, "prompt"), []), (("source",), {"index": -1}),
-    (("groups", 0, "n"), 3), (("groups", 0, "unknown_field"), 1), (("groups", 1, "step"), 7)])
+    (("groups", 0, "n"), 3), (("groups", 0, "unknown_field"), 1), (("groups", 1, "step"), 7),
+    (("groups", 0, "samples", 0, "env_spans"), [[0, 5]]), (("groups", 0, "samples", 0, "spans"), [])])
 def test_restore_validates_the_whole_snapshot_first(place, path, value):
     svc = place(make())
     t1, t2 = svc.dispatch("w0", 0, 2)
@@ -157,6 +159,24 @@ def test_restore_validates_the_whole_snapshot_first(place, path, value):
     assert other.stats() == before_stats and other.snapshot() == before_snap
     other.restore(snap)  # the intact snapshot still restores
     assert other.stats()["groups"]["occupied"] == 1
+
+
+def test_an_episode_keeps_its_environment_spans_through_abort_resume_and_snapshot(place):
+    """A multi-turn episode's samples carry which tokens the environment wrote, through every placement's
+    transport, the requeued task, and the JSON snapshot; spans that do not fit the tokens are refused."""
+    svc = place(make())
+    (t,) = svc.dispatch("w0", 0, 1)
+    episode = Sample([5, 6, 90, 91, 7], [-1.0, -0.5, 0.0, 0.0, -2.0], [0, 0, 0, 0, 0], None, [[2, 4]])
+    with pytest.raises(ValueError, match=r"group \d+ sample 0: env_spans\[0\] = \[3, 9\]"):
+        svc.abort(t.group_id, "w0", [Sample([5], [-1.0], [0], None, [[3, 9]]), Sample()])
+    svc.abort(t.group_id, "w0", [episode, Sample()])
+    (again,) = svc.dispatch("w1", 0, 1)
+    assert again.partial[0].env_spans == [[2, 4]] and again.partial[0].tokens == episode.tokens
+    snap = json.loads(json.dumps(svc.snapshot()))
+    other = place(make())
+    other.restore(snap)
+    (restored,) = other.dispatch("w2", 0, 1)
+    assert restored.partial[0].env_spans == [[2, 4]]
 
 
 # ---- 2. leases ----------------------------------------------------------------------------------

@@ -264,3 +264,53 @@ def test_non_finite_update_is_skipped():
     state, m = step(state, dataclasses.replace(batch, versions=np.where(batch.loss_mask > 0, 1, -1).astype(np.int32)))
     assert float(m["updates_skipped"]) == 0 and np.isfinite(float(m["loss"]))
     assert int(state.version) == 2 and int(state.skipped) == 1
+
+
+def test_environment_tokens_get_no_gradient():
+    """A multi-turn episode's environment tokens are context, never trained: episodes that differ only in
+    what the environment wrote at their end (context for nothing after it) give the same update, and
+    the tokens the environment wrote are masked out of the batch. Ending in model tokens instead, the
+    same change reaches the update (the environment's tokens are context for the model's)."""
+    base = trajectories(seed=3)
+
+    def episodes(env_tokens, env_at_end=True):
+        out = []
+        for t in base:
+            k = len(t.completion)
+            model_part = list(t.completion)
+            if env_at_end:
+                completion, spans = model_part + env_tokens, [[k, k + len(env_tokens)]]
+                logp, versions = list(t.behav_logp) + [0.0] * len(env_tokens), list(t.versions) + [0] * len(env_tokens)
+            else:
+                completion = model_part[:1] + env_tokens + model_part[1:]
+                spans = [[1, 1 + len(env_tokens)]]
+                logp = list(t.behav_logp[:1]) + [0.0] * len(env_tokens) + list(t.behav_logp[1:])
+                versions = list(t.versions[:1]) + [0] * len(env_tokens) + list(t.versions[1:])
+            out.append(dataclasses.replace(t, completion=completion, behav_logp=logp, versions=versions,
+                                           env_spans=spans))
+        return out
+
+    batch_a, _ = make_batch(episodes([7, 8, 9]), num_rows=16, seq_len=SEQ_LEN)
+    batch_b, _ = make_batch(episodes([200, 100, 50]), num_rows=16, seq_len=SEQ_LEN)
+    plain, _ = make_batch(base, num_rows=16, seq_len=SEQ_LEN)
+    assert batch_a.num_tokens == batch_b.num_tokens == plain.num_tokens  # 3 env tokens each: all masked
+    env = (np.asarray(batch_a.tokens) != np.asarray(plain.tokens)) & (np.asarray(plain.segment_ids) == 0)
+    assert env.sum() == 3 * len(base)
+    for name in ("loss_mask", "behav_logp", "advantages", "rewards"):
+        assert not np.asarray(getattr(batch_a, name))[env].any(), name
+    assert (np.asarray(batch_a.versions)[env] == -1).all()
+    params_a, m_a = run(one_device(), batch_a)
+    params_b, m_b = run(one_device(), batch_b)
+    params_plain, m_plain = run(one_device(), plain)
+    # Same tokens trained with the same context: the same update, to the last bit's worth of reordering.
+    n, scale = policy_loss_scale(plain)
+    assert_sums_close(m_a[0]["loss"], m_plain[0]["loss"], n, scale)
+    assert_sums_close(m_b[0]["loss"], m_plain[0]["loss"], n, scale)
+    assert_trees_close(params_a, params_b, atol=1e-6)
+    # In the middle, the environment's tokens are context: changing them changes the update.
+    mid_a, _ = make_batch(episodes([7, 8, 9], env_at_end=False), num_rows=16, seq_len=SEQ_LEN)
+    mid_b, _ = make_batch(episodes([200, 100, 50], env_at_end=False), num_rows=16, seq_len=SEQ_LEN)
+    assert mid_a.num_tokens == plain.num_tokens
+    moved = [np.abs(x - y).max() for x, y in zip(jax.tree.leaves(run(one_device(), mid_a)[0]),
+                                                 jax.tree.leaves(run(one_device(), mid_b)[0]))]
+    assert max(moved) > 1e-4
