@@ -115,9 +115,11 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
 
 
 def copy_prefix(request: Request) -> Sample:
-    """A new sample holding the request's prefix (empty without one), to generate into."""
+    """A new sample holding the request's prefix (empty without one), to generate into; a multi-turn
+    episode's prefix keeps the spans its environment wrote."""
     prefix = request.prefix or Sample()
-    return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs), versions=list(prefix.versions))
+    return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs), versions=list(prefix.versions),
+                  env_spans=[list(span) for span in prefix.env_spans])
 
 
 def resumed_finish(sample: Sample, params: SamplingParams) -> str | None:

@@ -52,13 +52,14 @@ class QueueEngine(Engine):
 
 def test_admission_accepts_refuses_and_completes_at_once():
     e = QueueEngine()
-    prefix = Sample([7, 8], [-0.5, -0.25], [3, 3])
+    prefix = Sample([7, 8], [-0.5, 0.0], [3, 3], env_spans=[[1, 2]])  # token 8: an environment's
     params = SamplingParams(max_tokens=4, stop_token_ids=(9,))
     e.submit(Request("a", [1, 2], params, prefix=prefix))
     (request, sample), = e.accepted
-    assert sample == Sample([7, 8], [-0.5, -0.25], [3, 3]) and sample.tokens is not prefix.tokens
+    assert sample == Sample([7, 8], [-0.5, 0.0], [3, 3], env_spans=[[1, 2]]) and sample.tokens is not prefix.tokens
     sample.tokens.append(5)
-    assert prefix.tokens == [7, 8]  # generating into the copy leaves the caller's prefix alone
+    sample.env_spans[0][1] = 3
+    assert prefix.tokens == [7, 8] and prefix.env_spans == [[1, 2]]  # the caller's prefix is left alone
     assert e.launched == ["a"]  # launched after the lock was released
     with pytest.raises(ValueError, match="'a' is already in flight"):
         e.submit(Request("a", [1, 2], params))
