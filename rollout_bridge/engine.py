@@ -59,24 +59,29 @@ class SamplingParams:
 @dataclasses.dataclass
 class Request:
     """Generate one sample for `prompt`. prefix: tokens already generated for it (with their log-probs
-    and versions), e.g. after an abort; generation continues from prompt + prefix.tokens.
+    and versions), e.g. after an abort; generation continues from prompt + prefix.tokens. meta: the
+    task's data, for an engine that runs episodes (`rollout_bridge.episodes`; others ignore it).
     """
 
     request_id: str
     prompt: list[int]
     params: SamplingParams = SamplingParams()
     prefix: Sample | None = None
+    meta: dict | None = None
 
 
 @dataclasses.dataclass
 class Completion:
     """The result of a request: the full sample (prefix included). finish_reason "error" comes with
-    `error` saying why (e.g. a prompt longer than the context); the engine keeps serving.
+    `error` saying why (e.g. a prompt longer than the context); the engine keeps serving. reward and
+    info: an episode's, from its environment (`rollout_bridge.episodes`); None and {} otherwise.
     """
 
     request_id: str
     sample: Sample
     error: str | None = None
+    reward: float | None = None
+    info: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

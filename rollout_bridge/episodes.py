@@ -1,0 +1,342 @@
+"""Multi-turn episodes on any engine: `EpisodeEngine` wraps an engine (JAX or vLLM) and an environment
+factory behind the same `Engine` interface, so the coordinator drives episodes as it drives single
+answers.
+
+A request is an episode. The inner engine generates a model turn, which ends at the end-of-turn token
+(EOS) or at a tool-call marker (`turn_stop_ids`, e.g. the token of `</tool>`); the environment then gets
+the turn as text (`step`, asynchronously on this engine's event loop, under `step_timeout_s`), and its
+observation is rendered through the chat template (`jaxflow.envs.render`) and appended to the sample as
+token ids recorded in `env_spans` (log-prob 0, the version of the turn before them: context, never
+trained); the inner engine then continues from prompt + everything so far (`Request(prefix=...)`).
+The model's tokens are the inner engine's, untouched: they are never decoded and re-encoded on their
+way to the trainer. The episode ends when the environment says done, after `max_turns` model turns,
+or when the sample reaches `max_tokens` ("length"); its completion carries the sum of the environment's
+rewards (`Completion.reward`, 0.0 for a failed episode, and `Completion.info`).
+
+Many episodes are in flight at once: while one waits on its environment (a remote tool's latency,
+`asyncio.sleep` costs no CPU) the inner engine generates the others'. An environment that times out,
+raises or answers something malformed fails its episode only: the completion comes back finished, with
+reward 0.0 and info {"env_failure": kind, "env_error": message}, and `counts` records the kind.
+
+Abort and resume: `abort` (and `pause("abort")`) hand an episode back as a partial sample whether its
+model turn was generating or its environment was answering (the answer is dropped). A resubmitted
+episode (`Request(prefix=...)`) gets a fresh environment, which is brought to the same state by
+replaying the episode's finished model turns (`reset`, then a `step` per turn; their observations
+are already in the prefix and are not added again), then continues: with the environment's answer to
+the prefix's last turn if that turn had ended, else by generating the rest of that turn. This assumes
+an environment answers the same turns the same way (the calculator does; an environment that cannot
+must not be aborted mid-episode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxflow.data.records import Sample
+from jaxflow.envs import base
+from jaxflow.envs.render import ObservationRenderer
+from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams, copy_prefix
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EpisodeEngine"]
+
+
+@dataclasses.dataclass
+class _Episode:
+    request: Request
+    sample: Sample
+    env: Any = None
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    task: Any = None  # the asyncio future of the environment work in progress, if any
+    in_inner: bool = False
+
+
+def model_turns(sample: Sample) -> list[tuple[int, int]]:
+    """[start, end) of each stretch of model tokens between the environment's spans."""
+    out, start = [], 0
+    for a, b in sample.env_spans:
+        if a > start:
+            out.append((start, a))
+        start = b
+    if start < len(sample.tokens):
+        out.append((start, len(sample.tokens)))
+    return out
+
+
+class EpisodeEngine(Engine):
+    """See the module docstring.
+
+    inner: the engine generating the model's turns. make_env(meta) -> a new environment (jaxflow's
+    protocol) for an episode whose task meta is `meta` (`Request.meta`). tokenizer: decodes turns for
+    the environment and renders its observations. turn_stop_ids: tokens that end a model turn besides
+    the request's own stop tokens (a tool-call marker). env_name: names the environment in errors.
+    """
+
+    _failure_subject = "the episode engine"
+
+    def __init__(self, inner: Engine, make_env: Callable[[dict], Any], tokenizer: Any, *,
+                 turn_stop_ids: Iterable[int] = (), step_timeout_s: float | None = 30.0, max_turns: int = 8,
+                 env_name: str = "env", default_role: str = "tool"):
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        self._init_admission()
+        self.inner, self.make_env, self.tokenizer = inner, make_env, tokenizer
+        self.turn_stop_ids = tuple(int(t) for t in turn_stop_ids)
+        self.step_timeout_s, self.max_turns, self.env_name, self.default_role = \
+            step_timeout_s, max_turns, env_name, default_role
+        self.renderer = ObservationRenderer(tokenizer)
+        self.counts: collections.Counter = collections.Counter()
+        self._episodes: dict[str, _Episode] = {}
+        self._loop = asyncio.new_event_loop()
+        self._threads = [threading.Thread(target=self._loop.run_forever, name="episodes-loop", daemon=True),
+                         threading.Thread(target=self._pump, name="episodes-pump", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ----- the Engine interface -----
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @property
+    def paused(self) -> bool:
+        return self.inner.paused
+
+    def submit(self, request: Request) -> None:
+        with self._lock:
+            self._raise_if_down()
+            if request.request_id in self._episodes:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            ep = self._episodes[request.request_id] = _Episode(request, copy_prefix(request))
+            ep.task = asyncio.run_coroutine_threadsafe(self._start(ep), self._loop)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        out = []
+        for rid in list(request_ids):
+            with self._lock:
+                ep = self._episodes.pop(rid, None)
+            if ep is None:
+                continue
+            if ep.task is not None:
+                ep.task.cancel()
+            got = {c.request_id: c for c in self.inner.abort([rid])}
+            sample = got[rid].sample if rid in got else ep.sample
+            sample.finish_reason = "abort"
+            self._close_env(ep)
+            out.append(Completion(rid, sample))
+        return out
+
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        self.inner.update_weights(version, tensors)
+
+    def pause(self, mode: str = "keep") -> list[Completion]:
+        aborted = self.inner.pause(mode)
+        if mode != "abort":
+            return aborted
+        with self._lock:
+            rids = list(self._episodes)
+        by_id = {c.request_id: c for c in aborted}
+        out = []
+        for rid in rids:  # those with a turn on the inner engine came back from it; the others wait on envs
+            with self._lock:
+                ep = self._episodes.pop(rid, None)
+            if ep is None:
+                continue
+            if ep.task is not None:
+                ep.task.cancel()
+            sample = by_id[rid].sample if rid in by_id else ep.sample
+            sample.finish_reason = "abort"
+            self._close_env(ep)
+            out.append(Completion(rid, sample))
+        return out
+
+    def resume(self) -> None:
+        self.inner.resume()
+
+    def load(self) -> EngineLoad:
+        return self.inner.load()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            episodes, self._episodes = list(self._episodes.values()), {}
+            self._finished.notify_all()
+        for ep in episodes:
+            if ep.task is not None:
+                ep.task.cancel()
+            self._close_env(ep)
+        self.inner.close()
+
+        async def drain():  # what is left on the loop (environments closing) finishes before it stops
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if pending:
+                await asyncio.wait(pending, timeout=(self.step_timeout_s or 30.0) + 1)
+
+        try:
+            asyncio.run_coroutine_threadsafe(drain(), self._loop).result(timeout=(self.step_timeout_s or 30.0) + 5)
+        except Exception:  # noqa: BLE001 - a stuck close: stop anyway
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    # ----- episodes -----
+
+    def _pump(self) -> None:
+        """Moves the inner engine's finished turns to the event loop."""
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+            try:
+                done = self.inner.poll(timeout=0.05)
+            except Exception as e:  # noqa: BLE001 - the inner engine is down: so is this one
+                with self._lock:
+                    if not self._closing:
+                        self._error = e
+                        self._finished.notify_all()
+                return
+            for c in done:
+                with self._lock:
+                    ep = self._episodes.get(c.request_id)
+                    if ep is None:
+                        continue
+                    ep.in_inner = False
+                    ep.task = asyncio.run_coroutine_threadsafe(self._turn_done(ep, c), self._loop)
+
+    async def _start(self, ep: _Episode) -> None:
+        meta = dict(ep.request.meta or {})
+        try:
+            ep.env = self.make_env(meta)
+            if await self._call(ep, "reset", meta):
+                raise base.EnvironmentFailed("malformed", self.env_name, ep.request.request_id,
+                                             "reset returned messages; an episode starts from its task's "
+                                             "prompt (put them there)")
+            tokens = ep.sample.tokens
+            for a, b in model_turns(ep.sample):  # a resumed episode: its environment replays what it answered
+                if b < len(tokens):
+                    ep.turns += 1
+                    await self._call(ep, "step", self._text(tokens[a:b]))
+                elif self._turn_ended(ep, tokens[b - 1]):  # the last turn ended, unanswered: answer it
+                    await self._answer(ep, a, b)
+                    return
+            self._generate(ep)  # the first turn, the rest of an interrupted one, or the one after an answer
+        except base.EnvironmentFailed as e:
+            self._fail(ep, e)
+        except Exception as e:  # noqa: BLE001 - the episode fails, the engine serves on
+            self._crash(ep, e)
+
+    def _turn_ended(self, ep: _Episode, token: int) -> bool:
+        return token in self.turn_stop_ids or token in ep.request.params.stop_token_ids
+
+    async def _turn_done(self, ep: _Episode, c: Completion) -> None:
+        ep.sample = c.sample
+        reason = c.sample.finish_reason
+        if reason != "stop":  # "length": the episode's budget is spent; "error": the engine's verdict
+            self._finish(ep, c.error)
+            return
+        turns = model_turns(ep.sample)
+        a, b = turns[-1] if turns else (0, 0)
+        try:
+            await self._answer(ep, a, b)
+        except base.EnvironmentFailed as e:
+            self._fail(ep, e)
+        except Exception as e:  # noqa: BLE001 - the episode fails, the engine serves on
+            self._crash(ep, e)
+
+    def _crash(self, ep: _Episode, e: BaseException) -> None:
+        log.exception("episode %s failed", ep.request.request_id)
+        ep.sample.finish_reason = "error"
+        self._finish(ep, f"episode engine: {type(e).__name__}: {e}")
+
+    async def _answer(self, ep: _Episode, a: int, b: int) -> None:
+        """The environment's answer to the model turn at tokens [a, b); then the next turn or the end."""
+        ep.turns += 1
+        step = await self._call(ep, "step", self._text(ep.sample.tokens[a:b]))
+        if step.reward is not None:
+            ep.rewards.append(step.reward)
+        if step.done or ep.turns >= self.max_turns or not step.observation:
+            ep.sample.finish_reason = "stop"
+            self._finish(ep, None, info=step.info)
+            return
+        last = ep.sample.tokens[-1] if ep.sample.tokens else None
+        self._append_observation(ep, step.observation, turn_closed=last in ep.request.params.stop_token_ids)
+        if len(ep.sample.tokens) >= ep.request.params.max_tokens:
+            ep.sample.finish_reason = "length"
+            self._finish(ep, None, info=step.info)
+            return
+        self._generate(ep)
+
+    def _append_observation(self, ep: _Episode, messages: list[dict], turn_closed: bool) -> None:
+        ids = self.renderer.ids(messages, turn_closed)
+        s = ep.sample
+        version = s.versions[-1] if s.versions else self.inner.version
+        s.env_spans.append([len(s.tokens), len(s.tokens) + len(ids)])
+        s.tokens += ids
+        s.logprobs += [0.0] * len(ids)
+        s.versions += [version] * len(ids)
+        s.finish_reason = None
+
+    def _generate(self, ep: _Episode) -> None:
+        p = ep.request.params
+        params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                stop_token_ids=tuple(dict.fromkeys((*p.stop_token_ids, *self.turn_stop_ids))),
+                                seed=p.seed)
+        with self._lock:
+            if self._episodes.get(ep.request.request_id) is not ep:
+                return  # aborted meanwhile
+            ep.in_inner = True
+        self.inner.submit(Request(ep.request.request_id, ep.request.prompt, params, prefix=ep.sample,
+                                  meta=ep.request.meta))
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    async def _call(self, ep: _Episode, method: str, *args: Any) -> Any:
+        return await base.call(ep.env, method, *args, timeout_s=self.step_timeout_s, env_name=self.env_name,
+                               episode=ep.request.request_id, default_role=self.default_role)
+
+    def _fail(self, ep: _Episode, e: base.EnvironmentFailed) -> None:
+        self.counts[f"env_{e.kind}"] += 1
+        log.warning("%s", e)
+        if ep.sample.finish_reason not in ("stop", "length"):
+            ep.sample.finish_reason = "stop"
+        ep.rewards = []
+        self._finish(ep, None, info={"env_failure": e.kind, "env_error": str(e)}, failed=True)
+
+    def _finish(self, ep: _Episode, error: str | None, info: dict | None = None, failed: bool = False) -> None:
+        with self._lock:
+            if self._episodes.pop(ep.request.request_id, None) is not ep:
+                return  # aborted meanwhile: abort handed it back
+            self.counts["episodes"] += 1
+            self.counts["episode_turns"] += ep.turns
+            reward = 0.0 if failed else float(sum(ep.rewards))
+            self._hand_out(Completion(ep.request.request_id, ep.sample, error, reward=reward,
+                                      info={"turns": ep.turns, **(info or {})}))
+        self._close_env(ep)
+
+    def _close_env(self, ep: _Episode):
+        """Closes the episode's environment on the loop; the future of that, or None."""
+        if ep.env is None or not hasattr(ep.env, "close"):
+            return None
+        env, ep.env = ep.env, None
+
+        async def close():
+            try:
+                await asyncio.wait_for(env.close(), self.step_timeout_s)
+            except Exception as e:  # noqa: BLE001 - a failing close costs the environment, not the run
+                self.counts["env_close_failed"] += 1
+                log.warning("environment %r, episode %s: close failed: %s", self.env_name, ep.request.request_id, e)
+
+        return asyncio.run_coroutine_threadsafe(close(), self._loop) if self._loop.is_running() else None

@@ -1,0 +1,190 @@
+"""Multi-turn episodes on an engine (`rollout_bridge.episodes.EpisodeEngine`): the model's tokens reach the
+completion untouched across turns, the environment's are marked and never sampled, failures are
+counted and end only their episode, and an episode aborted mid-turn or mid-answer resumes into the
+uninterrupted greedy episode."""
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+from jaxflow.data.records import Sample
+from jaxflow.envs.base import Step
+from jaxflow.tokenizer import Tokenizer
+from rollout_bridge.engine import Request, SamplingParams
+from rollout_bridge.episodes import EpisodeEngine, model_turns
+from rollout_bridge.jax_engine import JaxEngine
+
+from engine_helpers import lively_tiny_model, poll_all
+
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return lively_tiny_model(tmp_path_factory.mktemp("episodes") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer.from_dir(model_dir)
+
+
+class Echo:
+    """Answers each model turn with a numbered observation; done after `turns` turns, reward 1 per turn.
+    `behaviour` makes step k (1-based) sleep, raise, or answer a malformed reward."""
+
+    def __init__(self, turns=3, behaviour=None, at=2, latency_s=0.0):
+        self.turns, self.behaviour, self.at, self.latency_s = turns, behaviour, at, latency_s
+        self.seen = []
+
+    async def reset(self, meta):
+        self.meta = meta
+        return None
+
+    async def step(self, action):
+        self.seen.append(action)
+        k = len(self.seen)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if k == self.at and self.behaviour == "sleep":
+            await asyncio.sleep(60)
+        if k == self.at and self.behaviour == "raise":
+            raise RuntimeError("tool crashed")
+        if k == self.at and self.behaviour == "malformed":
+            return {"reward": "lots"}
+        return Step(observation=[{"role": "tool", "content": f"obs {k} for {self.meta['q']}"}], reward=1.0,
+                    done=k >= self.turns)
+
+    async def close(self):
+        return None
+
+
+@pytest.fixture(scope="module")
+def turn_stops(model_dir):
+    """Stand-ins for a tool-call marker: the 6 tokens this model's greedy answers use most, so that its
+    turns end after a few tokens."""
+    engine = JaxEngine(str(model_dir), max_slots=4, max_len=256)
+    try:
+        done = engine.generate([Request(r.request_id, r.prompt, SamplingParams(max_tokens=40, temperature=0.0))
+                                for r in requests(4)], timeout=120)
+    finally:
+        engine.close()
+    counts = collections.Counter(t for c in done for t in c.sample.tokens)
+    return [t for t, _ in counts.most_common(6)]
+
+
+def episode_engine(model_dir, tokenizer, make_env, stops, **kw):
+    inner = JaxEngine(str(model_dir), max_slots=4, max_len=256)
+    return EpisodeEngine(inner, make_env, tokenizer, turn_stop_ids=stops, step_timeout_s=kw.pop("timeout", 5.0),
+                         env_name="echo", **kw)
+
+
+def requests(n, tag="e"):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    return [Request(f"{tag}{i}", [3 + i, 40 + i, 77], params, meta={"q": i}) for i in range(n)]
+
+
+def check_episode(sample, tokenizer, turns):
+    """Environment spans hold the rendered observations, model turns lie between them."""
+    assert sample.finish_reason in ("stop", "length")
+    assert len(sample.tokens) == len(sample.logprobs) == len(sample.versions)
+    for k, (a, b) in enumerate(sample.env_spans, 1):
+        assert f"obs {k} for" in tokenizer.decode(sample.tokens[a:b], skip_special_tokens=False)
+        assert all(lp == 0.0 for lp in sample.logprobs[a:b])
+    assert len(model_turns(sample)) == turns
+    for a, b in model_turns(sample):
+        assert all(lp < 0.0 or lp == 0.0 for lp in sample.logprobs[a:b])
+
+
+def test_episodes_alternate_model_and_environment_and_keep_the_model_tokens(model_dir, tokenizer, turn_stops):
+    envs = []
+
+    def make_env(meta):
+        envs.append(Echo(turns=3))
+        return envs[-1]
+
+    engine = episode_engine(model_dir, tokenizer, make_env, turn_stops)
+    try:
+        done = {c.request_id: c for c in engine.generate(requests(4), timeout=300)}
+    finally:
+        engine.close()
+    for i in range(4):
+        c = done[f"e{i}"]
+        s = c.sample
+        check_episode(s, tokenizer, turns=3 if s.finish_reason == "stop" else len(model_turns(s)))
+        assert c.reward == float(len(s.env_spans) + (s.finish_reason == "stop")) and c.info["turns"] >= 1
+    # Each turn the environment saw is the decoding of exactly the model's tokens of that turn.
+    for env in envs:
+        c = next(c for c in done.values() if f"for {env.meta['q']}" in tokenizer.decode(
+            c.sample.tokens, skip_special_tokens=False))
+        turns = model_turns(c.sample)
+        assert env.seen == [tokenizer.decode(c.sample.tokens[a:b]) for a, b in turns[:len(env.seen)]]
+    assert engine.counts["episodes"] == 4
+
+
+@pytest.mark.parametrize("behaviour, kind", [("sleep", "timeout"), ("raise", "error"), ("malformed", "malformed")])
+def test_a_failing_environment_fails_its_episode_only(model_dir, tokenizer, turn_stops, behaviour, kind):
+    def make_env(meta):
+        return Echo(turns=3, behaviour=behaviour if meta["q"] == 0 else None, at=1)
+
+    engine = episode_engine(model_dir, tokenizer, make_env, turn_stops, timeout=0.5)
+    try:
+        done = {c.request_id: c for c in engine.generate(requests(3), timeout=300)}
+    finally:
+        engine.close()
+    bad = done["e0"]
+    assert bad.reward == 0.0 and bad.info["env_failure"] == kind and "environment 'echo', episode e0" in \
+        bad.info["env_error"]
+    assert bad.sample.finish_reason == "stop" and not bad.sample.env_spans
+    assert engine.counts[f"env_{kind}"] == 1
+    assert all(done[f"e{i}"].info.get("env_failure") is None for i in (1, 2))
+
+
+def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(model_dir, tokenizer, turn_stops):
+    engine = episode_engine(model_dir, tokenizer, lambda meta: Echo(turns=3), turn_stops)
+    try:
+        reference = {c.request_id: c.sample for c in engine.generate(requests(3), timeout=300)}
+    finally:
+        engine.close()
+    # Slow answers: aborts land while environments answer and while turns generate.
+    engine = episode_engine(model_dir, tokenizer, lambda meta: Echo(turns=3, latency_s=0.3), turn_stops)
+    try:
+        by_id = {r.request_id: r for r in requests(3)}
+        for r in by_id.values():
+            engine.submit(r)
+        partial, got = [], {}
+        for delay in (0.25, 0.5, 0.4):
+            time.sleep(delay)
+            aborted = engine.abort([rid for rid in by_id if rid not in got])
+            got.update({c.request_id: c for c in engine.poll(timeout=0)})  # finished before the abort
+            for c in aborted:
+                assert c.sample.finish_reason == "abort"
+                partial.append(c.sample)
+                r = by_id[c.request_id]
+                engine.submit(Request(r.request_id, r.prompt, r.params, prefix=c.sample, meta=r.meta))
+        got.update(poll_all(engine, 3 - len(got), timeout=300))
+    finally:
+        engine.close()
+    assert any(s.env_spans for s in partial)  # aborted after a turn was answered
+    assert any(not s.env_spans or s.env_spans[-1][1] < len(s.tokens) for s in partial)  # or within a turn
+    for rid, want in reference.items():
+        s = got[rid].sample
+        assert s.tokens == want.tokens and s.env_spans == want.env_spans, rid
+        assert s.finish_reason == want.finish_reason
+
+
+def test_reset_may_not_add_messages(model_dir, tokenizer, turn_stops):
+    class Chatty(Echo):
+        async def reset(self, meta):
+            self.meta = meta
+            return "hello"
+
+    engine = episode_engine(model_dir, tokenizer, lambda meta: Chatty(), turn_stops)
+    try:
+        (c,) = engine.generate(requests(1), timeout=120)
+    finally:
+        engine.close()
+    assert c.info["env_failure"] == "malformed" and "reset returned messages" in c.info["env_error"]
+    assert c.sample == Sample(finish_reason="stop")
