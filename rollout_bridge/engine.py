@@ -73,14 +73,13 @@ class Request:
 @dataclasses.dataclass
 class Completion:
     """The result of a request: the full sample (prefix included). finish_reason "error" comes with
-    `error` saying why (e.g. a prompt longer than the context); the engine keeps serving. reward and
-    info: an episode's, from its environment (`rollout_bridge.episodes`); None and {} otherwise.
+    `error` saying why (e.g. a prompt longer than the context); the engine keeps serving. info: an
+    episode's turns and environment failure, if any (`rollout_bridge.episodes`); {} otherwise.
     """
 
     request_id: str
     sample: Sample
     error: str | None = None
-    reward: float | None = None
     info: dict = dataclasses.field(default_factory=dict)
 
 

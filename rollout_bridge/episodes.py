@@ -10,8 +10,9 @@ token ids recorded in `env_spans` (log-prob 0, the version of the turn before th
 trained); the inner engine then continues from prompt + everything so far (`Request(prefix=...)`).
 The model's tokens are the inner engine's, untouched: they are never decoded and re-encoded on their
 way to the trainer. The episode ends when the environment says done, after `max_turns` model turns,
-or when the sample reaches `max_tokens` ("length"); its completion carries the sum of the environment's
-rewards (`Completion.reward`, 0.0 for a failed episode, and `Completion.info`).
+or when the sample reaches `max_tokens` ("length"); its sample carries the sum of the environment's
+rewards (`Sample.reward`, 0.0 for a failed episode; the coordinator trains on it instead of the task's
+reward function) and its completion the turns taken (`Completion.info`).
 
 Many episodes are in flight at once: while one waits on its environment (a remote tool's latency,
 `asyncio.sleep` costs no CPU) the inner engine generates the others'. An environment that times out,
@@ -227,7 +228,9 @@ class EpisodeEngine(Engine):
             for a, b in model_turns(ep.sample):  # a resumed episode: its environment replays what it answered
                 if b < len(tokens):
                     ep.turns += 1
-                    await self._call(ep, "step", self._text(tokens[a:b]))
+                    step = await self._call(ep, "step", self._text(tokens[a:b]))
+                    if step.reward is not None:  # the same turn earns the same reward again
+                        ep.rewards.append(step.reward)
                 elif self._turn_ended(ep, tokens[b - 1]):  # the last turn ended, unanswered: answer it
                     await self._answer(ep, a, b)
                     return
@@ -321,8 +324,9 @@ class EpisodeEngine(Engine):
                 return  # aborted meanwhile: abort handed it back
             self.counts["episodes"] += 1
             self.counts["episode_turns"] += ep.turns
-            reward = 0.0 if failed else float(sum(ep.rewards))
-            self._hand_out(Completion(ep.request.request_id, ep.sample, error, reward=reward,
+            if ep.sample.finish_reason != "error":
+                ep.sample.reward = 0.0 if failed else float(sum(ep.rewards))
+            self._hand_out(Completion(ep.request.request_id, ep.sample, error,
                                       info={"turns": ep.turns, **(info or {})}))
         self._close_env(ep)
 

@@ -133,7 +133,7 @@ class Coordinator:
     def _place(self, req: PendingRequest, inst: Instance) -> None:
         g = self._groups[req.group_id]
         rid = self._request_id(req.group_id, req.sample)
-        inst.engine.submit(Request(rid, list(g.task.prompt), self.sampling, prefix=req.prefix))
+        inst.engine.submit(Request(rid, list(g.task.prompt), self.sampling, prefix=req.prefix, meta=g.task.meta))
         inst.requests.add(rid)
         g.live[req.sample] = rid
         self._where[rid] = (inst.index, req.group_id, req.sample)
@@ -227,7 +227,10 @@ class Coordinator:
         self.counts["samples_redundant"] += self._drop_group(gid)
         samples = g.finished[:g.task.n]
         try:
-            rewards = self.reward_fn(g.task, samples) if self.reward_fn is not None else None
+            if all(s.reward is not None for s in samples):  # episodes: their environments' rewards
+                rewards = [float(s.reward) for s in samples]
+            else:
+                rewards = self.reward_fn(g.task, samples) if self.reward_fn is not None else None
             self.trajectories.finish(gid, self.name, samples, rewards)
         except (ConnectionError, TimeoutError):
             raise  # the service is unreachable: the loop hands everything back

@@ -70,6 +70,8 @@ def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool) ->
     if finished and not s.done:
         raise ValueError(f"{what} is not finished (finish_reason={s.finish_reason!r})")
     check_env_spans(what, s.env_spans, n)
+    if s.reward is not None and (not is_number(s.reward) or not math.isfinite(s.reward)):
+        raise ValueError(f"{what}: reward {s.reward!r:.80} must be None or a finite number")
 
 
 def check_env_spans(what: str, spans: Any, n: int) -> None:

@@ -25,6 +25,8 @@ class Sample:
     env_spans: in a multi-turn episode, the [start, end) index ranges of `tokens` that the environment
     wrote (observations, tool results: rendered through the chat template, never trained: log-prob 0,
     the version of the model turn before them); sorted, disjoint, non-empty. [] for a single answer.
+    reward: a finished episode's reward from its environment (the sum over its turns; 0.0 when the
+    environment failed); None for a single answer, which the task's reward function scores.
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -32,6 +34,7 @@ class Sample:
     versions: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     env_spans: list[list[int]] = dataclasses.field(default_factory=list)
+    reward: float | None = None
 
     def model_mask(self) -> np.ndarray:
         """bool per token: True where the model wrote it (trained), False inside an env span."""

@@ -21,9 +21,9 @@ def _sample(d: Any, where: str) -> Sample:
     if isinstance(d, Sample):
         return d
     required = {"tokens", "logprobs", "versions", "finish_reason"}
-    if not isinstance(d, dict) or not required <= set(d) <= required | {"env_spans"}:
+    if not isinstance(d, dict) or not required <= set(d) <= required | {"env_spans", "reward"}:
         raise ValueError(f"snapshot {where}: a sample must be a dict of tokens, logprobs, versions, "
-                         f"finish_reason (and env_spans), got {d!r:.200}")
+                         f"finish_reason (and env_spans, reward), got {d!r:.200}")
     return Sample(**d)  # (snapshots from before multi-turn episodes have no env_spans: [])
 
 

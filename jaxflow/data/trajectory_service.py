@@ -203,7 +203,7 @@ class TrajectoryService:
         # Copies: a worker extends these while the service keeps the snapshot it was given.
         partial = None if g.samples is None else [
             Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason,
-                   [list(span) for span in s.env_spans]) for s in g.samples]
+                   [list(span) for span in s.env_spans], s.reward) for s in g.samples]
         return GroupTask(group_id=g.group_id, prompt=list(g.prompt), n=g.n, v_start=g.v_start,
                          meta=dict(g.meta), partial=partial, attempt=g.attempt)
 

@@ -114,7 +114,7 @@ def test_episodes_alternate_model_and_environment_and_keep_the_model_tokens(mode
         c = done[f"e{i}"]
         s = c.sample
         check_episode(s, tokenizer, turns=3 if s.finish_reason == "stop" else len(model_turns(s)))
-        assert c.reward == float(len(s.env_spans) + (s.finish_reason == "stop")) and c.info["turns"] >= 1
+        assert s.reward == float(len(s.env_spans) + (s.finish_reason == "stop")) and c.info["turns"] >= 1
     # Each turn the environment saw is the decoding of exactly the model's tokens of that turn.
     for env in envs:
         c = next(c for c in done.values() if f"for {env.meta['q']}" in tokenizer.decode(
@@ -135,7 +135,7 @@ def test_a_failing_environment_fails_its_episode_only(model_dir, tokenizer, turn
     finally:
         engine.close()
     bad = done["e0"]
-    assert bad.reward == 0.0 and bad.info["env_failure"] == kind and "environment 'echo', episode e0" in \
+    assert bad.sample.reward == 0.0 and bad.info["env_failure"] == kind and "environment 'echo', episode e0" in \
         bad.info["env_error"]
     assert bad.sample.finish_reason == "stop" and not bad.sample.env_spans
     assert engine.counts[f"env_{kind}"] == 1
@@ -172,7 +172,7 @@ def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(mod
     for rid, want in reference.items():
         s = got[rid].sample
         assert s.tokens == want.tokens and s.env_spans == want.env_spans, rid
-        assert s.finish_reason == want.finish_reason
+        assert s.finish_reason == want.finish_reason and s.reward == want.reward
 
 
 def test_reset_may_not_add_messages(model_dir, tokenizer, turn_stops):
@@ -187,4 +187,46 @@ def test_reset_may_not_add_messages(model_dir, tokenizer, turn_stops):
     finally:
         engine.close()
     assert c.info["env_failure"] == "malformed" and "reset returned messages" in c.info["env_error"]
-    assert c.sample == Sample(finish_reason="stop")
+    assert c.sample == Sample(finish_reason="stop", reward=0.0)
+
+
+def test_a_coordinator_trains_episodes_on_their_environments_rewards(model_dir, tokenizer, turn_stops):
+    """Through the coordinator and the trajectory service: each request carries its task's meta to the
+    environment, and the group's rewards are the episodes' (not the reward function's)."""
+    from jaxflow.coordination import Coordination, Coordinator
+    from jaxflow.data.param_service import ParameterService
+    from jaxflow.data.prompt_source import PromptSource
+    from jaxflow.data.trajectory_service import TrajectoryService
+    from jaxflow.models.hf_io import iter_hf_tensors, load_model
+
+    records = [{"prompt": [5 + i, 6, 7], "meta": {"q": 100 + i}} for i in range(8)]
+    traj = TrajectoryService(PromptSource(records, shuffle=False), batch_groups=2, group_size=2, eta=0)
+    params = ParameterService(keep=2)
+    params.publish(0, dict(iter_hf_tensors(load_model(model_dir))))
+    seen = []
+
+    def make_env(meta):
+        seen.append(meta["q"])
+        return Echo(turns=2)
+
+    engine = episode_engine(model_dir, tokenizer, make_env, turn_stops)
+    w = Coordinator("w0", [engine], traj, params, strategy=Coordination(max_running=4, sync="all"), eta=0,
+                    sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0),
+                    reward_fn=lambda task, samples: [-7.0] * len(samples))
+    try:
+        deadline = time.monotonic() + 300
+        while traj.buffer_state() != "ready":
+            assert time.monotonic() < deadline, w.stats()
+            w.step()
+            time.sleep(0.005)
+        batch = traj.consume(0, timeout=1)
+    finally:
+        w.stop(abort_in_flight=True)
+        engine.close()
+    assert set(seen) <= {100 + i for i in range(8)} and len(seen) >= 4
+    for g in batch.groups:
+        assert g.rewards == [s.reward for s in g.samples] and -7.0 not in g.rewards
+        assert all(s.env_spans for s in g.samples if s.finish_reason == "stop")
+        q = records[g.group_id]["meta"]["q"] if g.group_id < len(records) else None
+        for s in g.samples:
+            assert f"for {q}" in tokenizer.decode(s.tokens, skip_special_tokens=False)
