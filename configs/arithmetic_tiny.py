@@ -18,6 +18,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from jaxflow.coordination import config_section
+from jaxflow.envs.config import env_section
 
 VARIANTS = ("async", "sync", "vllm", "coordinated")
 
@@ -108,6 +109,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.lease_s = 60.0
     # vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
     config.rollout.kv_cache_gib = 0.5
+    # Episodes: an environment answers between model turns (jaxflow.envs.config says each key). ref None:
+    # single answers, scored by the task's reward.
+    config.rollout.env = env_section()
 
     config.trainer = ml_collections.ConfigDict()
     config.trainer.steps = 1000

@@ -40,14 +40,17 @@ def evaluate(engine: Engine, records: Sequence[dict], *, decode, reward_ref: str
     from jaxflow import rewards
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(stop_token_ids))
-    requests = [Request(f"{tag}:{i}", list(r["prompt"]), params) for i, r in enumerate(records)]
+    requests = [Request(f"{tag}:{i}", list(r["prompt"]), params, meta=r["meta"]) for i, r in enumerate(records)]
     completions = engine.generate(requests, timeout=timeout)
-    texts = [decode(c.sample.tokens) for c in completions]
-    if pool is not None:
-        futures = [pool.submit(reward_ref, text, r["meta"]) for text, r in zip(texts, records)]
-        scores = [f.result() for f in futures]
+    if all(c.sample.reward is not None for c in completions):  # episodes: scored by their environments
+        scores = [c.sample.reward for c in completions]
     else:
-        scores = [rewards.score_inline(reward_ref, text, r["meta"]) for text, r in zip(texts, records)]
+        texts = [decode(c.sample.tokens) for c in completions]
+        if pool is not None:
+            futures = [pool.submit(reward_ref, text, r["meta"]) for text, r in zip(texts, records)]
+            scores = [f.result() for f in futures]
+        else:
+            scores = [rewards.score_inline(reward_ref, text, r["meta"]) for text, r in zip(texts, records)]
     errors = sum(c.sample.finish_reason == "error" for c in completions)
     scores = [0.0 if c.sample.finish_reason == "error" else s for c, s in zip(completions, scores)]
     n = len(records)

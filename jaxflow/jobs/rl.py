@@ -56,6 +56,7 @@ from jaxflow.jobs.bookkeeping import (REWARD_FAILURES, Ledger, RewardErrors, Rew
                                       accounting, check_first_batch)
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.coordination import Coordination, Coordinator
+from jaxflow.envs.config import env_problems, environment_factory, turn_stop_ids
 from jaxflow.jobs.evaluation import evaluate
 from jaxflow.models import hf_io
 from jaxflow.data.device_params import DeviceParamSource
@@ -127,6 +128,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problems += number_problems(config, problems)
     problems += _task_problems(config)
     problems += cluster_problems(config.cluster, r.engine)
+    env = r.get("env")
+    if env is not None:
+        problems += env_problems(env)
+        if env.ref is not None and config.cluster.rollout_actors:
+            problems.append("rollout.env (episodes) does not run in Ray rollout actors yet; set "
+                            "cluster.rollout_actors=0")
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 
@@ -177,6 +184,22 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
     return engine
 
 
+def episodes(config, tokenizer):
+    """engine -> the engine itself, or (rollout.env.ref set) an EpisodeEngine running the configured
+    environment's episodes on it. ConfigError when rollout.env.turn_stop is not one token."""
+    env = config.rollout.get("env")
+    if env is None or env.ref is None:
+        return lambda engine: engine
+    problems = env_problems(env, tokenizer)
+    if problems:
+        raise ConfigError("bad config: " + "; ".join(problems))
+    from rollout_bridge.episodes import EpisodeEngine
+    make_env, stops = environment_factory(env), turn_stop_ids(env, tokenizer)
+    return lambda engine: EpisodeEngine(engine, make_env, tokenizer, turn_stop_ids=stops,
+                                        step_timeout_s=env.step_timeout_s, max_turns=env.max_turns,
+                                        env_name=env.ref)
+
+
 class _Evaluator:
     """Held-out greedy accuracy of the current policy, on a JAX engine of its own."""
 
@@ -190,6 +213,7 @@ class _Evaluator:
                                 max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version)
         if isinstance(weights, DeviceParamSource):
             weights.add_target(self.engine.param_shardings)
+        self.engine = episodes(config, tokenizer)(self.engine)  # evals run the task's episodes too
         self.trainer, self.weights, self.task, self.tokenizer, self.pool, self.max_tokens = \
             trainer, weights, task, tokenizer, pool, r.max_tokens
 
@@ -268,6 +292,11 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         print(f"jaxflow: error: {e}", file=sys.stderr)
         return 2
     tokenizer = Tokenizer.from_dir(base_dir)
+    try:
+        episodes(config, tokenizer)  # rollout.env.turn_stop against the model's tokenizer
+    except ConfigError as e:
+        print(f"jaxflow: error: {e}", file=sys.stderr)
+        return 2
     task = warm_start.make_task(config)
     # A seed apart from the warm start's: RL prompts are train-split problems the base model has not seen.
     train_records = task.to_prompt_records(
@@ -333,10 +362,12 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         if result["base_accuracy"] is None:
             result["base_accuracy"] = evaluator()
             run_log.log_eval(0, result["base_accuracy"])
+        with_env = episodes(config, tokenizer)
         for _ in range(r.num_engines if not config.cluster.rollout_actors else 0):
-            engines.append(_make_engine(config, trainer, base_dir))
+            engine = _make_engine(config, trainer, base_dir)
             if r.engine == "jax":  # each version is then copied straight onto the engine's layout
-                device_weights.add_target(engines[-1].param_shardings)
+                device_weights.add_target(engine.param_shardings)
+            engines.append(with_env(engine))
         if config.cluster.rollout_actors:
             from jaxflow.jobs.ray_rollout import start_fleet
             coordinator = start_fleet(config, service, params, base_dir, task.reward_ref, tokenizer.eos_id)

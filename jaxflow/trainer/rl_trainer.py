@@ -292,7 +292,9 @@ class RLTrainer:
             "zero_signal_groups_frac": 1.0 - float(np.mean(signal)),
             "response_tokens_mean": float(lengths.mean()),
             "response_tokens_max": float(lengths.max()),
-            "trained_tokens": float(sum(len(t.completion) for t in trajs)),
+            "trained_tokens": float(sum(len(t.completion) - sum(b - a for a, b in t.env_spans) for t in trajs)),
+            # Multi-turn episodes: tokens their environments wrote (context, not trained), per sample.
+            "env_tokens_mean": float(np.mean([sum(b - a for a, b in s.env_spans) for g in usable for s in g.samples])),
             "consumed_tokens": float(lengths.sum()),
             "groups": float(len(consumed.groups)),
             "groups_trained": float(len(groups)),

@@ -1,0 +1,80 @@
+"""The RL job with `rollout.env` set: episodes with an environment between model turns, on the tiny
+config; and the env section's bad input."""
+
+import json
+import textwrap
+
+import pytest
+
+from jaxflow.config import ConfigError
+from jaxflow.jobs import rl
+
+from test_rl_job import base_dir, records, small_config  # noqa: F401 - the module's base model fixture
+
+ENV_MODULE = '''
+    from jaxflow.tasks.arithmetic import reward
+
+
+    class AreYouSure:
+        """Answers the first turn with a question; scores the second turn with the arithmetic reward."""
+
+        def __init__(self, question="Are you sure? Answer again."):
+            self.question = question
+
+        async def reset(self, meta):
+            self.meta, self.turns = meta, 0
+
+        async def step(self, action):
+            self.turns += 1
+            if self.turns == 1:
+                return {"observation": [{"role": "user", "content": self.question}]}
+            return {"reward": reward(action, self.meta), "done": True}
+
+        async def close(self):
+            pass
+'''
+
+
+@pytest.fixture
+def user_env(tmp_path, monkeypatch):
+    directory = tmp_path / "envs"
+    directory.mkdir()
+    (directory / "user_env.py").write_text(textwrap.dedent(ENV_MODULE))
+    monkeypatch.syspath_prepend(str(directory))
+    return "user_env:AreYouSure"
+
+
+def test_an_rl_run_trains_two_turn_episodes(tmp_path, base_dir, user_env):  # noqa: F811
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "eval.every": "3",
+                                                 "rollout.env.ref": user_env, "rollout.max_tokens": "96",
+                                                 "rollout.max_len": "192"})
+    assert rl.run(config) == 0
+    workdir = tmp_path / "run"
+    steps = [r for r in records(workdir) if "env_tokens_mean" in r]
+    assert len(steps) == 3
+    # The question sits between the turns: every sample carries it (unless its first turn used every token).
+    assert all(r["env_tokens_mean"] > 5 for r in steps)
+    assert all(r["trained_tokens"] < r["consumed_tokens"] for r in steps)
+    result = json.loads((workdir / "result.json").read_text())
+    a = result["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"rollout.env.ref": "no_colon"}, "rollout.env.ref: environment reference 'no_colon' is not of the form"),
+    ({"rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv", "rollout.env.step_timeout_s": "0"},
+     "rollout.env.step_timeout_s must be > 0"),
+    ({"rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv", "rollout.env.max_turns": "0"},
+     "rollout.env.max_turns must be >= 1"),
+])
+def test_bad_env_sections_are_named(tmp_path, overrides, match):
+    config = small_config(tmp_path, tmp_path / "base", **overrides)
+    with pytest.raises(ConfigError, match=match):
+        rl.check_config(config)
+
+
+def test_a_turn_stop_of_several_tokens_is_refused_before_the_run(tmp_path, base_dir, capsys):  # noqa: F811
+    config = small_config(tmp_path, base_dir, **{"rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv",
+                                                 "rollout.env.turn_stop": "</not-one-token>"})
+    assert rl.run(config) == 2
+    assert "rollout.env.turn_stop '</not-one-token>' is" in capsys.readouterr().err
