@@ -5,7 +5,10 @@ SkyRL-gym (`pip install skyrl-gym`, the `envs` extra): a `BaseTextEnv` has synch
 `close()`. `SkyRLEnv(env)` wraps an instance: each call runs on a worker thread (`asyncio.to_thread`), so
 a slow or blocking environment overlaps the episodes around it, and its answers get the same checks as a
 native environment's. `skyrl_env(id, extras=..., env_config=...)` makes one from SkyRL-gym's registry
-(`skyrl_gym.make`), the way SkyRL builds its environments.
+(`skyrl_gym.make`), the way SkyRL builds its environments. `SkyRLGymEnv(env, ...)` is the form a run's
+config names (`rollout.env.ref = "jaxflow.envs.adapters:SkyRLGymEnv"`, options {"env": ...}): it makes
+the SkyRL environment at each episode's reset, from a registered id or a "module:Class", with the
+task's meta as its `extras`.
 
 The episode hands `reset` the task's meta; the SkyRL environment's `init` receives meta["prompt"] (the
 chat messages of the task's prompt) when there is one, else an empty conversation. SkyRL environments
@@ -20,7 +23,7 @@ from typing import Any
 
 from jaxflow.envs.base import Step
 
-__all__ = ["SkyRLEnv", "skyrl_env"]
+__all__ = ["SkyRLEnv", "SkyRLGymEnv", "skyrl_env"]
 
 
 class SkyRLEnv:
@@ -59,3 +62,37 @@ def skyrl_env(env_id: str, *, extras: dict[str, Any] | None = None, env_config: 
     except ImportError:
         raise ImportError("SkyRL-gym environments need the skyrl-gym package: pip install -e '.[envs]'") from None
     return SkyRLEnv(skyrl_gym.make(env_id, env_config=env_config, extras=dict(extras or {})))
+
+
+class SkyRLGymEnv:
+    """A SkyRL-gym environment made per episode behind jaxflow's protocol (a run's `rollout.env.ref`).
+
+    env: a SkyRL-gym registered id ("gsm8k_multi_turn") or "module:Class" of a `BaseTextEnv` subclass,
+    made as SkyRL makes it: Class(env_config, extras). env_config: its env_config. extras_key: the key of
+    the task's meta holding the extras (None: the whole meta).
+    """
+
+    def __init__(self, env: str, env_config: Any = None, extras_key: str | None = None):
+        if not isinstance(env, str) or not env:
+            raise ValueError(f"env must be a SkyRL-gym id or 'module:Class', got {env!r}")
+        if ":" in env:
+            from jaxflow.rewards import resolve
+            self._make = lambda extras: SkyRLEnv(resolve(env)(env_config, extras))
+        else:
+            self._make = lambda extras: skyrl_env(env, extras=extras, env_config=env_config)
+        self.env_name, self.extras_key = env, extras_key
+        self._inner: SkyRLEnv | None = None
+
+    async def reset(self, meta: dict) -> list[dict] | None:
+        extras = meta if self.extras_key is None else meta.get(self.extras_key)
+        if not isinstance(extras, dict):
+            raise ValueError(f"the task's meta has no dict at {self.extras_key!r} for {self.env_name}'s extras")
+        self._inner = self._make(dict(extras))
+        return await self._inner.reset(meta)
+
+    async def step(self, action: str) -> Step | dict:
+        return await self._inner.step(action)
+
+    async def close(self) -> None:
+        if self._inner is not None:
+            await self._inner.close()

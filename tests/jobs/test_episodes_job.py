@@ -78,3 +78,26 @@ def test_a_turn_stop_of_several_tokens_is_refused_before_the_run(tmp_path, base_
                                                  "rollout.env.turn_stop": "</not-one-token>"})
     assert rl.run(config) == 2
     assert "rollout.env.turn_stop '</not-one-token>' is" in capsys.readouterr().err
+
+
+def test_a_skyrl_gym_environment_trains_through_the_adapter(tmp_path, monkeypatch):
+    """tests/envs/skyrl_even_env.py is written against SkyRL-gym's public API only (BaseTextEnv): two turns,
+    the second rewarded for an even answer. Run unmodified through jaxflow.envs.adapters, its reward rises."""
+    import pathlib
+    import statistics
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "envs"))
+    steps = 24
+    config = small_config(tmp_path, tmp_path / "base", **{
+        "base.steps": "300", "base.num_examples": "2000", "task.max_ops": "1", "trainer.lr": "3e-4",
+        "trainer.batch_groups": "8", "trainer.steps": str(steps), "trainer.eta": "2", "eval.every": "1000",
+        "checkpoint.every": "1000", "rollout.max_tokens": "96", "rollout.max_len": "192",
+        "rollout.env.ref": "jaxflow.envs.adapters:SkyRLGymEnv"})
+    with config.unlocked():
+        config.rollout.env.options = {"env": "skyrl_even_env:EvenAnswerEnv"}
+    assert rl.run(config) == 0
+    trained = [r for r in records(tmp_path / "run") if "reward_mean" in r]
+    assert len(trained) == steps and all(r["env_tokens_mean"] > 0 for r in trained)
+    rewards = [r["reward_mean"] for r in trained]
+    first, last = statistics.mean(rewards[:8]), statistics.mean(rewards[-8:])
+    assert last > first, [round(x, 3) for x in rewards]
