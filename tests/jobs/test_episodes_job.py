@@ -9,7 +9,7 @@ import pytest
 from jaxflow.config import ConfigError
 from jaxflow.jobs import rl
 
-from test_rl_job import base_dir, records, small_config  # noqa: F401 - the module's base model fixture
+from test_rl_job import base_dir, records, small_config  # noqa: F401,F811 - the base model fixture
 
 ENV_MODULE = '''
     from jaxflow.tasks.arithmetic import reward
