@@ -94,6 +94,28 @@ def _packed(trajs: list[Trajectory], seq_len: int):
             rows *= 2
 
 
+def sft_records(task: Task, examples: list[dict], tokenizer) -> list[dict]:
+    """{"prompt", "completion", "env_spans", "meta"} per example: the task's demonstration as an episode
+    (`Task.demonstration_turns`), its environment answers rendered as the RL episodes render them
+    (`jaxflow.envs.render`, after a turn that stopped at its tool-call marker) and masked out of the loss
+    by `env_spans`; the completion ends with the eos id, as `Task.to_sft_records` does."""
+    from jaxflow.envs.render import ObservationRenderer
+
+    records, renderer = task.to_prompt_records(examples, tokenizer), None
+    for record, example in zip(records, examples):
+        ids, spans = [], []
+        for kind, value in task.demonstration_turns(example):
+            if kind == "model":
+                ids += tokenizer.encode(value)
+                continue
+            renderer = renderer or ObservationRenderer(tokenizer)
+            answer = renderer.ids(value, turn_closed=False)
+            spans.append([len(ids), len(ids) + len(answer)])
+            ids += answer
+        record["completion"], record["env_spans"] = ids + [tokenizer.eos_id], spans
+    return records
+
+
 def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib.Path, *,
                      log=print) -> dict[str, Any]:
     """Writes, warm-starts, evaluates and exports the base model into `directory`; returns its info.
@@ -118,10 +140,10 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
                      intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                      tie_word_embeddings=m.tie_word_embeddings, vocab_size=m.vocab_size, seed=b.seed,
-                     overwrite=True)
+                     overwrite=True, extra_tokens=tuple(m.get("extra_tokens", ())))
     tokenizer = Tokenizer.from_dir(directory)
     task = make_task(config)
-    records = task.to_sft_records(task.examples("train", b.num_examples, seed=b.seed), tokenizer)
+    records = sft_records(task, task.examples("train", b.num_examples, seed=b.seed), tokenizer)
     seq_len = config.rollout.max_len
     too_long = [i for i, r in enumerate(records) if len(r["prompt"]) + len(r["completion"]) > seq_len]
     if too_long:
@@ -143,7 +165,7 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
         picks = rng.choice(len(records), b.batch_size, replace=False)
         trajs = [Trajectory(records[i]["prompt"], records[i]["completion"],
                             [0.0] * len(records[i]["completion"]), [0] * len(records[i]["completion"]),
-                            advantage=1.0) for i in picks]
+                            advantage=1.0, env_spans=records[i]["env_spans"]) for i in picks]
         batch = _packed(trajs, seq_len)
         params, opt_state, loss = step_fn(params, opt_state, batch)
         losses.append(float(loss))

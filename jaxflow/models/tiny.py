@@ -93,7 +93,7 @@ def _corpus(rng: random.Random, n_lines: int = 1500) -> Iterator[str]:
 
 
 def write_tiny_tokenizer(directory: str | os.PathLike, vocab_size: int = 512, seed: int = 0, *,
-                         model_max_length: int = 2048) -> Tokenizer:
+                         model_max_length: int = 2048, extra_tokens: tuple[str, ...] = ()) -> Tokenizer:
     """Trains a small byte-level BPE tokenizer for jaxflow's tasks and writes it as an HF tokenizer directory.
 
     The tokenizer is Qwen2-like: NFC normalization, Qwen2's pre-tokenizer split (single digits), byte-level BPE
@@ -108,6 +108,8 @@ def write_tiny_tokenizer(directory: str | os.PathLike, vocab_size: int = 512, se
         >= the returned tokenizer's `vocab_size`, not this argument.
       seed: seeds the synthetic corpus, and so the merges learned.
       model_max_length: written to the config as the longest sequence the model is meant for, in tokens.
+      extra_tokens: strings that become one token each (ids after the learned vocab), decoded as text like
+        any other (not special): markers a task needs as single tokens, e.g. a tool call's "</tool>".
 
     Returns:
       the written tokenizer, loaded back with `Tokenizer.from_dir`.
@@ -130,6 +132,11 @@ def write_tiny_tokenizer(directory: str | os.PathLike, vocab_size: int = 512, se
         vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    bad = [t for t in extra_tokens if not isinstance(t, str) or not t or t in SPECIAL_TOKENS]
+    if bad or len(set(extra_tokens)) != len(extra_tokens):
+        raise ValueError(f"extra_tokens must be distinct non-empty strings other than the special tokens, got "
+                         f"{list(extra_tokens)!r}")
+    tokenizer.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     tokenizer.save(str(directory / "tokenizer.json"))
 
     config = {
@@ -153,12 +160,14 @@ def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3
                      hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
                      num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32,
                      tie_word_embeddings: bool = True, vocab_size: int = 512, seed: int = 0,
-                     dtype: str = "float32", overwrite: bool = False) -> pathlib.Path:
+                     dtype: str = "float32", overwrite: bool = False,
+                     extra_tokens: tuple[str, ...] = ()) -> pathlib.Path:
     """Writes a randomly initialised HF model plus the tiny tokenizer into `directory`.
 
     The model's vocab is the tokenizer's rounded up to a multiple of 64 (so it splits evenly over a
     tensor axis). head_dim defaults to 32: vLLM's CPU attention kernels reject 16. Refuses to replace a
-    model already in `directory` unless `overwrite`. Returns the directory, which
+    model already in `directory` unless `overwrite`. extra_tokens: as for `write_tiny_tokenizer`. Returns the
+    directory, which
     `jaxflow.models.hf_io.load_model`, transformers and vLLM all load.
     """
     # Imported here: the tokenizer half of this module must not pull in JAX.
@@ -169,7 +178,7 @@ def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3
     from jaxflow.models.transformer import Transformer
 
     directory = pathlib.Path(directory)
-    tokenizer = write_tiny_tokenizer(directory, vocab_size=vocab_size, seed=seed)
+    tokenizer = write_tiny_tokenizer(directory, vocab_size=vocab_size, seed=seed, extra_tokens=tuple(extra_tokens))
     cfg = ModelConfig(
         architecture=architecture, vocab_size=-(-tokenizer.vocab_size // 64) * 64,
         hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,

@@ -288,6 +288,11 @@ class Task:
         """A correct assistant response for the supervised warm start, in the format `reward` checks."""
         raise NotImplementedError
 
+    def demonstration_turns(self, example: dict) -> list[tuple[str, Any]]:
+        """The warm start's demonstration as an episode: ("model", text) turns and ("env", messages)
+        answers between them. Default: the single model turn `demonstration`."""
+        return [("model", self.demonstration(example))]
+
     def meta(self, example: dict) -> dict:
         """What `reward` needs to score a response to `example`: JSON/msgpack-serialisable."""
         return {"task": self.name, "question": example["question"], "answer": example["answer"],

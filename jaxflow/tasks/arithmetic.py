@@ -16,6 +16,7 @@ product never exceeds `max_value`, so every value is an integer of a few digits.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 from jaxflow.tasks import Task, answer_tagged, extract_answer, parse_number, sample_skewed, scored
@@ -67,6 +68,9 @@ class ArithmeticTask(Task):
       min_number, max_number: the operand range (non-negative).
       operators: the operators to use: a subset of "+-*/" that includes + or -.
       max_value: the largest product or dividend allowed, bounding the digits of every intermediate value.
+      tool_fraction: the fraction of warm-start demonstrations that use a calculator (`jaxflow.envs.calculator`)
+        instead of working the problem out: `<tool>EXPRESSION</tool>`, the tool's `<result>VALUE</result>`,
+        then `<answer>VALUE</answer>` (which problems: a hash of the problem, so the same ones every build).
       system_prompt, format_score, eval_fraction, reward_ref: as for `Task`.
     """
 
@@ -74,7 +78,8 @@ class ArithmeticTask(Task):
     reward_ref = "jaxflow.tasks.arithmetic:reward"
 
     def __init__(self, *, max_ops: int = 6, min_ops: int = 1, ops_decay: float = 0.6, min_number: int = 0,
-                 max_number: int = 20, operators: str = "+-*", max_value: int = 400, **task_options):
+                 max_number: int = 20, operators: str = "+-*", max_value: int = 400, tool_fraction: float = 0.0,
+                 **task_options):
         super().__init__(**task_options)
         if not 1 <= min_ops <= max_ops:
             raise ValueError(f"arithmetic: need 1 <= min_ops <= max_ops, got {min_ops}, {max_ops}")
@@ -89,7 +94,10 @@ class ArithmeticTask(Task):
             raise ValueError(f"arithmetic: max_value {max_value} is below max_number {max_number}")
         self.max_ops, self.min_ops, self.ops_decay = max_ops, min_ops, ops_decay
         self.min_number, self.max_number = min_number, max_number
-        self.operators, self.max_value = operators, max_value
+        if isinstance(tool_fraction, bool) or not isinstance(tool_fraction, (int, float)) \
+                or not 0.0 <= tool_fraction <= 1.0:
+            raise ValueError(f"arithmetic: tool_fraction must be in [0, 1], got {tool_fraction!r}")
+        self.operators, self.max_value, self.tool_fraction = operators, max_value, float(tool_fraction)
 
     def _problem(self, rng: random.Random) -> list:
         """A random expression as [number, op, number, ...] whose evaluation stays integral and bounded."""
@@ -131,6 +139,21 @@ class ArithmeticTask(Task):
         tokens = [t if t in OPERATORS else int(t) for t in example["expression"].split()]
         body = "\n".join("= " + render(step) for step in evaluation_steps(tokens))
         return answer_tagged(body, str(example["answer"]))
+
+    def demonstration_turns(self, example: dict) -> list[tuple[str, object]]:
+        """The calculator demonstration for a `tool_fraction` of problems (see the class doc), else the
+        worked one."""
+        if not _uses_tool(example["expression"], self.tool_fraction):
+            return [("model", self.demonstration(example))]
+        value = str(example["answer"])
+        return [("model", f"<tool>{example['expression']}</tool>"),
+                ("env", [{"role": "tool", "content": f"<result>{value}</result>"}]),
+                ("model", answer_tagged("", value))]
+
+
+def _uses_tool(expression: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(f"tool:{expression}".encode()).digest()[:8], "big")
+    return h / 2 ** 64 < fraction
 
 
 def even_answer_reward(response: str, meta: dict) -> float:

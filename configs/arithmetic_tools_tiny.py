@@ -1,0 +1,49 @@
+"""The arithmetic task with a calculator tool: multi-turn episodes on a tiny model.
+
+The model may call the calculator (`<tool>7 + 5 * 3</tool>`); the environment (`jaxflow.envs.calculator`)
+answers `<result>22</result>`, rendered through the chat template as a tool turn; the model's next turn
+gives `<answer>22</answer>`, which the task's reward scores. The warm start demonstrates the tool on
+`task.tool_fraction` of its problems and works the others out step by step, so the base model sometimes
+calls it; RL can teach it when and how (the arithmetic facts the tiny model lacks are the tool's). Evals
+run the same episodes, greedily.
+
+Everything else is configs/arithmetic_tiny.py's (its variants too: `:sync` for eta = 0).
+
+Commands:
+  .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tools_tiny.py
+  .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tools_tiny.py --config.rollout.env.options.latency_s=0.2
+"""
+
+import importlib.util
+import pathlib
+
+import ml_collections
+
+from jaxflow.envs.config import env_section
+
+
+def _arithmetic_tiny():
+    path = pathlib.Path(__file__).with_name("arithmetic_tiny.py")
+    spec = importlib.util.spec_from_file_location("jaxflow_config_arithmetic_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    config = _arithmetic_tiny().get_config(arg)
+    variant = arg or "async"
+    config.workdir = f"runs/arithmetic_tools_tiny_{variant}"
+    config.base.dir = "runs/base/arithmetic_tools_tiny"
+    # The fraction of warm-start demonstrations that call the calculator instead of working it out.
+    config.task.tool_fraction = 0.25
+    # The tool-call markers, one token each in the tiny tokenizer (the turn stops at "</tool>").
+    config.model.extra_tokens = ("<tool>", "</tool>", "<result>", "</result>")
+    # One episode: a tool call, the tool's answer, the answer; or an answer straight away.
+    config.rollout.env = env_section(ref="jaxflow.envs.calculator:CalculatorEnv", turn_stop="</tool>",
+                                     options={"latency_s": 0.0, "max_calls": 2}, step_timeout_s=10.0,
+                                     max_turns=3)
+    # Room for the tool turn, its rendered answer and the answer turn.
+    config.rollout.max_tokens = 160
+    config.rollout.max_len = 224
+    return config
