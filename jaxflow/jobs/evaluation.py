@@ -20,10 +20,11 @@ class EvalResult:
     mean_response_tokens: float
     num_prompts: int
     errors: int  # requests the engine refused (e.g. longer than its context); scored 0
+    env_frac: float = 0.0  # episodes: the fraction in which the environment answered (a tool was called)
 
     def as_metrics(self, prefix: str = "eval_") -> dict[str, float]:
         return {f"{prefix}accuracy": self.accuracy, f"{prefix}mean_reward": self.mean_reward,
-                f"{prefix}response_tokens": self.mean_response_tokens}
+                f"{prefix}response_tokens": self.mean_response_tokens, f"{prefix}env_frac": self.env_frac}
 
 
 def evaluate(engine: Engine, records: Sequence[dict], *, decode, reward_ref: str, max_tokens: int,
@@ -56,4 +57,4 @@ def evaluate(engine: Engine, records: Sequence[dict], *, decode, reward_ref: str
     n = len(records)
     return EvalResult(accuracy=sum(s >= 1.0 for s in scores) / n, mean_reward=sum(scores) / n,
                       mean_response_tokens=sum(len(c.sample.tokens) for c in completions) / n,
-                      num_prompts=n, errors=errors)
+                      num_prompts=n, errors=errors, env_frac=sum(bool(c.sample.env_spans) for c in completions) / n)

@@ -214,17 +214,22 @@ class _Evaluator:
         if isinstance(weights, DeviceParamSource):
             weights.add_target(self.engine.param_shardings)
         self.engine = episodes(config, tokenizer)(self.engine)  # evals run the task's episodes too
+        self.episodes = config.rollout.get("env") is not None and config.rollout.env.ref is not None
         self.trainer, self.weights, self.task, self.tokenizer, self.pool, self.max_tokens = \
             trainer, weights, task, tokenizer, pool, r.max_tokens
 
     def __call__(self) -> float:
         if self.engine.version != self.trainer.version:
             self.engine.update_weights(*self.weights.pull(self.trainer.version))
-        result = evaluate(self.engine, self.records, decode=self.tokenizer.decode,
-                          reward_ref=self.task.reward_ref, max_tokens=self.max_tokens,
-                          stop_token_ids=[self.tokenizer.eos_id], pool=self.pool,
-                          tag=f"eval{self.trainer.version}")
-        return result.accuracy
+        self.last = evaluate(self.engine, self.records, decode=self.tokenizer.decode,
+                             reward_ref=self.task.reward_ref, max_tokens=self.max_tokens,
+                             stop_token_ids=[self.tokenizer.eos_id], pool=self.pool,
+                             tag=f"eval{self.trainer.version}")
+        return self.last.accuracy
+
+    def extra(self) -> dict[str, float]:
+        """The last eval's other figures worth a metric: with episodes, how often the environment answered."""
+        return {"eval_env_frac": self.last.env_frac} if self.episodes else {}
 
     def close(self):
         self.engine.close()
@@ -361,7 +366,7 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     try:
         if result["base_accuracy"] is None:
             result["base_accuracy"] = evaluator()
-            run_log.log_eval(0, result["base_accuracy"])
+            run_log.log_eval(0, result["base_accuracy"], **evaluator.extra())
         with_env = episodes(config, tokenizer)
         for _ in range(r.num_engines if not config.cluster.rollout_actors else 0):
             engine = _make_engine(config, trainer, base_dir)
@@ -485,6 +490,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
                 eval_from = time.monotonic()
                 accuracy = evaluator()
                 metrics["eval_accuracy"] = accuracy
+                metrics.update(evaluator.extra())
                 metrics["eval_s"] = time.monotonic() - eval_from
                 eval_s += metrics["eval_s"]
             run_log.log_step(step, metrics, staleness=staleness)

@@ -295,6 +295,7 @@ class RLTrainer:
             "trained_tokens": float(sum(len(t.completion) - sum(b - a for a, b in t.env_spans) for t in trajs)),
             # Multi-turn episodes: tokens their environments wrote (context, not trained), per sample.
             "env_tokens_mean": float(np.mean([sum(b - a for a, b in s.env_spans) for g in usable for s in g.samples])),
+            "env_frac": float(np.mean([bool(s.env_spans) for g in usable for s in g.samples])),
             "consumed_tokens": float(lengths.sum()),
             "groups": float(len(consumed.groups)),
             "groups_trained": float(len(groups)),
