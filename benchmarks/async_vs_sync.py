@@ -1,6 +1,7 @@
 """Asynchronous vs synchronous RL on the same hardware: one config, eta in {0, 1, 4}, same step count.
 
     .venv/bin/python benchmarks/async_vs_sync.py [--quick] [--json PATH] [--steps N] [--etas 0,1,4]
+        [--config configs/arithmetic_tools_tiny.py] [--set rollout.env.options.latency_s=0.2 ...]
 
 Each eta is a separate `python -m jaxflow.main` run of the RL job (eta = 0 is the synchronous baseline
 through the same code), in a fresh workdir, sharing one base model. From each run's metrics.jsonl and
@@ -14,7 +15,8 @@ eta, and the staleness histograms) and, with --json, the figures including
 `throughput_ratio_eta4_vs_eta0` and `final_accuracy_gap_points`.
 
 --quick uses a shorter warm start, fewer steps and fewer eval prompts (under 5 minutes here); its
-accuracies are not meaningful, its throughput ratio is.
+accuracies are not meaningful, its throughput ratio is. --config picks any config file (default
+configs/arithmetic_tiny.py), --set adds overrides to every run (e.g. a tool's latency).
 """
 
 from __future__ import annotations
@@ -29,14 +31,13 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/arithmetic_tiny.py"
-QUICK = {"base.steps": 300, "base.dir": "runs/base/arithmetic_quick", "eval.num_prompts": 64,
-         "eval.every": 1000, "checkpoint.every": 1000}
+QUICK = {"base.steps": 300, "eval.num_prompts": 64, "eval.every": 1000, "checkpoint.every": 1000}
 
 
-def run_one(eta: int, steps: int, workdir: pathlib.Path, overrides: dict) -> dict:
+def run_one(eta: int, steps: int, workdir: pathlib.Path, overrides: dict, config: str = CONFIG) -> dict:
     shutil.rmtree(workdir, ignore_errors=True)
     args = {**overrides, "trainer.eta": eta, "trainer.steps": steps, "workdir": workdir}
-    cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}",
+    cmd = [sys.executable, "-m", "jaxflow.main", f"--config={config}",
            *[f"--config.{k}={v}" for k, v in args.items()]]
     print(f"eta={eta}: {' '.join(cmd[2:])}", flush=True)
     start = time.monotonic()
@@ -99,11 +100,20 @@ def main() -> None:
     parser.add_argument("--reward-target", type=float, default=0.5)
     parser.add_argument("--window", type=int, help="steps averaged for the reward target (default steps // 6)")
     parser.add_argument("--workdir", type=pathlib.Path, default=ROOT / "runs" / "async_vs_sync")
+    parser.add_argument("--config", default=CONFIG, help="the config file every run uses")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (repeatable)")
     args = parser.parse_args()
     steps = args.steps or (25 if args.quick else 150)
-    overrides = dict(QUICK) if args.quick else {}
+    stem = pathlib.Path(args.config).stem
+    overrides = {**QUICK, "base.dir": f"runs/base/{stem}_quick"} if args.quick else {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set takes KEY=VALUE, got {item!r}")
+        overrides[key] = value
     etas = [int(e) for e in args.etas.split(",")]
-    runs = [run_one(eta, steps, args.workdir / f"eta{eta}", overrides) for eta in etas]
+    runs = [run_one(eta, steps, args.workdir / f"eta{eta}", overrides, args.config) for eta in etas]
     window = args.window or max(steps // 6, 1)
     for r in runs:
         r["time_to_target_s"] = time_to_target(r["curve"], args.reward_target, window)
@@ -120,7 +130,8 @@ def main() -> None:
               f"{r['trainer_idle_frac']:>11.0%} {r['rollout_idle_frac']:>10.0%}  "
               + " ".join(f"{k}:{n / total:.0%}" for k, n in hist.items()))
     by_eta = {r["eta"]: r for r in runs}
-    out = {"steps": steps, "quick": args.quick, "reward_target": args.reward_target, "window": window, "runs": runs}
+    out = {"config": args.config, "overrides": overrides, "steps": steps, "quick": args.quick,
+           "reward_target": args.reward_target, "window": window, "runs": runs}
     if 0 in by_eta and 4 in by_eta:
         out["throughput_ratio_eta4_vs_eta0"] = (by_eta[4]["trained_tokens_per_s"]
                                                 / by_eta[0]["trained_tokens_per_s"])

@@ -8,6 +8,8 @@
                                 marker such as "</tool>"): it must be one token of the model's tokenizer
     rollout.env.step_timeout_s  seconds an environment call may take before its episode fails
     rollout.env.max_turns       model turns per episode at most
+    rollout.env.isolate         run the environments in a process of their own (`jaxflow.envs.isolated`):
+                                a tool that crashes its process fails its episodes, not the run
 
 `env_section()` is the section with its defaults, for config files; `env_problems` returns one message
 per bad key (the RL job's `check_config` joins them); `environment_factory` and `turn_stop_ids` read a
@@ -30,7 +32,7 @@ __all__ = ["env_problems", "env_section", "environment_factory", "turn_stop_ids"
 def env_section(**overrides: Any) -> ml_collections.ConfigDict:
     """The `rollout.env` section: episodes off (ref None) unless `overrides` say otherwise."""
     section = ml_collections.ConfigDict({"ref": placeholder(str), "options": {}, "turn_stop": placeholder(str),
-                                         "step_timeout_s": 30.0, "max_turns": 4})
+                                         "step_timeout_s": 30.0, "max_turns": 4, "isolate": False})
     section.update(overrides)
     return section
 
@@ -64,6 +66,8 @@ def env_problems(section: ml_collections.ConfigDict, tokenizer: Any = None) -> l
             problems.append(f"rollout.env: {section.ref}(**{options}) failed: {type(e).__name__}: {e}")
     check_float(problems, "rollout.env.step_timeout_s", section.step_timeout_s, 0.0, open_low=True)
     check_int(problems, "rollout.env.max_turns", section.max_turns, 1)
+    if not isinstance(section.get("isolate", False), bool):
+        problems.append(f"rollout.env.isolate must be True or False, got {section.isolate!r}")
     if section.turn_stop is not None:
         if not isinstance(section.turn_stop, str) or not section.turn_stop:
             problems.append(f"rollout.env.turn_stop must be None or a non-empty string, got {section.turn_stop!r}")
@@ -75,8 +79,11 @@ def env_problems(section: ml_collections.ConfigDict, tokenizer: Any = None) -> l
 
 def environment_factory(section: ml_collections.ConfigDict) -> Callable[[dict], Any]:
     """make_env(meta) -> a new environment, from a checked section (the meta reaches it at reset)."""
-    factory = _resolve(section.ref)
     options = section.options.to_dict() if isinstance(section.options, ml_collections.ConfigDict) else section.options
+    if section.get("isolate", False):
+        from jaxflow.envs.isolated import isolated
+        return isolated(section.ref, options)
+    factory = _resolve(section.ref)
     return lambda meta: factory(**options)
 
 

@@ -202,3 +202,47 @@ def test_a_skyrl_env_answer_that_is_malformed_is_named():
         run(base.call(SkyRLEnv(Broken()), "step", "x", timeout_s=5, env_name="broken", episode=3))
     with pytest.raises(TypeError, match="not a SkyRL-gym text environment: no init, step"):
         SkyRLEnv(object())
+
+
+# --- environments in their own process ----------------------------------------------------------------------
+
+def test_an_environment_process_that_dies_fails_its_episodes_and_is_replaced(monkeypatch):
+    import pathlib
+
+    from jaxflow.envs.isolated import isolated
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    make_env = isolated("crashing_env:CrashOn", {"crash_q": 1, "latency_s": 0.5})
+
+    async def episode(q):
+        env = make_env({"q": q})
+        await base.call(env, "reset", {"q": q}, timeout_s=60, env_name="crash", episode=q)
+        return await base.call(env, "step", "x", timeout_s=60, env_name="crash", episode=q)
+
+    async def together():
+        return await asyncio.gather(*(episode(q) for q in (0, 1, 2)), return_exceptions=True)
+
+    first = run(together())
+    # Episode 1's tool killed the process: its call and those waiting beside it fail, named, as errors.
+    assert all(isinstance(r, EnvironmentFailed) and r.kind == "error" and "environment process exited"
+               in str(r) for r in first)
+    later = run(episode(0))  # a new process serves the next episodes
+    assert later.reward == 1.0 and make_env.restarts == 1
+    assert later.info["pid"] != __import__("os").getpid()
+
+
+def test_an_isolated_environment_answers_like_an_in_process_one():
+    from jaxflow.envs.isolated import isolated
+
+    make_env = isolated("jaxflow.envs.calculator:CalculatorEnv", {"max_calls": 1})
+
+    async def episode():
+        env = make_env({})
+        await env.reset({"answer": 56})
+        steps = [await env.step("<tool>7*8</tool>"), await env.step("<answer>56</answer>")]
+        await env.close()
+        return steps
+
+    tool, final = run(episode())
+    assert tool == Step([{"role": "tool", "content": "<result>56</result>"}], None, False, {"tool_calls": 1})
+    assert final.reward == 1.0 and final.done

@@ -55,6 +55,9 @@ def test_an_rl_run_trains_two_turn_episodes(tmp_path, base_dir, user_env):  # no
     # The question sits between the turns: every sample carries it (unless its first turn used every token).
     assert all(r["env_tokens_mean"] > 5 for r in steps)
     assert all(r["trained_tokens"] < r["consumed_tokens"] for r in steps)
+    # The bound holds per token on multi-turn episodes: every trained token was generated at most eta
+    # versions before the step that trained it (the environment's tokens are not counted).
+    assert all(max(map(int, r["staleness"])) <= config.trainer.eta for r in steps)
     result = json.loads((workdir / "result.json").read_text())
     a = result["accounting"]
     assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]

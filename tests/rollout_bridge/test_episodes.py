@@ -230,3 +230,23 @@ def test_a_coordinator_trains_episodes_on_their_environments_rewards(model_dir, 
         q = records[g.group_id]["meta"]["q"] if g.group_id < len(records) else None
         for s in g.samples:
             assert f"for {q}" in tokenizer.decode(s.tokens, skip_special_tokens=False)
+
+
+def test_a_tool_that_kills_its_process_fails_its_episodes_and_the_engine_serves_on(model_dir, tokenizer, turn_stops,
+                                                                                  monkeypatch):
+    import pathlib
+
+    from jaxflow.envs.isolated import isolated
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "envs"))
+    make_env = isolated("crashing_env:CrashOn", {"crash_q": 0})
+    engine = episode_engine(model_dir, tokenizer, make_env, turn_stops, timeout=60)
+    try:
+        first = engine.generate(requests(1), timeout=300)  # q=0: its tool kills the environment process
+        later = {c.request_id: c for c in engine.generate(requests(3, tag="l")[1:], timeout=300)}
+    finally:
+        engine.close()
+    (crashed,) = first
+    assert crashed.info["env_failure"] == "error" and "environment process exited" in crashed.info["env_error"]
+    assert crashed.sample.reward == 0.0 and engine.counts["env_error"] == 1
+    assert all(c.sample.reward == 1.0 for c in later.values()) and make_env.restarts == 1
