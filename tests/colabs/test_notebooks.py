@@ -7,7 +7,6 @@ repository root, and reads the executed outputs back.
 
 import json
 import pathlib
-import sys
 
 import pytest
 
@@ -162,3 +161,16 @@ def test_the_readme_links_every_notebook_to_colab_and_its_install_cell_clones_th
         install = [c.source for c in nb.cells if c.cell_type == "code" and "google.colab" in c.source]
         assert len(install) == 1 and 'JAXFLOW_GIT = "https://github.com/jaxflow/jaxflow.git"' in install[0], \
             f"{path.name}: its Colab-only install cell should clone the repository the README links to"
+
+
+def test_tools_notebook_runs_calculator_episodes_and_shows_them(tmp_path):
+    nb = execute("tools.ipynb", f"SMALL = True\nWORKDIR = {str(tmp_path / 'runs')!r}\nSTEPS = 3\nLATENCY_S = 0.05\n")
+    lines = [ln for ln in text_of(nb).splitlines() if ln.startswith("TOOLS_SUMMARY ")]
+    assert len(lines) == 1, text_of(nb)[-3000:]
+    summary = json.loads(lines[0].split(" ", 1)[1])
+    assert summary["steps"] == 3 and 0.0 <= summary["final_accuracy"] <= 1.0
+    assert 0.0 <= summary["env_frac_first"] <= 1.0 and all(f is not None for f in summary["eval_env_frac"])
+    # Every shown episode was scored by the calculator environment (its reward, not None).
+    assert len(summary["episode_rewards"]) == 3 and all(r in (0.0, 1.0) for r in summary["episode_rewards"])
+    assert outputs(nb, "display_data"), "the curves were not drawn"
+    assert "--- Compute" in text_of(nb)
