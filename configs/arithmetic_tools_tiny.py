@@ -14,24 +14,17 @@ Commands:
   .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tools_tiny.py --config.rollout.env.options.latency_s=0.2
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from jaxflow.config import base_config
+
 from jaxflow.envs.config import env_section
 
 
-def _arithmetic_tiny():
-    path = pathlib.Path(__file__).with_name("arithmetic_tiny.py")
-    spec = importlib.util.spec_from_file_location("jaxflow_config_arithmetic_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    config = _arithmetic_tiny().get_config(arg)
+    config = base_config(pathlib.Path(__file__).with_name("arithmetic_tiny.py"), arg)
     variant = arg or "async"
     config.workdir = f"runs/arithmetic_tools_tiny_{variant}"
     config.base.dir = "runs/base/arithmetic_tools_tiny"

@@ -12,23 +12,16 @@ Commands:
       --config.base.dir=path/to/hf_model --config.task.reward_ref=my_reward:reward
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-
-def _arithmetic_tiny():
-    path = pathlib.Path(__file__).with_name("arithmetic_tiny.py")
-    spec = importlib.util.spec_from_file_location("jaxflow_config_arithmetic_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jaxflow.config import base_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    config = _arithmetic_tiny().get_config(arg)
+    config = base_config(pathlib.Path(__file__).with_name("arithmetic_tiny.py"), arg)
     variant = arg or "async"
     config.workdir = f"runs/jsonl_qa_tiny_{variant}"
     config.task = ml_collections.ConfigDict()

@@ -45,6 +45,12 @@ def _load_module(path: pathlib.Path):
     return module
 
 
+def base_config(path: str | pathlib.Path, arg: str | None = None) -> ml_collections.ConfigDict:
+    """`get_config(arg)` of the config file `path`, unlocked: what a config file built on another one
+    starts from (e.g. configs/arithmetic_tools_tiny.py on configs/arithmetic_tiny.py)."""
+    return _load_module(pathlib.Path(path)).get_config(arg)
+
+
 def _describe(error: BaseException) -> str:
     if isinstance(error, SyntaxError):
         return f"SyntaxError: {error.msg} (line {error.lineno})"

@@ -123,16 +123,21 @@ class EpisodeEngine(Engine):
             ep.task = asyncio.run_coroutine_threadsafe(self._start(ep), self._loop)
 
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
+        rids = list(request_ids)
+        return self._hand_back(rids, {c.request_id: c for c in self.inner.abort(rids)})
+
+    def _hand_back(self, rids: list[str], returned: dict[str, Completion]) -> list[Completion]:
+        """Episodes `rids` stop: each comes back as a partial sample (finish_reason "abort"), the one the
+        inner engine `returned` for a turn it was generating, else the episode's sample so far."""
         out = []
-        for rid in list(request_ids):
+        for rid in rids:
             with self._lock:
                 ep = self._episodes.pop(rid, None)
             if ep is None:
                 continue
             if ep.task is not None:
                 ep.task.cancel()
-            got = {c.request_id: c for c in self.inner.abort([rid])}
-            sample = got[rid].sample if rid in got else ep.sample
+            sample = returned[rid].sample if rid in returned else ep.sample
             sample.finish_reason = "abort"
             self._close_env(ep)
             out.append(Completion(rid, sample))
@@ -147,20 +152,8 @@ class EpisodeEngine(Engine):
             return aborted
         with self._lock:
             rids = list(self._episodes)
-        by_id = {c.request_id: c for c in aborted}
-        out = []
-        for rid in rids:  # those with a turn on the inner engine came back from it; the others wait on envs
-            with self._lock:
-                ep = self._episodes.pop(rid, None)
-            if ep is None:
-                continue
-            if ep.task is not None:
-                ep.task.cancel()
-            sample = by_id[rid].sample if rid in by_id else ep.sample
-            sample.finish_reason = "abort"
-            self._close_env(ep)
-            out.append(Completion(rid, sample))
-        return out
+        # Those with a turn on the inner engine came back from it; the others wait on their environments.
+        return self._hand_back(rids, {c.request_id: c for c in aborted})
 
     def resume(self) -> None:
         self.inner.resume()
