@@ -99,6 +99,21 @@ def check_samples(group_id: int, n: int, samples: Any, what: str, v_start: int, 
         check_sample(f"group {group_id} sample {i}", s, v_start, v_max, finished)
 
 
+def check_renewal(worker: Any, group_ids: Any, progress: Any) -> dict:
+    """A `renew`'s arguments (the progress samples are checked against each group by the service);
+    returns `progress` as a dict ({} for None)."""
+    check_str("worker", worker, empty_ok=False)
+    if not isinstance(group_ids, list) or not all(is_int(i) for i in group_ids):
+        raise TypeError(f"group_ids must be a list of ints, got {group_ids!r:.200}")
+    progress = {} if progress is None else progress
+    if not isinstance(progress, dict):
+        raise TypeError(f"progress must be None or a dict of group id -> samples, got {type(progress).__name__}")
+    extra = sorted(set(progress) - set(group_ids), key=repr)
+    if extra:
+        raise ValueError(f"renew by {worker!r}: progress for group(s) {extra!r:.200} not among group_ids")
+    return progress
+
+
 def check_rewards(group_id: int, n: int, rewards: Any) -> None:
     """One finite number per sample, else ValueError naming the group and the bad element."""
     if not isinstance(rewards, list):

@@ -26,9 +26,10 @@ land there become SURPLUS (the stuck-buffer strategy of `jaxflow.coordination`).
 Faults. Every call validates all its arguments (samples, rewards, versions, timeouts: `jaxflow.data.checks`)
 before it changes anything, so a bad call raises and leaves the service as it was; `restore` checks the
 whole snapshot first (`jaxflow.data.service_snapshot`). A dispatched group carries a lease of `lease_s`
-seconds that its worker extends with `renew` (a coordinator does so from its loop); a lease that runs
-out (a dead, hung or departed worker) hands the group back with the partial samples the service holds,
-counted as `expired`, and the worker that let it lapse is told so if it calls about it later. `consume`
+seconds that its worker extends with `renew` (a coordinator does so from its loop), reporting there each
+group's tokens so far; a lease that runs out (a dead, hung or departed worker) hands the group back with
+the samples last reported (counted as `expired`, their tokens as `recovered_tokens`), and the worker that
+let it lapse is told so if it calls about it later. `release_worker` does the same at once. `consume`
 is idempotent for the step just consumed: a trainer whose reply was lost asks again for the same step and
 gets the same batch, counted once; the batch is kept until the next step is consumed (or `ack`).
 """
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import math
 import threading
 import time
@@ -47,44 +47,12 @@ from jaxflow.data import checks
 from jaxflow.data.leases import Leases
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, Sample
+from jaxflow.data.service_groups import FIELDS, BufferState, GroupState, census, group_task
+from jaxflow.data.service_groups import GroupRecord as _Group
 from jaxflow.data.service_snapshot import parse_snapshot
 
 BATCH_RULES = ("full", "ready_with_capacity")
 _DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them are ignored
-
-
-class GroupState(str, enum.Enum):
-    REQUEUED = "requeued"  # holds a reservation, waiting for a worker (after an abort or a restore)
-    RUNNING = "running"  # dispatched to a worker
-    FINISHED = "finished"  # all samples done, waiting for rewards
-    OCCUPIED = "occupied"  # rewarded, sitting in a buffer
-    CONSUMED = "consumed"
-    FAILED = "failed"
-    SURPLUS = "surplus"  # redundant: every buffer it could occupy filled first (or was released)
-
-
-class BufferState(str, enum.Enum):
-    PENDING = "pending"  # may still receive groups
-    READY = "ready"  # full
-    READY_WITH_CAPACITY = "ready_with_capacity"  # not full, but the batch rule lets it be consumed
-    STUCK = "stuck"  # can never fill: nothing left that could arrive
-
-
-@dataclasses.dataclass
-class _Group:
-    group_id: int
-    prompt: list[int]
-    meta: dict[str, Any]
-    n: int
-    v_start: int
-    reserved: int  # buffer step whose slot this group holds (the latest step allowed to consume it)
-    state: GroupState
-    worker: str | None = None
-    attempt: int = 0
-    samples: list[Sample] | None = None
-    rewards: list[float] | None = None
-    step: int | None = None  # buffer occupied
-    since: float = 0.0  # monotonic time of the last transition
 
 
 class TrajectoryService:
@@ -129,7 +97,7 @@ class TrajectoryService:
         self._groups: dict[int, _Group] = {}
         self._counts = {k: 0 for k in ("created", "dispatched", "aborted", "requeued", "finished",
                                        "rewarded", "consumed", "failed", "surplus", "stale_rejected",
-                                       "expired")}
+                                       "expired", "recovered_tokens")}
         self._filled_at: dict[int, float] = {}  # step -> when it reached min fill
         # Slots per buffer step, kept in step with every transition (dispatch must stay O(1)).
         self._reserved: collections.Counter[int] = collections.Counter()
@@ -179,33 +147,37 @@ class TrajectoryService:
         for gid in list(self._leases.expired(self._clock(), holder)):
             g = self._groups[gid]
             self._counts["expired"] += 1
-            self._requeue(g, f"lease of worker {g.worker!r} expired")
+            self._requeue(g, f"lease of worker {g.worker!r} expired", recovered=True)
             self._lock.notify_all()
 
-    def renew(self, worker: str, group_ids: list[int]) -> list[int]:
+    def renew(self, worker: str, group_ids: list[int],
+              progress: dict[int, list[Sample]] | None = None) -> list[int]:
         """Extends the leases of `worker`'s running groups `group_ids` by lease_s from now. Returns the ids
-        it does not hold (any more): expired and handed back, dropped, finished or unknown; stop those."""
-        checks.check_str("worker", worker, empty_ok=False)
-        if not isinstance(group_ids, list) or not all(checks.is_int(i) for i in group_ids):
-            raise TypeError(f"group_ids must be a list of ints, got {group_ids!r:.200}")
+        it does not hold (any more): expired and handed back, dropped, finished or unknown; stop those.
+
+        progress: for some of `group_ids`, the group's n samples so far (finished ones complete, the others
+        partial), kept in place of what the service held: if the worker then dies (`release_worker`, or
+        its lease runs out) the group is dispatched again with them as `partial`, and the tokens are
+        not generated twice. Checked in full first (a key not in `group_ids`, or samples that `abort`
+        would refuse, raises and changes nothing); the progress of a group the worker does not hold is
+        ignored, that group being among those returned."""
+        progress = checks.check_renewal(worker, group_ids, progress)
         with self._lock:
             self._expire()
-            lost = []
+            held, lost = [], []
             for gid in group_ids:
                 g = self._groups.get(gid)
                 if g is not None and g.state == GroupState.RUNNING and g.worker == worker:
-                    self._leases.grant(g.group_id, self._clock())
+                    if gid in progress:
+                        self._check_samples(g, progress[gid], "progress", finished=False)
+                    held.append(g)
                 else:
                     lost.append(gid)
+            for g in held:
+                self._leases.grant(g.group_id, self._clock())
+                if g.group_id in progress:
+                    g.samples = list(progress[g.group_id])
             return lost
-
-    def _task(self, g: _Group) -> GroupTask:
-        # Copies: a worker extends these while the service keeps the snapshot it was given.
-        partial = None if g.samples is None else [
-            Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason,
-                   [list(span) for span in s.env_spans], s.reward) for s in g.samples]
-        return GroupTask(group_id=g.group_id, prompt=list(g.prompt), n=g.n, v_start=g.v_start,
-                         meta=dict(g.meta), partial=partial, attempt=g.attempt)
 
     def _check_samples(self, g: _Group, samples: list[Sample], what: str, finished: bool) -> None:
         checks.check_samples(g.group_id, g.n, samples, what, g.v_start, self._published, finished)
@@ -238,7 +210,7 @@ class TrajectoryService:
                 g.worker, g.attempt = worker, g.attempt + 1
                 self._move(g, GroupState.RUNNING)
                 self._leases.grant(g.group_id, self._clock())
-                tasks.append(self._task(g))
+                tasks.append(group_task(g))
             step = version + self.eta
             while (len(tasks) < max_groups and step >= self._v_train and self._room(step)
                    and self._slots(step) < self.reserve_groups):
@@ -253,7 +225,7 @@ class TrajectoryService:
                 self._reserved[step] += 1
                 self._counts["created"] += 1
                 self._leases.grant(g.group_id, self._clock())
-                tasks.append(self._task(g))
+                tasks.append(group_task(g))
             if step < self._v_train:
                 self._counts["stale_rejected"] += 1
             self._counts["dispatched"] += len(tasks)
@@ -390,8 +362,11 @@ class TrajectoryService:
             self._counts["aborted"] += 1
             self._requeue(g, reason or "aborted")
 
-    def _requeue(self, g: _Group, reason: str, count_attempt: bool = True) -> None:
+    def _requeue(self, g: _Group, reason: str, count_attempt: bool = True, recovered: bool = False) -> None:
+        """recovered: its worker did not hand it back (dead or gone); count the tokens it still has."""
         g.worker = None
+        if recovered and g.samples is not None:
+            self._counts["recovered_tokens"] += sum(len(s.tokens) for s in g.samples)
         if count_attempt and g.attempt >= self.max_attempts:
             self._fail(g, f"{reason}; gave up after {g.attempt} attempts")
             return
@@ -430,7 +405,7 @@ class TrajectoryService:
             mine = [g for g in self._groups.values() if g.state == GroupState.RUNNING and g.worker == worker]
             for g in mine:
                 self._counts["aborted"] += 1
-                self._requeue(g, reason)
+                self._requeue(g, reason, recovered=True)
             return len(mine)
 
     def unrewarded(self) -> list[FinishedGroup]:
@@ -536,18 +511,14 @@ class TrajectoryService:
                 self._last = None
 
     def _summary(self, step: int) -> str:
-        by_state = {}
-        for g in self._groups.values():
-            by_state[g.state.value] = by_state.get(g.state.value, 0) + 1
-        return f"{self._slots(step)} of {self.batch_groups} slots taken; groups by state {by_state}"
+        return (f"{self._slots(step)} of {self.batch_groups} slots taken; groups by state "
+                f"{census(self._groups.values())}")
 
     def stats(self) -> dict[str, Any]:
         """Counters of every transition and gauges of every state, for logs and accounting checks."""
         with self._lock:
             self._expire()  # leases run out lazily: any call applies what is due
-            gauges = {s.value: 0 for s in GroupState}
-            for g in self._groups.values():
-                gauges[g.state.value] += 1
+            gauges = {**{s.value: 0 for s in GroupState}, **census(self._groups.values())}
             gauges["consumed"] = self._counts["consumed"]
             gauges["surplus"] = self._counts["surplus"]
             steps = sorted(k for k in set(self._reserved) | set(self._occupied) if self._slots(k))
@@ -568,7 +539,7 @@ class TrajectoryService:
     def restore(self, snap: dict[str, Any]) -> None:
         """Replaces the state with a snapshot. Groups that were running are requeued (their workers are
         gone) with their reservations and partial samples, so nothing is lost or consumed twice."""
-        parsed = parse_snapshot(snap, group_fields=tuple(f.name for f in dataclasses.fields(_Group)),
+        parsed = parse_snapshot(snap, group_fields=FIELDS,
                                 states={s.value: s for s in GroupState}, n=self.group_size,
                                 batch_groups=self.batch_groups, reserve_groups=self.reserve_groups, eta=self.eta)
         with self._lock:

@@ -227,6 +227,74 @@ def test_trainer_does_not_wait_longer_than_the_lease_on_an_orphan():
         assert len(batch.groups) == 2 and svc.stats()["counts"]["expired"] == 2
 
 
+def _stored(svc, group_id):
+    """The samples the service holds for a group (what it would resume it from)."""
+    (g,) = [g for g in svc.snapshot()["groups"] if g["group_id"] == group_id]
+    return None if g["samples"] is None else [Sample(**s) if isinstance(s, dict) else s for s in g["samples"]]
+
+
+def test_renew_progress_is_what_a_dead_workers_group_resumes_from(place):
+    """A worker reports its groups' tokens so far with `renew`; when it dies without handing them back,
+    `release_worker` requeues them with those tokens, through every placement's transport."""
+    svc = place(make(batch_groups=2, eta=0))
+    (t,) = svc.dispatch("w0", 0, 1)
+    early = [Sample([5], [-1.0], [0]), Sample()]
+    so_far = [Sample([5, 6, 7], [-1.0, -0.5, -2.0], [0, 0, 0]), Sample([8], [-0.1], [0], "stop")]
+    assert svc.renew("w0", [t.group_id], {t.group_id: early}) == []
+    assert svc.renew("w0", [t.group_id], {t.group_id: so_far}) == []  # the latest report replaces the last
+    assert svc.renew("w0", [t.group_id]) == [] and _stored(svc, t.group_id) == so_far  # a bare renew keeps it
+    assert svc.release_worker("w0", "worker died") == 1
+    (again,) = svc.dispatch("w1", 0, 1)
+    assert again.group_id == t.group_id and again.v_start == 0 and again.partial == so_far
+    assert svc.stats()["counts"]["recovered_tokens"] == 4
+
+
+def test_bad_progress_is_refused_and_changes_nothing(place):
+    svc = place(make(batch_groups=2, eta=0))
+    mine, theirs = svc.dispatch("w0", 0, 1)[0].group_id, svc.dispatch("w1", 0, 1)[0].group_id
+    good = [Sample([5, 6], [-1.0, -0.5], [0, 0]), Sample()]
+    svc.renew("w0", [mine], {mine: good})
+    before = svc.stats()["counts"]
+    bad = [
+        ({theirs: good}, ValueError, rf"progress for group\(s\) \[{theirs}\] not among group_ids"),
+        ({mine: [Sample([5], [-1.0], [1]), Sample()]}, ValueError,
+         rf"group {mine} sample 0: token versions span \[1, 1\], outside \[v_start=0, latest published=0\]"),
+        ({mine: good + [Sample()]}, ValueError, rf"group {mine}: progress has 3 samples, expected 2"),
+        ({mine: [Sample([5], [0.5], [0]), Sample()]}, ValueError, rf"group {mine} sample 0: logprobs\[0\]"),
+        ({mine: "tokens"}, TypeError, rf"group {mine}: progress samples must be a list"),
+        ([good], TypeError, "progress must be None or a dict"),
+    ]
+    for progress, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            svc.renew("w0", [mine], progress)
+        assert _stored(svc, mine) == good and _stored(svc, theirs) is None
+    # Another worker's group: not an error (its lease may have passed on), but ignored and reported lost.
+    assert svc.renew("w0", [mine, theirs], {theirs: good}) == [theirs]
+    assert _stored(svc, theirs) is None and svc.stats()["counts"] == before
+
+
+def test_an_expired_lease_hands_the_group_back_with_its_last_reported_tokens():
+    clock = FakeClock()
+    svc = make(batch_groups=2, eta=0, lease_s=10.0, clock=clock)
+    (t,) = svc.dispatch("w0", 0, 1)
+    so_far = [Sample([5, 6], [-1.0, -0.5], [0, 0]), Sample([9], [-0.2], [0])]
+    clock.t = 5.0
+    svc.renew("w0", [t.group_id], {t.group_id: so_far})
+    clock.t = 8.0
+    with pytest.raises(ValueError, match="not among group_ids"):  # refused: the lease is not extended either
+        svc.renew("w0", [t.group_id], {t.group_id + 1: so_far})
+    clock.t = 14.0
+    assert svc.dispatch("w1", 0, 1)[0].group_id == t.group_id + 1  # w0's lease runs to 15: still its group
+    clock.t = 16.0
+    (again,) = svc.dispatch("w1", 0, 1)
+    assert again.group_id == t.group_id and again.partial == so_far
+    counts = svc.stats()["counts"]
+    assert counts["expired"] == 1 and counts["recovered_tokens"] == 3
+    late = [Sample([5, 6, 7], [-1.0, -0.5, -0.5], [0, 0, 0]), Sample()]
+    assert svc.renew("w0", [t.group_id], {t.group_id: late}) == [t.group_id]  # ignored, told it is lost
+    assert _stored(svc, t.group_id) == so_far
+
+
 # ---- 3. exactly-once consume across a lost reply -------------------------------------------------
 
 def test_consume_retry_after_a_lost_reply_gets_the_same_batch_counted_once():
