@@ -19,6 +19,8 @@ already in flight, completes at once a request that cannot run (finish_reason "e
 whose resumed prefix is already complete, and hands the rest with a copy of its prefix
 (`copy_prefix`) to the engine's `_accept`, which queues it up to the engine's own slot or KV limits.
 `poll` hands out what `_hand_out` collected. An engine built on these calls `_init_admission()` first.
+
+`progress(ids)` reads requests' tokens so far without stopping them (`in_flight_copy` makes the copy).
 """
 
 from __future__ import annotations
@@ -126,6 +128,14 @@ def copy_prefix(request: Request) -> Sample:
                   env_spans=[list(span) for span in prefix.env_spans])
 
 
+def in_flight_copy(sample: Sample, versions: list[int] | None = None) -> Sample:
+    """A copy of a sample still generating, for `Engine.progress`: finish_reason None, and `versions`
+    in place of its own where the engine labels versions only when a request ends."""
+    return Sample(tokens=list(sample.tokens), logprobs=list(sample.logprobs),
+                  versions=list(sample.versions if versions is None else versions),
+                  env_spans=[list(span) for span in sample.env_spans])
+
+
 def resumed_finish(sample: Sample, params: SamplingParams) -> str | None:
     """"length" or "stop" when a resumed sample is already complete (nothing to generate), else None."""
     if len(sample.tokens) >= params.max_tokens:
@@ -188,6 +198,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Stops the given requests; returns their partial samples (finish_reason "abort")."""
+
+    @abc.abstractmethod
+    def progress(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Copies of the samples so far (finish_reason None: in flight) of those `request_ids` still waiting
+        or running, without stopping them: the coordinator reports them to the trajectory service, which
+        resumes them elsewhere from these tokens should this engine's process die. Ids finished (their
+        completion is in, or will be in, `poll`) or unknown are skipped."""
 
     @abc.abstractmethod
     def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:

@@ -44,7 +44,8 @@ import numpy as np
 from jaxflow.data.records import Sample
 from jaxflow.envs import base
 from jaxflow.envs.render import ObservationRenderer
-from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams, copy_prefix
+from rollout_bridge.engine import (Completion, Engine, EngineLoad, Request, SamplingParams, copy_prefix,
+                                   in_flight_copy)
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,21 @@ class EpisodeEngine(Engine):
             self._close_env(ep)
             out.append(Completion(rid, sample))
         return out
+
+    def progress(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Episodes' samples so far: the inner engine's for a model turn generating, else the episode's own
+        (its environment answering; observations are appended under the lock, so the copy is whole)."""
+        with self._lock:
+            eps = [ep for ep in map(self._episodes.get, dict.fromkeys(request_ids)) if ep is not None]
+            own = {ep.request.request_id: in_flight_copy(ep.sample) for ep in eps if not ep.in_inner}
+        inner = {c.request_id: c.sample for c in self.inner.progress([ep.request.request_id for ep in eps
+                                                                      if ep.request.request_id not in own])}
+        with self._lock:  # a turn that ended meanwhile: the episode's sample, which now holds it
+            out = {**inner, **own}
+            for ep in eps:
+                if ep.request.request_id not in out and self._episodes.get(ep.request.request_id) is ep:
+                    out[ep.request.request_id] = in_flight_copy(ep.sample)
+        return [Completion(rid, sample) for rid, sample in out.items()]
 
     def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
         self.inner.update_weights(version, tensors)
@@ -278,11 +294,12 @@ class EpisodeEngine(Engine):
         ids = self.renderer.ids(messages, turn_closed)
         s = ep.sample
         version = s.versions[-1] if s.versions else self.inner.version
-        s.env_spans.append([len(s.tokens), len(s.tokens) + len(ids)])
-        s.tokens += ids
-        s.logprobs += [0.0] * len(ids)
-        s.versions += [version] * len(ids)
-        s.finish_reason = None
+        with self._lock:  # whole for `progress`
+            s.env_spans.append([len(s.tokens), len(s.tokens) + len(ids)])
+            s.tokens += ids
+            s.logprobs += [0.0] * len(ids)
+            s.versions += [version] * len(ids)
+            s.finish_reason = None
 
     def _generate(self, ep: _Episode) -> None:
         p = ep.request.params

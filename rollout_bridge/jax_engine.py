@@ -52,7 +52,7 @@ from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
 from rollout_bridge import jax_decode, jax_slots
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
-                                   WeightsRejected, check_pause_mode, request_error)
+                                   WeightsRejected, check_pause_mode, in_flight_copy, request_error)
 
 # Window of recent decode calls that `load().tokens_per_s` averages over.
 _RATE_WINDOW_S = 5.0
@@ -135,7 +135,7 @@ class JaxEngine(Engine):
         self._windows = jax_slots.attention_windows(self._buckets[0], max_len)
         self._slots = jax_slots.SlotTable(max_slots, max_stop_ids, self._windows,
                                           select_rows=not slots_sharded)
-        self._running: dict[int, _Running] = {}  # slot -> request; only the loop thread touches it
+        self._running: dict[int, _Running] = {}  # slot -> request; the loop changes it, under _lock
         self._rates: collections.deque[tuple[float, float, int]] = collections.deque()
         # Shared with the API threads, under _lock.
         self._init_admission()
@@ -174,6 +174,14 @@ class JaxEngine(Engine):
             except EngineError:
                 pass  # the loop stopped before getting to it: nothing runs now, take them directly
         return self._abort(ids)
+
+    def progress(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Copies of the samples so far of those `request_ids` waiting or running (see `Engine.progress`);
+        read under the lock, between two decode calls' worth of tokens, without waiting for the loop."""
+        ids = set(request_ids)
+        with self._lock:
+            runs = [r for r in (*self._waiting, *self._running.values()) if r.request.request_id in ids]
+            return [Completion(r.request.request_id, in_flight_copy(r.sample)) for r in runs]
 
     @property
     def param_shardings(self):
@@ -431,18 +439,19 @@ class JaxEngine(Engine):
         state, tokens_bc, logprobs_bc = jax.device_get(self._decode_call(plan))
         self._slots.update(plan, state)
         generated, finished = 0, []
-        for row, slot in enumerate(self._slots.slots(plan).tolist()):
-            if slot not in self._running:  # a padding row
-                continue
-            n = int((tokens_bc[row] >= 0).sum())
-            sample = self._running[slot].sample
-            sample.tokens.extend(tokens_bc[row, :n].tolist())
-            sample.logprobs.extend(logprobs_bc[row, :n].tolist())
-            sample.versions.extend([version] * n)
-            generated += n
-            if not state.active_b[row]:
-                sample.finish_reason = _FINISH_NAMES[int(state.finish_b[row])]
-                finished.append(self._free_slot(slot))
+        with self._lock:  # samples grow under the lock: `progress` reads them from other threads
+            for row, slot in enumerate(self._slots.slots(plan).tolist()):
+                if slot not in self._running:  # a padding row
+                    continue
+                n = int((tokens_bc[row] >= 0).sum())
+                sample = self._running[slot].sample
+                sample.tokens.extend(tokens_bc[row, :n].tolist())
+                sample.logprobs.extend(logprobs_bc[row, :n].tolist())
+                sample.versions.extend([version] * n)
+                generated += n
+                if not state.active_b[row]:
+                    sample.finish_reason = _FINISH_NAMES[int(state.finish_b[row])]
+                    finished.append(self._free_slot(slot))
         now = time.monotonic()
         self._rates.append((start, now, generated))
         while self._rates and self._rates[0][1] < now - _RATE_WINDOW_S:

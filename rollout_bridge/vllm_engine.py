@@ -54,7 +54,7 @@ from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config
 from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
-                                   WeightsRejected, check_pause_mode, request_error)
+                                   WeightsRejected, check_pause_mode, in_flight_copy, request_error)
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +258,24 @@ class VllmEngine(Engine):
                 if len(live.sample.versions) < len(live.sample.tokens):  # cut off by an engine failure
                     self._tag_unlabelled(live)
                 out.append(Completion(live.request.request_id, live.sample))
+        return out
+
+    def progress(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Copies of the samples so far of those `request_ids` in flight (see `Engine.progress`). vLLM
+        labels tokens with their versions only when a request ends, so the tokens since carry the
+        version served when each arrived (as `_tag_unlabelled` does): exact, except that a token computed
+        just before a weight update and delivered after it is labelled with the newer version."""
+        out = []
+        with self._lock:
+            for rid in dict.fromkeys(request_ids):
+                live = self._live.get(rid)
+                if live is None or live.handed_out:
+                    continue
+                s = live.sample
+                missing = len(s.tokens) - len(s.versions)
+                tail = live.arrival_versions[len(live.arrival_versions) - missing:] if missing > 0 else []
+                versions = s.versions + tail
+                out.append(Completion(rid, in_flight_copy(s, versions)))
         return out
 
     def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:

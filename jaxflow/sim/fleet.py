@@ -306,6 +306,20 @@ class SimEngine(Engine):
         self._admit()
         return out
 
+    def progress(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Partial samples (finish_reason None, whole blocks only) of the given requests waiting or
+        running, which go on; unknown or finished ids are skipped."""
+        block = self._fleet.workload.block_tokens
+        out = []
+        for rid in dict.fromkeys(request_ids):
+            seq = self._in_flight.get(rid)
+            if seq is None:
+                continue
+            done = seq.progress if seq.slot is None else float(self._fleet._progress[self.index, seq.slot])
+            blocks = int(done // block)
+            out.append(Completion(rid, self._sample(seq, blocks, blocks * block, None)))
+        return out
+
     def update_weights(self, version: int, tensors: Mapping[str, np.ndarray] | None) -> None:
         """Switches to `version` now (tensors are ignored); the instance then stalls sync_s plus the
         recompute of its running sequences' KV. Raises WeightsRejected (a ValueError) for a version that
@@ -402,7 +416,7 @@ class SimEngine(Engine):
             self._waiting.appendleft(self._release(newest.slot))
             f._count["preemptions"][i] += 1
 
-    def _sample(self, seq: _Seq, blocks: int, tokens: float, reason: str) -> Sample:
+    def _sample(self, seq: _Seq, blocks: int, tokens: float, reason: str | None) -> Sample:
         """`blocks` entries: the prefix's versions, then per block the version in force when its last
         token (position min(end, tokens) - 1) was generated."""
         block, kept = self._fleet.workload.block_tokens, len(seq.prefix_versions)

@@ -33,6 +33,9 @@ class QueueEngine(Engine):
     def abort(self, request_ids):
         return []
 
+    def progress(self, request_ids):
+        return []
+
     def update_weights(self, version, tensors):
         pass
 
