@@ -32,7 +32,11 @@ the service refuses (e.g. the group's lease ran out and another worker holds it)
 still go back; `release_worker` then returns anything left.
 
 Faults: the coordinator renews the service's leases on the groups it holds every `renew_every_s`
-seconds and drops the ones the service says it no longer holds (`groups_lost`). A reward function that
+seconds and drops the ones the service says it no longer holds (`groups_lost`). With each renewal it
+reports the tokens so far of every group that grew since its last report (`progress_reports`; the
+engines' `progress` reads them without stopping anything), so that a coordinator that dies without
+handing its groups back loses at most `renew_every_s` of generation: the service resumes them elsewhere
+from the reported tokens. A reward function that
 raises, or a group the service refuses at `finish` (e.g. NaN rewards), fails that group in the service
 (counted as `groups_failed`, the reason in its meta) instead of stopping the loop.
 """
@@ -103,13 +107,14 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self.trace_every_s = trace_every_s
         self.renew_every_s, self._renewed_at = renew_every_s, -math.inf
+        self._reported: dict[int, int] = {}  # group -> tokens in its last progress report
         # Bounded: the newest samples of a long run.
         self.trace = {k: collections.deque(maxlen=200_000) for k in ("loads", "group_lengths", "sync_s")}
         self._traced_at = -math.inf
         self.counts = collections.Counter({k: 0 for k in (
             "groups_finished", "groups_failed", "groups_surplus", "requests_submitted", "requests_migrated",
             "requests_retried", "requests_resumed", "samples_redundant", "syncs", "buffers_released",
-            "groups_aborted", "groups_lost")})
+            "groups_aborted", "groups_lost", "progress_reports")})
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _request_id(self, gid: int, sample: int) -> str:
@@ -249,17 +254,48 @@ class Coordinator:
 
     # ---- 2-5. surplus, sync, stuck, migration ---------------------------------------------------
     def _renew(self) -> None:
-        """Renews the leases on the groups held, every `renew_every_s`; drops those the service took back."""
+        """Renews the leases on the groups held, every `renew_every_s`, reporting the tokens so far of
+        those that grew since their last report; drops the groups the service took back."""
         now = self.clock()
         renew = getattr(self.trajectories, "renew", None)
         if renew is None or not self._groups or now - self._renewed_at < self.renew_every_s:
             return
         self._renewed_at = now
-        for gid in renew(self.name, list(self._groups)):
+        report = self._progress()
+        for gid in renew(self.name, list(self._groups), report or None):
             if gid in self._groups:
                 self._drop_group(gid)
                 self.counts["groups_lost"] += 1
                 log.warning("%s: group %d was handed back by the service (lease expired)", self.name, gid)
+        self._reported = {gid: k for gid, k in self._reported.items() if gid in self._groups}
+        for gid, samples in report.items():
+            self._reported[gid] = sum(len(x.tokens) for x in samples)
+        self.counts["progress_reports"] += len(report)
+
+    def _progress(self) -> dict[int, list[Sample]]:
+        """The n samples so far of each group held whose tokens changed since its last report, ordered
+        as `stop` hands them back: finished ones, then the longest partial ones (running requests' read
+        from their engines, queued ones' prefixes). A group with a request its engine did not report
+        (it just finished: its completion comes with the next poll) waits for the next report."""
+        rids = collections.defaultdict(list)
+        for g in self._groups.values():
+            for rid in g.live.values():
+                if rid in self._where:
+                    rids[self._where[rid][0]].append(rid)
+        got = {c.request_id: c.sample for idx, ids in rids.items()
+               for c in self.instances[idx].engine.progress(ids)}
+        report = {}
+        for gid, g in self._groups.items():
+            if not all(rid in got for rid in g.live.values()):
+                continue
+            partial = [got[rid] for rid in g.live.values()]
+            partial += [r.prefix for r in self.queue.group(gid) if r.prefix is not None]
+            partial.sort(key=lambda x: -len(x.tokens))
+            n = g.task.n
+            samples = (g.finished[:n] + partial + [Sample() for _ in range(n)])[:n]
+            if sum(len(x.tokens) for x in samples) != self._reported.get(gid, 0):
+                report[gid] = samples
+        return report
 
     def _surplus(self) -> None:
         for gid in self.trajectories.take_surplus(self.name):

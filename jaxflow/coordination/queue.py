@@ -75,6 +75,10 @@ class RequestQueue:
         self._forget(found)
         return found[2]
 
+    def group(self, group_id: int) -> list[PendingRequest]:
+        """Every queued request of a group, left in the queue."""
+        return [e[2] for e in self._by_group.get(group_id, ())]
+
     def take_group(self, group_id: int) -> list[PendingRequest]:
         """Removes and returns every queued request of a group."""
         entries = list(self._by_group.get(group_id, ()))

@@ -30,6 +30,9 @@ class ScriptedEngine:
         return [Completion(i, Sample([3, 4], [-0.5, -0.5], [0, 0], "abort")) for i in ids
                 if self.requests.pop(i, None) is not None]
 
+    def progress(self, ids):
+        return [Completion(i, Sample([3], [-0.5], [0])) for i in ids if i in self.requests]
+
     def finish_all(self):
         self.out += [Completion(i, Sample([5, 6], [-0.5, -0.5], [0, 0], "stop")) for i in self.requests]
         self.requests = {}

@@ -21,7 +21,7 @@ from jaxflow.models.hf_io import iter_hf_tensors, load_model
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.transport import rpc
 from rollout_bridge import jax_decode
-from rollout_bridge.engine import SamplingParams
+from rollout_bridge.engine import Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
 
 from service_placements import SERVICE_METHODS
@@ -95,6 +95,13 @@ def held_decode(monkeypatch):
     monkeypatch.setattr(jax_decode, "decode", held)
     yield release, entered
     release.set()
+
+
+class FakeClock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
 
 
 def run_until(coordinator, condition, timeout=60):
@@ -241,6 +248,70 @@ def test_stop_aborts_or_drains_the_groups_in_flight(engine, weights, held_decode
     else:
         assert w.counts["groups_aborted"] == 0 and w.counts["groups_finished"] == 1
         assert stats["counts"]["rewarded"] == 1 and stats["counts"]["requeued"] == 0
+
+
+@pytest.mark.parametrize("handed_back_by", ["release_worker", "lease expiry"])
+def test_a_dead_workers_groups_resume_elsewhere_from_the_tokens_it_reported(engine, weights, monkeypatch,
+                                                                          handed_back_by):
+    """A worker dies mid-generation (no abort, no release from it): the service requeues its group with
+    the tokens its last `renew` reported, another worker resumes from them, and with greedy sampling the
+    result equals an uninterrupted run."""
+    reset(engine, weights)
+    clock = FakeClock()
+    records = [{"prompt": [5, 6, 7, 8], "meta": {"i": 0}}]
+    traj = TrajectoryService(PromptSource(records, shuffle=False), batch_groups=1, group_size=2, eta=0,
+                             lease_s=10.0, clock=clock)
+    params = ParameterService(keep=2)
+    params.publish(0, weights[0])
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    (reference,) = engine.generate([Request("uninterrupted", [5, 6, 7, 8], greedy)])
+
+    def greedy_worker(name):
+        return Coordinator(name, [engine], traj, params, strategy=Coordination(max_running=2), eta=0,
+                           sampling=greedy, reward_fn=length_reward, clock=clock, renew_every_s=0.0)
+
+    # Hold the engine loop inside its third decode call, after two calls' tokens (2 x decode_chunk) landed.
+    decode, calls, held = jax_decode.decode, [], threading.Event()
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            held.set()
+            while not engine._commands:  # noqa: SLF001 - until the test kills the worker's requests
+                time.sleep(0.001)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(jax_decode, "decode", counted)
+    dead = greedy_worker("dead")
+    dead.step()  # admits the group, submits its 2 samples
+    (gid,) = dead._groups  # noqa: SLF001
+    assert held.wait(30)
+    dead.step()  # renews, reporting 8 tokens per sample
+    reported = [dict(s) for s in traj.snapshot()["groups"][0]["samples"]]
+    assert [len(s["tokens"]) for s in reported] == [8, 8] and dead.counts["progress_reports"] == 1
+    assert all(s["tokens"] == reference.sample.tokens[:8] and s["versions"] == [0] * 8 for s in reported)
+    # The worker's process dies: its requests vanish from the engine and nothing reaches the service.
+    engine.abort([rid for g in dead._groups.values() for rid in g.live.values()])  # noqa: SLF001
+    monkeypatch.setattr(jax_decode, "decode", decode)
+    if handed_back_by == "release_worker":
+        assert traj.release_worker("dead", "rollout actor died") == 1
+    else:
+        clock.t = 11.0  # the lease (10 s) runs out; the next call hands the group back
+    dispatched = []
+    dispatch = traj.dispatch
+    monkeypatch.setattr(traj, "dispatch", lambda *a: dispatched.extend(out := dispatch(*a)) or out)
+    alive = greedy_worker("alive")
+    run_until(alive, lambda: traj.buffer_state(0) == "ready")
+    (task,) = dispatched
+    assert task.group_id == gid and [s.tokens for s in task.partial] == [s["tokens"] for s in reported]
+    assert alive.counts["requests_submitted"] == 2
+    counts = traj.stats()["counts"]
+    assert counts["recovered_tokens"] == 16 and counts["expired"] == (handed_back_by == "lease expiry")
+    (group,) = traj.consume(0, timeout=5).groups
+    for s, before in zip(group.samples, reported):
+        assert s.tokens == reference.sample.tokens and s.finish_reason == "length"
+        assert s.logprobs[:8] == before["logprobs"] and s.versions == [0] * 40
+        np.testing.assert_allclose(s.logprobs, reference.sample.logprobs, atol=1e-4, rtol=0)
 
 
 def test_worker_process_against_served_services(model_dir, weights, tmp_path):
