@@ -142,7 +142,11 @@ def test_a_failing_environment_fails_its_episode_only(model_dir, tokenizer, turn
     assert all(done[f"e{i}"].info.get("env_failure") is None for i in (1, 2))
 
 
-def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(model_dir, tokenizer, turn_stops):
+@pytest.mark.parametrize("resume_from", ["abort", "progress"])
+def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(model_dir, tokenizer, turn_stops,
+                                                                             resume_from):
+    """resume_from "progress": each episode resumes from what `progress` read just before the abort (what a
+    dead worker's coordinator last reported), not from the abort's own sample."""
     engine = episode_engine(model_dir, tokenizer, lambda meta: Echo(turns=3), turn_stops)
     try:
         reference = {c.request_id: c.sample for c in engine.generate(requests(3), timeout=300)}
@@ -157,13 +161,20 @@ def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(mod
         partial, got = [], {}
         for delay in (0.25, 0.5, 0.4):
             time.sleep(delay)
+            read = {c.request_id: c.sample for c in engine.progress([rid for rid in by_id if rid not in got])}
             aborted = engine.abort([rid for rid in by_id if rid not in got])
             got.update({c.request_id: c for c in engine.poll(timeout=0)})  # finished before the abort
             for c in aborted:
                 assert c.sample.finish_reason == "abort"
-                partial.append(c.sample)
+                prefix = c.sample
+                if resume_from == "progress":
+                    prefix = read[c.request_id]
+                    assert prefix.finish_reason is None and prefix.reward is None
+                    assert c.sample.tokens[:len(prefix.tokens)] == prefix.tokens
+                    assert prefix.env_spans == [sp for sp in c.sample.env_spans if sp[1] <= len(prefix.tokens)]
+                partial.append(prefix)
                 r = by_id[c.request_id]
-                engine.submit(Request(r.request_id, r.prompt, r.params, prefix=c.sample, meta=r.meta))
+                engine.submit(Request(r.request_id, r.prompt, r.params, prefix=prefix, meta=r.meta))
         got.update(poll_all(engine, 3 - len(got), timeout=300))
     finally:
         engine.close()

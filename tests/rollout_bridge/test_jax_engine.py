@@ -200,6 +200,37 @@ def test_abort_and_resume_equals_uninterrupted(engine, greedy_reference, monkeyp
         assert c.sample.logprobs[:len(aborted[c.request_id].tokens)] == aborted[c.request_id].logprobs
 
 
+def test_progress_copies_tokens_so_far_without_stopping_anything(engine, greedy_reference, monkeypatch):
+    real, calls, held, go = jax_decode.decode, [], threading.Event(), threading.Event()
+
+    def wrapped(*args, **kwargs):  # holds the loop inside its second decode call, after the first's tokens
+        calls.append(1)
+        if len(calls) == 2:
+            held.set()
+            go.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax_decode, "decode", wrapped)
+    ps = prompts()
+    for i, p in enumerate(ps):  # 6 requests on 4 slots: 4 run, 2 wait
+        engine.submit(Request(f"p{i}", p, GREEDY))
+    assert held.wait(30)
+    got = {c.request_id: c.sample for c in engine.progress(["p0", "p5", "unknown"])}
+    assert set(got) == {"p0", "p5"}
+    assert got["p0"].tokens == greedy_reference[0][:8] and got["p0"].finish_reason is None
+    assert got["p0"].versions == [engine.version] * 8 and len(got["p0"].logprobs) == 8
+    assert got["p5"].tokens == [] and got["p5"].finish_reason is None  # still waiting for a slot
+    go.set()
+    monkeypatch.undo()
+    done = poll_all(engine, 6)  # nothing was stopped
+    assert [done[f"p{i}"].sample.tokens for i in range(6)] == greedy_reference
+    assert got["p0"].tokens == greedy_reference[0][:8]  # a copy: the generation since left it alone
+    assert engine.progress(["p0"]) == []  # finished: its completion went to poll
+    (resumed,) = engine.generate([Request("p0", ps[0], GREEDY, prefix=got["p0"])])
+    assert resumed.sample.tokens == greedy_reference[0]
+    assert resumed.sample.logprobs[:8] == got["p0"].logprobs
+
+
 def test_sampling(engine, greedy_reference):
     ps = prompts()[:4]
 
