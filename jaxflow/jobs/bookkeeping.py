@@ -91,14 +91,15 @@ class Ledger:
 
 def accounting(service, ledger: Ledger, pool: RewardPool) -> dict[str, int]:
     """Where every group went (created = consumed + in flight + failed + surplus), how many the ledger
-    trained (and twice), and the reward calls by outcome (rollouts and evals; a failed call scored 0)."""
+    trained (and twice), the tokens that groups of dead rollout workers kept (`recovered_tokens`: resumed,
+    not generated again), and the reward calls by outcome (rollouts and evals; a failed call scored 0)."""
     stats = service.stats()
     ids = ledger.group_ids()
     counts = stats["counts"]
     rewards = pool.stats()
     return {
         "created": counts["created"], "consumed": counts["consumed"], "failed": counts["failed"],
-        "surplus": counts["surplus"],
+        "surplus": counts["surplus"], "recovered_tokens": counts["recovered_tokens"],
         "in_flight": sum(v for k, v in stats["groups"].items() if k not in ("consumed", "failed", "surplus")),
         "ledger_groups": len(ids), "ledger_duplicates": len(ids) - len(set(ids)),
         "reward_calls": rewards["submitted"], "reward_scored": rewards["scored"],

@@ -243,6 +243,9 @@ def test_renew_progress_is_what_a_dead_workers_group_resumes_from(place):
     assert svc.renew("w0", [t.group_id], {t.group_id: early}) == []
     assert svc.renew("w0", [t.group_id], {t.group_id: so_far}) == []  # the latest report replaces the last
     assert svc.renew("w0", [t.group_id]) == [] and _stored(svc, t.group_id) == so_far  # a bare renew keeps it
+    restored = place(make(batch_groups=2, eta=0))  # a checkpoint's snapshot keeps the progress too
+    restored.restore(json.loads(json.dumps(svc.snapshot())))
+    assert restored.dispatch("w2", 0, 1)[0].partial == so_far
     assert svc.release_worker("w0", "worker died") == 1
     (again,) = svc.dispatch("w1", 0, 1)
     assert again.group_id == t.group_id and again.v_start == 0 and again.partial == so_far
