@@ -203,6 +203,30 @@ def test_abort_and_resume_equals_uninterrupted(engine, caplog):
     assert "labelled no weight versions" not in caplog.text
 
 
+def test_progress_reads_tokens_so_far_without_stopping_and_resumes_into_the_same_run(engine, caplog):
+    n = 200
+    params = SamplingParams(max_tokens=n, temperature=0.0)
+    ps = prompts(3, lens=(4, 17))
+    reference = run(engine, ps, params, tag="u")
+    for i, p in enumerate(ps):
+        engine.submit(Request(f"p{i}", p, params))
+    wait_running(engine, len(ps))
+    got = {c.request_id: c.sample for c in engine.progress(["p0", "p1", "unknown"])}
+    assert set(got) == {"p0", "p1"}
+    for i, rid in enumerate(("p0", "p1")):
+        s = got[rid]
+        assert s.finish_reason is None and 0 < len(s.tokens) < n, len(s.tokens)
+        assert len(s.logprobs) == len(s.tokens) and s.versions == [engine.version] * len(s.tokens)
+        assert s.tokens == reference[i].sample.tokens[:len(s.tokens)]
+    done = poll_all(engine, 2)  # nothing was stopped
+    assert [done[f"p{i}"].sample.tokens for i in range(2)] == [r.sample.tokens for r in reference]
+    assert engine.progress(["p0"]) == []
+    (resumed,) = engine.generate([Request("r0", ps[0], params, prefix=got["p0"])])
+    assert resumed.sample.tokens == reference[0].sample.tokens
+    assert resumed.sample.logprobs[:len(got["p0"].tokens)] == got["p0"].logprobs
+    assert "labelled no weight versions" not in caplog.text
+
+
 def _token_counts(engine):
     with engine._lock:
         return {rid: len(live.sample.tokens) for rid, live in engine._live.items()}
