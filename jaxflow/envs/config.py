@@ -46,28 +46,28 @@ def _resolve(ref: str) -> Callable[..., Any]:
 
 
 def env_problems(section: ml_collections.ConfigDict, tokenizer: Any = None) -> list[str]:
-    """What is wrong with `rollout.env` (with `tokenizer`, also whether turn_stop is one token)."""
-    if section.ref is None:
-        return []
+    """What is wrong with `rollout.env` (with `tokenizer`, also whether turn_stop is one token). Every key is
+    checked, episodes on or off (ref None), so a bad value never waits for the run that turns them on."""
     problems: list[str] = []
-    if not isinstance(section.ref, str):
-        return [f"rollout.env.ref must be None or 'module:factory', got {section.ref!r}"]
-    try:
-        factory = _resolve(section.ref)
-    except (ImportError, ValueError) as e:
-        return [f"rollout.env.ref: {e}"]
-    options = section.options.to_dict() if isinstance(section.options, ml_collections.ConfigDict) else section.options
-    if not isinstance(options, dict):
-        problems.append(f"rollout.env.options must be a dict of the factory's keyword arguments, got {options!r}")
-    else:
-        try:  # built once here, so that a bad option fails now and not in the first episode
-            factory(**options)
-        except Exception as e:  # noqa: BLE001 - whatever the user's factory raises names the problem
-            problems.append(f"rollout.env: {section.ref}(**{options}) failed: {type(e).__name__}: {e}")
     check_float(problems, "rollout.env.step_timeout_s", section.step_timeout_s, 0.0, open_low=True)
     check_int(problems, "rollout.env.max_turns", section.max_turns, 1)
     if not isinstance(section.get("isolate", False), bool):
         problems.append(f"rollout.env.isolate must be True or False, got {section.isolate!r}")
+    options = section.options.to_dict() if isinstance(section.options, ml_collections.ConfigDict) else section.options
+    if not isinstance(options, dict):
+        problems.append(f"rollout.env.options must be a dict of the factory's keyword arguments, got {options!r}")
+    if section.ref is not None:
+        if not isinstance(section.ref, str):
+            return problems + [f"rollout.env.ref must be None or 'module:factory', got {section.ref!r}"]
+        try:
+            factory = _resolve(section.ref)
+        except (ImportError, ValueError) as e:
+            return problems + [f"rollout.env.ref: {e}"]
+        if isinstance(options, dict):
+            try:  # built once here, so that a bad option fails now and not in the first episode
+                factory(**options)
+            except Exception as e:  # noqa: BLE001 - whatever the user's factory raises names the problem
+                problems.append(f"rollout.env: {section.ref}(**{options}) failed: {type(e).__name__}: {e}")
     if section.turn_stop is not None:
         if not isinstance(section.turn_stop, str) or not section.turn_stop:
             problems.append(f"rollout.env.turn_stop must be None or a non-empty string, got {section.turn_stop!r}")
