@@ -87,7 +87,7 @@ class Coordinator:
     def __init__(self, name: str, engines: list[Engine], trajectories, params, *, strategy: Coordination,
                  eta: int, sampling: SamplingParams, reward_fn: RewardFn | None = None,
                  clock: Callable[[], float] = time.monotonic, trace_every_s: float | None = None,
-                 renew_every_s: float = 1.0):
+                 renew_every_s: float = 1.0, report_progress: bool = True):
         if not engines:
             raise ValueError("a coordinator needs at least one engine")
         self.name, self.trajectories, self.params, self.strategy = name, trajectories, params, strategy
@@ -107,6 +107,9 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self.trace_every_s = trace_every_s
         self.renew_every_s, self._renewed_at = renew_every_s, -math.inf
+        # Progress in each renewal: what a dead worker's groups resume from. Off where no worker can die
+        # unnoticed (the simulator), since reading every running request's tokens costs a copy of them.
+        self.report_progress = report_progress
         self._reported: dict[int, int] = {}  # group -> tokens in its last progress report
         # Bounded: the newest samples of a long run.
         self.trace = {k: collections.deque(maxlen=200_000) for k in ("loads", "group_lengths", "sync_s")}
@@ -261,7 +264,7 @@ class Coordinator:
         if renew is None or not self._groups or now - self._renewed_at < self.renew_every_s:
             return
         self._renewed_at = now
-        report = self._progress()
+        report = self._progress() if self.report_progress else {}
         for gid in renew(self.name, list(self._groups), report or None):
             if gid in self._groups:
                 self._drop_group(gid)

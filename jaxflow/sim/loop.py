@@ -84,7 +84,7 @@ def simulate(scenario: Scenario, strategy: Coordination, *, eta: int, seed: int 
     coordinator = Coordinator("sim", fleet.engines, service, params, strategy=strategy, eta=eta,
                               sampling=SamplingParams(max_tokens=sc.max_tokens),
                               reward_fn=lambda task, samples: [float(i % 2) for i in range(len(samples))],
-                              clock=clock)
+                              clock=clock, report_progress=False)  # simulated workers never die
     block = workload.block_tokens
     version, busy_until, busy_s = 0, None, 0.0
     step_ends: list[float] = []
