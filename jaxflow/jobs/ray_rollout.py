@@ -7,10 +7,10 @@ client. `start_rollout_actor` places one: one GPU where the cluster has GPUs, on
 custom node resources (which pick the nodes it may run on).
 
 Its engine is a JAX or a vLLM engine (`make_engine`, as the RL job's and the rollout worker CLI's). A vLLM
-engine runs its engine core and worker in child processes of the actor and loads each pulled version's
-HF-named host tensors; on a CPU node vLLM's worker binds its threads to the node's cores by itself
-(`VLLM_CPU_OMP_THREADS_BIND`, default "auto"), not to the one CPU Ray counts for the actor, and whatever
-OMP_NUM_THREADS Ray gave the actor.
+engine runs its engine core and worker in child processes of the actor (they end with it, also when Ray
+kills it) and loads each pulled version's HF-named host tensors. On a CPU node vLLM's worker binds its
+threads to the node's cores itself (`VLLM_CPU_OMP_THREADS_BIND`, default "auto", which also sets its
+OMP_NUM_THREADS), whatever the one CPU Ray counts for the actor and the OMP_NUM_THREADS=1 Ray gives it.
 """
 
 from __future__ import annotations
@@ -238,9 +238,9 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
                 eos_id: int, resources: dict[str, float] | None = None, rewards: Any = None) -> RolloutFleet:
     """The RL job's `cluster.rollout_actors` rollout actors (each a coordinator over one engine of
     `rollout.engine`, with the `rollout.*` sizes and sampling and the `rollout.coordination` options,
-    seeded `seed + i`, named `names.rollout(tag, i)`), started and generating. Rewards are scored by `reward_ref`, in the
-    reward pool's actor `rewards` (a proxy), or in the actors when None. resources: custom node
-    resources each actor needs."""
+    seeded `seed` + i, named `names.rollout(tag, i)`), started and generating. Rewards are scored by
+    `reward_ref`, in the reward pool's actor `rewards` (a proxy), or in the actors when None. resources:
+    custom node resources each actor needs."""
     r = config.rollout
     coordination = r.coordination.to_dict()
     tag = names.run_tag(config.workdir)
