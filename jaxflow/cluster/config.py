@@ -51,7 +51,7 @@ def _trainer_problems(cluster: ml_collections.ConfigDict) -> list[str]:
     return problems
 
 
-def cluster_problems(cluster: ml_collections.ConfigDict, engine: str) -> list[str]:
+def cluster_problems(cluster: ml_collections.ConfigDict) -> list[str]:
     """What is wrong with the `cluster` section (mode "ray" also needs Ray installed: the cluster extra)."""
     if cluster.mode not in CLUSTER_MODES:
         return [f"cluster.mode {cluster.mode!r} is not one of {CLUSTER_MODES}"]
@@ -61,8 +61,6 @@ def cluster_problems(cluster: ml_collections.ConfigDict, engine: str) -> list[st
     actors = cluster.rollout_actors
     if (bad := _count(actors, "rollout_actors", 0)) is not None:
         return [bad]
-    if actors and engine != "jax":
-        return [f"cluster.rollout_actors runs JAX engines only so far; rollout.engine is {engine!r}"]
     problems = _trainer_problems(cluster)
     for piece, resource in cluster.node_resource.items():
         if resource is not None and (not isinstance(resource, str) or not resource.strip()):

@@ -5,6 +5,12 @@ It is `jaxflow.jobs.rollout_worker` with Ray as the transport: the trajectory se
 the RPC client, and the parameter service's proxy (its `latest` and `pull`) in place of the parameter
 client. `start_rollout_actor` places one: one GPU where the cluster has GPUs, one CPU otherwise, plus any
 custom node resources (which pick the nodes it may run on).
+
+Its engine is a JAX or a vLLM engine (`make_engine`, as the RL job's and the rollout worker CLI's). A vLLM
+engine runs its engine core and worker in child processes of the actor (they end with it, also when Ray
+kills it) and loads each pulled version's HF-named host tensors. On a CPU node vLLM's worker binds its
+threads to the node's cores itself (`VLLM_CPU_OMP_THREADS_BIND`, default "auto", which also sets its
+OMP_NUM_THREADS), whatever the one CPU Ray counts for the actor and the OMP_NUM_THREADS=1 Ray gives it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ log = logging.getLogger(__name__)
 class RolloutActor:
     """The body of a rollout actor. trajectories / params: proxies of the two services (params: any weight
     source with `latest` / `pull`). model: the HF directory the engine starts from (on the actor's node).
+    engine, max_len, slots, seed, decode_chunk, kv_cache_gib: `make_engine`'s (a vLLM engine takes the
+    pulled versions' HF-named host tensors, as every weight source's `pull` returns them).
     reward_ref: "module:function" scoring (response text, meta), or None to leave rewarding to the
     trainer's side; rewards: the proxy of a `RewardPool` in its own actor to score it in (its time limit
     and crash isolation), or None to score in this actor. coordination: `Coordination` options
@@ -33,12 +41,14 @@ class RolloutActor:
     index: the actor's place in its fleet (in its reports)."""
 
     def __init__(self, name: str, trajectories: Any, params: Any, model: str, *, engine: str = "jax",
-                 max_len: int = 256, slots: int = 8, max_tokens: int = 64, temperature: float = 1.0,
+                 max_len: int = 256, slots: int = 8, seed: int = 0, decode_chunk: int = 16,
+                 kv_cache_gib: float | None = 1.0, max_tokens: int = 64, temperature: float = 1.0,
                  stop_token_ids: tuple[int, ...] = (), reward_ref: str | None = None, rewards: Any = None,
                  coordination: dict[str, Any] | None = None, index: int = 0):
         options = {"max_running": slots, "sync": "all", **(coordination or {}), "stuck": "wait"}
         strategy = Coordination.from_config(options)
-        self.engine = make_engine(engine, model, max_len, slots)
+        self.engine = make_engine(engine, model, max_len, slots, seed=seed, decode_chunk=decode_chunk,
+                                  kv_cache_gib=kv_cache_gib)
         reward_fn = None
         if reward_ref is not None:
             from jaxflow.rewards import group_reward_fn, resolve
@@ -116,9 +126,14 @@ def start_rollout_actor(name: str, trajectories: Any, params: Any, model: str, *
     """Starts a `RolloutActor` named `name` (one GPU if the cluster has any, else one CPU) and returns its
     handle; `options` are `RolloutActor`'s. Call `handle.start.remote()` to set it going. Ray restarts
     the actor when its process dies, up to `max_restarts` times (-1: always); a restarted actor hands back
-    what its old process held and generates again by itself."""
+    what its old process held and generates again by itself. An actor with a vLLM engine runs JAX on the
+    CPU platform (JAX_PLATFORMS=cpu; it only reads shapes there), so that JAX never takes the GPU memory
+    that vLLM is given."""
     ray = ray_actors.require_ray()
-    actor_options = {**ray_actors.actor_options(resources, ray_actors.jax_env()), "max_restarts": max_restarts}
+    env = ray_actors.jax_env()
+    if options.get("engine") == "vllm":
+        env["JAX_PLATFORMS"] = "cpu"
+    actor_options = {**ray_actors.actor_options(resources, env), "max_restarts": max_restarts}
     return ray.remote(RolloutActor).options(name=name, **actor_options).remote(
         name, trajectories, params, model, **options)
 
@@ -223,15 +238,17 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
                 eos_id: int, resources: dict[str, float] | None = None, rewards: Any = None) -> RolloutFleet:
     """The RL job's `cluster.rollout_actors` rollout actors (each a coordinator over one engine of
     `rollout.engine`, with the `rollout.*` sizes and sampling and the `rollout.coordination` options,
-    named `names.rollout(tag, i)`), started and generating. Rewards are scored by `reward_ref`, in the
-    reward pool's actor `rewards` (a proxy), or in the actors when None. resources: custom node
-    resources each actor needs."""
+    seeded `seed` + i, named `names.rollout(tag, i)`), started and generating. Rewards are scored by
+    `reward_ref`, in the reward pool's actor `rewards` (a proxy), or in the actors when None. resources:
+    custom node resources each actor needs."""
     r = config.rollout
     coordination = r.coordination.to_dict()
     tag = names.run_tag(config.workdir)
     actors = [start_rollout_actor(names.rollout(tag, i), trajectories, params, str(model), index=i,
                                   resources=resources,
-                                  engine=r.engine, max_len=r.max_len, slots=r.max_slots, max_tokens=r.max_tokens,
+                                  engine=r.engine, max_len=r.max_len, slots=r.max_slots, seed=config.seed + i,
+                                  decode_chunk=r.decode_chunk, kv_cache_gib=r.kv_cache_gib,
+                                  max_tokens=r.max_tokens,
                                   temperature=r.temperature, stop_token_ids=(eos_id,), reward_ref=reward_ref,
                                   rewards=rewards,
                                   coordination=coordination)

@@ -65,6 +65,7 @@ from jaxflow.data.prompt_source import PromptSource
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
 from jaxflow.tasks import get_task
 from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
+from jaxflow.jobs.rollout_worker import make_engine
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.state import abstract_train_state
@@ -127,7 +128,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     # refuses them too; this catches a config built or changed in code.
     problems += number_problems(config, problems)
     problems += _task_problems(config)
-    problems += cluster_problems(config.cluster, r.engine)
+    problems += cluster_problems(config.cluster)
     env = r.get("env")
     if env is not None:
         problems += env_problems(env)
@@ -171,15 +172,14 @@ def check_workdir(workdir: pathlib.Path) -> None:
 
 
 def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
+    """An engine of rollout.engine at the trainer's version: JAX over the trainer's model, vLLM from the
+    base model's directory with the trainer's weights pushed in (after a resume)."""
     r = config.rollout
-    if r.engine == "jax":
-        from rollout_bridge.jax_engine import JaxEngine
-        return JaxEngine(trainer.model(), max_slots=r.max_slots, max_len=r.max_len,
-                         decode_chunk=r.decode_chunk, version=trainer.version, seed=config.seed)
-    from rollout_bridge.vllm_engine import VllmEngine
-    engine = VllmEngine(base_dir, max_model_len=r.max_len, max_num_seqs=r.max_slots,
-                        kv_cache_gib=r.kv_cache_gib, seed=config.seed, enforce_eager=True)
-    if trainer.version != 0:
+    jax_engine = r.engine == "jax"
+    engine = make_engine(r.engine, trainer.model() if jax_engine else base_dir, r.max_len, r.max_slots,
+                         seed=config.seed, decode_chunk=r.decode_chunk, kv_cache_gib=r.kv_cache_gib,
+                         version=trainer.version if jax_engine else 0)
+    if not jax_engine and trainer.version != 0:
         engine.update_weights(trainer.version, trainer.hf_tensors())
     return engine
 

@@ -37,16 +37,24 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def make_engine(kind: str, model: str, max_len: int, slots: int):
-    """The engine named by `kind` ("jax" or "vllm") serving the HF directory `model`."""
+def make_engine(kind: str, model, max_len: int, slots: int, *, seed: int = 0, decode_chunk: int = 16,
+                kv_cache_gib: float | None = 1.0, version: int = 0):
+    """The engine named by `kind` ("jax" or "vllm") serving `model` (an HF directory; a JAX engine also
+    takes a `Transformer`) at policy `version`, with `slots` sequences of up to `max_len` tokens at once and
+    sampling seeded by `seed`. jax: a `JaxEngine` decoding `decode_chunk` tokens a call. vllm: a
+    `VllmEngine` with a KV cache of `kv_cache_gib` GiB (None: vLLM's own sizing) and CUDA graphs off
+    (`enforce_eager`, as the RL job's engines: no graph capture at start, and on CPU no torch.compile).
+    The one construction path of the RL job's engines, its rollout actors' and this CLI's."""
     if kind == "jax":
         from rollout_bridge.jax_engine import JaxEngine
 
-        return JaxEngine(model, max_slots=slots, max_len=max_len)
+        return JaxEngine(model, max_slots=slots, max_len=max_len, decode_chunk=decode_chunk, version=version,
+                         seed=seed)
     if kind == "vllm":
         from rollout_bridge.vllm_engine import VllmEngine
 
-        return VllmEngine(model, max_model_len=max_len, max_num_seqs=slots)
+        return VllmEngine(model, version=version, max_model_len=max_len, max_num_seqs=slots,
+                          kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True)
     raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")
 
 
@@ -65,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    parser.add_argument("--decode-chunk", type=int, default=16, help="tokens a JAX engine decodes a call")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="a vLLM engine's KV cache in GiB")
     parser.add_argument("--sync", default="all", choices=["all", "selective"],
                         help="all: take each new version at once; selective: when idle or lagging")
     parser.add_argument("--sync-idle-below", type=int, default=0)
@@ -73,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain", action="store_true",
                         help="on SIGTERM/SIGINT let the groups in flight finish instead of handing them back")
     args = parser.parse_args(argv)
+    if args.decode_chunk < 1:
+        parser.error(f"--decode-chunk must be >= 1, got {args.decode_chunk}")
+    if not args.kv_cache_gib > 0:
+        parser.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     try:
         # Stuck buffers are the trainer's side's business (one worker sees one engine): "wait", so that
         # eta, which only that strategy reads, does not matter here.
@@ -86,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("JAXFLOW_TOKEN")
     trajectories = rpc.Client(args.trajectories, token=token)
     params = ParameterClient(rpc.Client(args.params, token=token))
-    engine = make_engine(args.engine, args.model, args.max_len, args.slots)
+    engine = make_engine(args.engine, args.model, args.max_len, args.slots, seed=args.seed,
+                         decode_chunk=args.decode_chunk, kv_cache_gib=args.kv_cache_gib)
     reward_fn = None
     if args.reward:
         from jaxflow.rewards import resolve

@@ -118,8 +118,6 @@ def test_unwritable_workdir_fails_before_the_base_model(tmp_path, capsys):
     ({"cluster.mode": "ray", "cluster.address": ""}, "cluster.address must be None"),
     ({"cluster.rollout_actors": "2"}, "cluster.rollout_actors=2 needs cluster.mode=ray"),
     ({"cluster.mode": "ray", "cluster.rollout_actors": "-1"}, "cluster.rollout_actors must be an int >= 0"),
-    ({"cluster.mode": "ray", "cluster.rollout_actors": "1", "rollout.engine": "vllm"},
-     "cluster.rollout_actors runs JAX engines only so far; rollout.engine is 'vllm'"),
     ({"cluster.trainer_processes": "2"}, "cluster.trainer_processes=2 needs cluster.mode=ray"),
     ({"cluster.mode": "ray", "cluster.trainer_processes": "2"},
      "cluster.trainer_processes=2 needs cluster.rollout_actors >= 1"),
