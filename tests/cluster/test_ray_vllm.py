@@ -10,7 +10,6 @@ import json
 import os
 import pathlib
 
-import psutil
 import pytest
 
 try:
@@ -20,6 +19,8 @@ except ImportError as e:
         raise
     pytest.skip(f"vLLM is not importable ({e}); install the rollout-cpu or rollout-gpu extra to run the "
                 f"vLLM rollout actor test", allow_module_level=True)
+
+import psutil  # noqa: E402  (a vLLM dependency: imported once vLLM is known to be there)
 
 from jaxflow.config import load_config  # noqa: E402
 from jaxflow.jobs import rl  # noqa: E402
