@@ -23,7 +23,7 @@ from typing import Any
 
 from jaxflow.cluster import names, ray_actors
 from jaxflow.coordination import Coordination, Coordinator
-from jaxflow.jobs.rollout_worker import make_engine
+from jaxflow.jobs.rollout_worker import make_engine, with_episodes
 from rollout_bridge.engine import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -38,22 +38,25 @@ class RolloutActor:
     trainer's side; rewards: the proxy of a `RewardPool` in its own actor to score it in (its time limit
     and crash isolation), or None to score in this actor. coordination: `Coordination` options
     (max_running defaults to slots; stuck buffers are the trainer's business, so `stuck` is "wait").
-    index: the actor's place in its fleet (in its reports)."""
+    index: the actor's place in its fleet (in its reports). env: the `rollout.env` section as a dict, to
+    run that environment's episodes on the engine (`with_episodes`; scored by their environments), or
+    None for single answers."""
 
     def __init__(self, name: str, trajectories: Any, params: Any, model: str, *, engine: str = "jax",
                  max_len: int = 256, slots: int = 8, seed: int = 0, decode_chunk: int = 16,
                  kv_cache_gib: float | None = 1.0, max_tokens: int = 64, temperature: float = 1.0,
                  stop_token_ids: tuple[int, ...] = (), reward_ref: str | None = None, rewards: Any = None,
-                 coordination: dict[str, Any] | None = None, index: int = 0):
+                 coordination: dict[str, Any] | None = None, index: int = 0, env: dict | None = None):
         options = {"max_running": slots, "sync": "all", **(coordination or {}), "stuck": "wait"}
         strategy = Coordination.from_config(options)
-        self.engine = make_engine(engine, model, max_len, slots, seed=seed, decode_chunk=decode_chunk,
-                                  kv_cache_gib=kv_cache_gib)
+        from jaxflow.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_dir(model)
+        self.engine = with_episodes(env, tokenizer)(
+            make_engine(engine, model, max_len, slots, seed=seed, decode_chunk=decode_chunk,
+                        kv_cache_gib=kv_cache_gib))
         reward_fn = None
         if reward_ref is not None:
             from jaxflow.rewards import group_reward_fn, resolve
-            from jaxflow.tokenizer import Tokenizer
-            tokenizer = Tokenizer.from_dir(model)
             if rewards is not None:
                 reward_fn = group_reward_fn(rewards, reward_ref, tokenizer.decode)
             else:
@@ -239,7 +242,8 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
     """The RL job's `cluster.rollout_actors` rollout actors (each a coordinator over one engine of
     `rollout.engine`, with the `rollout.*` sizes and sampling and the `rollout.coordination` options,
     seeded `seed` + i, named `names.rollout(tag, i)`), started and generating. Rewards are scored by
-    `reward_ref`, in the reward pool's actor `rewards` (a proxy), or in the actors when None. resources:
+    `reward_ref`, in the reward pool's actor `rewards` (a proxy), or in the actors when None; with
+`rollout.env` set, the actors run its episodes, which their environments score. resources:
     custom node resources each actor needs."""
     r = config.rollout
     coordination = r.coordination.to_dict()
@@ -251,6 +255,7 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
                                   max_tokens=r.max_tokens,
                                   temperature=r.temperature, stop_token_ids=(eos_id,), reward_ref=reward_ref,
                                   rewards=rewards,
-                                  coordination=coordination)
+                                  coordination=coordination,
+                                  env=r.env.to_dict() if r.get("env") is not None else None)
               for i in range(config.cluster.rollout_actors)]
     return RolloutFleet(actors).start()

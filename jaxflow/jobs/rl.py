@@ -56,7 +56,7 @@ from jaxflow.jobs.bookkeeping import (REWARD_FAILURES, Ledger, RewardErrors, Rew
                                       accounting, check_first_batch)
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.coordination import Coordination, Coordinator
-from jaxflow.envs.config import env_problems, environment_factory, turn_stop_ids
+from jaxflow.envs.config import env_problems
 from jaxflow.jobs.evaluation import evaluate
 from jaxflow.models import hf_io
 from jaxflow.data.device_params import DeviceParamSource
@@ -65,7 +65,7 @@ from jaxflow.data.prompt_source import PromptSource
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
 from jaxflow.tasks import get_task
 from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
-from jaxflow.jobs.rollout_worker import make_engine
+from jaxflow.jobs.rollout_worker import make_engine, with_episodes
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.state import abstract_train_state
@@ -132,9 +132,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     env = r.get("env")
     if env is not None:
         problems += env_problems(env)
-        if env.ref is not None and config.cluster.rollout_actors:
-            problems.append("rollout.env (episodes) does not run in Ray rollout actors yet; set "
-                            "cluster.rollout_actors=0")
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 
@@ -186,18 +183,8 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
 
 def episodes(config, tokenizer):
     """engine -> the engine itself, or (rollout.env.ref set) an EpisodeEngine running the configured
-    environment's episodes on it. ConfigError when rollout.env.turn_stop is not one token."""
-    env = config.rollout.get("env")
-    if env is None or env.ref is None:
-        return lambda engine: engine
-    problems = env_problems(env, tokenizer)
-    if problems:
-        raise ConfigError("bad config: " + "; ".join(problems))
-    from rollout_bridge.episodes import EpisodeEngine
-    make_env, stops = environment_factory(env), turn_stop_ids(env, tokenizer)
-    return lambda engine: EpisodeEngine(engine, make_env, tokenizer, turn_stop_ids=stops,
-                                        step_timeout_s=env.step_timeout_s, max_turns=env.max_turns,
-                                        env_name=env.ref)
+    environment's episodes on it (`with_episodes`). ConfigError when rollout.env is bad."""
+    return with_episodes(config.rollout.get("env"), tokenizer)
 
 
 class _Evaluator:

@@ -22,6 +22,10 @@ import os
 import signal
 import threading
 
+import ml_collections
+
+from jaxflow.config import ConfigError
+from jaxflow.envs.config import env_problems, environment_factory, turn_stop_ids
 from jaxflow.transport import rpc
 from jaxflow.transport.param_client import ParameterClient
 from jaxflow.coordination import Coordination, Coordinator
@@ -56,6 +60,25 @@ def make_engine(kind: str, model, max_len: int, slots: int, *, seed: int = 0, de
         return VllmEngine(model, version=version, max_model_len=max_len, max_num_seqs=slots,
                           kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True)
     raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")
+
+
+def with_episodes(env, tokenizer):
+    """engine -> the engine itself, or (the `rollout.env` section `env` names an environment: a ConfigDict
+    or its dict) an EpisodeEngine running that environment's episodes on it; the RL job's engines, its
+    evaluator's and its rollout actors' all go through here. ConfigError when the section is bad (its
+    turn_stop not one token of `tokenizer`, ...)."""
+    if isinstance(env, dict):
+        env = ml_collections.ConfigDict(env)
+    if env is None or env.get("ref") is None:
+        return lambda engine: engine
+    problems = env_problems(env, tokenizer)
+    if problems:
+        raise ConfigError("bad config: " + "; ".join(problems))
+    from rollout_bridge.episodes import EpisodeEngine
+    make_env, stops = environment_factory(env), turn_stop_ids(env, tokenizer)
+    return lambda engine: EpisodeEngine(engine, make_env, tokenizer, turn_stop_ids=stops,
+                                        step_timeout_s=env.step_timeout_s, max_turns=env.max_turns,
+                                        env_name=env.ref)
 
 
 def main(argv: list[str] | None = None) -> int:

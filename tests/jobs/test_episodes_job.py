@@ -104,3 +104,39 @@ def test_a_skyrl_gym_environment_trains_through_the_adapter(tmp_path, monkeypatc
     rewards = [r["reward_mean"] for r in trained]
     first, last = statistics.mean(rewards[:8]), statistics.mean(rewards[-8:])
     assert last > first, [round(x, 3) for x in rewards]
+
+
+def test_episodes_run_in_a_ray_rollout_actor(tmp_path, base_dir, monkeypatch):  # noqa: F811
+    """The same SkyRL-gym environment in a Ray rollout actor (the trainer in the job, the data services in
+    their own actor): the actor runs its episodes, their samples cross Ray with their environment spans
+    (masked out of the loss), the bound holds per token and the accounting closes. The environment's module
+    reaches the actor's process as a user's would: on PYTHONPATH (or installed) where the actor runs."""
+    import os
+    import pathlib
+
+    from service_placements import ray_session_end
+
+    ray_session_end()  # the job starts a local Ray of its own, which its workers inherit PYTHONPATH from
+    envs = str(pathlib.Path(__file__).parents[1] / "envs")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (envs, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.syspath_prepend(envs)  # the job's config check builds the environment once here too
+    eta, steps = 1, 3
+    config = small_config(tmp_path, base_dir, **{
+        "trainer.steps": str(steps), "trainer.eta": str(eta), "eval.every": "1000", "checkpoint.every": "1000",
+        "rollout.max_tokens": "96", "rollout.max_len": "192", "rollout.env.ref": "jaxflow.envs.adapters:SkyRLGymEnv",
+        "cluster.mode": "ray", "cluster.rollout_actors": "1"})
+    with config.unlocked():
+        config.rollout.env.options = {"env": "skyrl_even_env:EvenAnswerEnv"}
+    assert rl.run(config) == 0
+    workdir = tmp_path / "run"
+    trained = [r for r in records(workdir) if "env_tokens_mean" in r]
+    assert [r["step"] for r in trained] == list(range(steps))
+    # "Final answer?" sits between the two turns of every episode, and is not trained.
+    assert all(r["env_tokens_mean"] > 5 and r["trained_tokens"] < r["consumed_tokens"] for r in trained)
+    assert all(max(map(int, r["staleness"])) <= eta for r in trained)
+    result = json.loads((workdir / "result.json").read_text())
+    a = result["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
+    assert a["ledger_duplicates"] == 0
+    actors = result["cluster"]["rollout_actors"]
+    assert len(actors) == 1 and actors[0]["pid"] != os.getpid()
