@@ -15,6 +15,8 @@ Commands:
 """
 
 import ml_collections
+
+from jaxflow.models.lora import LORA_TARGETS
 from ml_collections.config_dict import placeholder
 
 from jaxflow.coordination import config_section
@@ -151,6 +153,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.adam_eps = 1e-8
     config.trainer.weight_decay = 0.0
     config.trainer.max_grad_norm = 1.0
+    # LoRA (jaxflow/models/lora.py): rank 0 trains every weight; rank r >= 1 freezes the base and trains
+    # rank-r adapters on `targets` (their output scaled by alpha / r). The optimizer then holds the adapters
+    # alone, checkpoints store them (the base is the base model's directory), and a weight sync to a JAX
+    # engine moves only them (vLLM gets the merged weights). Raise lr with it ("LoRA without regret":
+    # rank-1 adapters matched full fine-tuning for RL at about 10x its learning rate).
+    config.trainer.lora = ml_collections.ConfigDict({"rank": 0, "alpha": 32.0, "targets": LORA_TARGETS})
     # Pack several sequences per row (segment ids keep them apart) instead of one padded row each.
     config.trainer.pack = True
 

@@ -26,6 +26,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "layers": None,
+    "lora_rank": None,
 }
 
 

@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import sharding
-from jaxflow.models import hf_io
+from jaxflow.models import hf_io, lora
 from jaxflow.models.transformer import Transformer
 from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
@@ -115,8 +115,13 @@ class JaxEngine(Engine):
         self._graphdef, params = nnx.split(model)
         # Placed exactly as update_weights places new weights, so a swap never triggers a recompile; and
         # copied, so that a trainer donating its own params (one process, same mesh) leaves ours intact.
-        self._param_shardings = sharding.state_shardings(params, self._mesh, rules)
-        self._params = jax.device_put(params, self._param_shardings, may_alias=False)
+        self._all_shardings = sharding.state_shardings(params, self._mesh, rules)
+        self._params = jax.device_put(params, self._all_shardings, may_alias=False)
+        # What a weight sync replaces: every parameter, or with LoRA adapters only the adapters (the base
+        # stays as loaded; `lora.adapter_arrays` checks HF-named adapters against the model).
+        self.lora = model.layers.lora
+        self._synced = nnx.LoRAParam if self.lora is not None else nnx.Param
+        self._param_shardings = nnx.filter_state(self._all_shardings, self._synced)
         self._cast_weights = cast_weights
         self._version = version
         self.max_slots, self.max_len, self.decode_chunk = max_slots, max_len, decode_chunk
@@ -185,9 +190,10 @@ class JaxEngine(Engine):
 
     @property
     def param_shardings(self):
-        """The shardings the engine serves its parameters with (an nnx.State of NamedShardings on its
-        mesh): the target to register with a `DeviceParamSource`, so that each version is copied
-        straight onto this layout when the trainer publishes it."""
+        """The shardings the engine serves the parameters a weight sync replaces with (an nnx.State of
+        NamedShardings on its mesh; with LoRA, the adapters'): the target to register with a
+        `DeviceParamSource`, so that each version is copied straight onto this layout when the trainer
+        publishes it."""
         return self._param_shardings
 
     def update_weights(self, version: int, tensors: Mapping[str, np.ndarray] | DeviceWeights) -> None:
@@ -197,13 +203,17 @@ class JaxEngine(Engine):
 
         tensors: HF-named host arrays (checked against the model's name table: names, shapes, dtypes),
         or `DeviceWeights` from a trainer in this process (checked against the engine's parameter tree:
-        structure, shapes, dtypes), moved onto this engine's mesh device to device.
+        structure, shapes, dtypes), moved onto this engine's mesh device to device. An engine serving
+        LoRA adapters takes the adapters alone (PEFT-named, `jaxflow.models.lora`, or the trainer's
+        adapter state on device) and keeps its base.
         """
         self._raise_if_down()
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise WeightsRejected(f"version must be an int, got {version!r}")
         if isinstance(tensors, DeviceWeights):
             params = self._device_params(int(version), tensors)
+        elif self.lora is not None:
+            params = self._adapters_from_hf(int(version), tensors)
         else:
             params = hf_io.params_from_hf(self.config, tensors, self._mesh, param_dtype=self._param_dtype,
                                           cast=self._cast_weights, rules=self._rules, error=WeightsRejected,
@@ -222,12 +232,13 @@ class JaxEngine(Engine):
         source = f"device weights of version {weights.version}"
         if weights.version != version:
             raise WeightsRejected(f"{source} handed over as version {version}")
-        got, want = jax.tree.structure(weights.params), jax.tree.structure(self._params)
+        current = nnx.filter_state(self._params, self._synced)
+        got, want = jax.tree.structure(weights.params), jax.tree.structure(current)
         if got != want:
             raise WeightsRejected(f"{source} have parameter tree {got}, this engine's model has {want}")
         flat = jax.tree_util.tree_flatten_with_path(weights.params)[0]
         cast = False
-        for (path, new), old in zip(flat, jax.tree.leaves(self._params)):
+        for (path, new), old in zip(flat, jax.tree.leaves(current)):
             where = f"{source}: parameter {jax.tree_util.keystr(path)}"
             if tuple(new.shape) != tuple(old.shape):
                 raise WeightsRejected(f"{where} has shape {tuple(new.shape)}, expected {tuple(old.shape)}")
@@ -238,9 +249,19 @@ class JaxEngine(Engine):
                 cast = True
         params = weights.placed(self._param_shardings)
         if cast:  # a new array per parameter, relabelled with our shardings so no program recompiles
-            params = jax.device_put(jax.tree.map(lambda a, old: a.astype(old.dtype), params, self._params),
+            params = jax.device_put(jax.tree.map(lambda a, old: a.astype(old.dtype), params, current),
                                     self._param_shardings)
         return params
+
+    def _adapters_from_hf(self, version: int, tensors: Mapping[str, np.ndarray]) -> nnx.State:
+        """PEFT-named adapter tensors, checked against this engine's adapters and placed on its mesh."""
+        model = nnx.merge(self._graphdef, self._params)  # new Variables over the same arrays
+        arrays = lora.adapter_arrays(model.layers, tensors, source=f"adapters of version {version}",
+                                     error=WeightsRejected)
+        shardings = nnx.merge(self._graphdef, self._all_shardings).layers
+        for name, value in arrays.items():
+            getattr(model.layers, name)[...] = jax.device_put(value, getattr(shardings, name).get_value())
+        return nnx.state(model, nnx.LoRAParam)
 
     def pause(self, mode: str = "keep") -> list[Completion]:
         """Stops generating at the next decode-call boundary (see `Engine.pause`). Kept sequences keep
@@ -484,7 +505,10 @@ class JaxEngine(Engine):
         return out
 
     def _swap_weights(self, version: int, params: nnx.State) -> None:
-        """Serves `params` from now on and recomputes every in-flight cache under them."""
+        """Serves `params` (with LoRA: new adapters over the base) from now on and recomputes every
+        in-flight cache under them."""
+        if self.lora is not None:
+            params = nnx.merge_state(self._params, params)
         self._params, self._version = params, version
         self._prefill(list(self._running))
 

@@ -59,6 +59,7 @@ from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.envs.config import env_problems
 from jaxflow.jobs.evaluation import evaluate
 from jaxflow.models import hf_io
+from jaxflow.models.lora import LoRASpec
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.param_service import ParameterService
 from jaxflow.data.prompt_source import PromptSource
@@ -129,6 +130,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problems += number_problems(config, problems)
     problems += _task_problems(config)
     problems += cluster_problems(config.cluster)
+    lora_section = t.get("lora")
+    if lora_section is not None and lora_section.get("rank") and config.cluster.trainer_processes:
+        problems.append("trainer.lora does not run with cluster.trainer_processes yet (the trainer group "
+                        "publishes full weights); set cluster.trainer_processes=0 or trainer.lora.rank=0")
     env = r.get("env")
     if env is not None:
         problems += env_problems(env)
@@ -301,11 +306,16 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     # host tensors of a parameter service (see `params` below). Two versions kept, as the parameter
     # service does, so that a driver pulling the version it just saw as latest still finds it.
     device_weights = DeviceParamSource(keep=2)
-    trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh), config.trainer, mesh,
+    trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh, lora=LoRASpec.from_config(config.trainer.get("lora")),
+                                         lora_seed=config.seed), config.trainer, mesh,
                         seq_len=config.rollout.max_len, device_weights=device_weights,
                         max_sequences=config.trainer.batch_groups * config.rollout.group_size)
     print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
           f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
+    if trainer.lora is not None:
+        print(f"jaxflow: LoRA rank {trainer.lora.rank} (alpha {trainer.lora.alpha:g}) on "
+              f"{', '.join(trainer.lora.targets)}: {trainer.trainable_params:,} trained parameters, the base's "
+              f"{trainer.frozen_params:,} frozen", flush=True)
     t = config.trainer
     strategy = Coordination.from_config(config.rollout.coordination)
     service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),
@@ -412,6 +422,7 @@ def _conclude(config, result: dict[str, Any], service, ledger: Ledger, pool, nev
         print(f"jaxflow: error: {never_worked}\n{reward_line}", file=sys.stderr, flush=True)
         return 2
     result["train_step_compiles"], result["train_step_compile_s"] = trainer.compiles, round(trainer.compile_s, 2)
+    result["trained_params"] = trainer.trainable_params
     export()
     (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"jaxflow: done. held-out accuracy {result['base_accuracy']:.1%} (base) -> "

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config, to_hf_config
+from jaxflow.models.lora import LoRASpec, attach
 from jaxflow.models.names import IGNORED_HF_SUFFIXES, TensorMap, hf_names, tensor_maps
 from jaxflow.models.safetensors_io import CheckpointError, CheckpointReader, write_checkpoint
 from jaxflow.models.transformer import Transformer
@@ -120,11 +121,12 @@ class _ReaderTensors(Mapping):
 
 
 def load_model(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
-               param_dtype=None, rules=None) -> Transformer:
+               param_dtype=None, rules=None, lora: LoRASpec | None = None, lora_seed: int = 0) -> Transformer:
     """Loads an HF Llama/Qwen2/Qwen3 directory (config.json + safetensors, single or sharded).
 
     Each parameter is placed directly with its mesh sharding: a device receives only its own slice.
-    mesh: default a one-device mesh. param_dtype: default the checkpoint's config dtype.
+    mesh: default a one-device mesh. param_dtype: default the checkpoint's config dtype. lora: fresh
+    LoRA adapters on these targets (`jaxflow.models.lora.attach`, seeded `lora_seed`) over the loaded base.
     """
     directory = pathlib.Path(directory)
     cfg = from_hf_config(read_hf_config(directory), source=str(directory / "config.json"))
@@ -133,7 +135,11 @@ def load_model(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
         state = params_from_hf(cfg, _ReaderTensors(reader), mesh, param_dtype=param_dtype, rules=rules,
                                source=f"checkpoint {directory}", error=CheckpointError,
                                where=lambda name: f"{reader.file_of(name)}: tensor {name!r}")
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    if lora is not None:
+        attach(model.layers, lora, jax.random.key(lora_seed), mesh or sharding.make_mesh(devices=jax.devices()[:1]),
+               rules)
+    return model
 
 
 def _param(model: Transformer, path: tuple[str, ...]):
@@ -146,11 +152,19 @@ def _param(model: Transformer, path: tuple[str, ...]):
 def iter_hf_tensors(model: Transformer, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, host array in HF layout) for every tensor of the model, one at a time.
 
-    dtype: cast on the way out (default: the parameter's dtype). Sharded parameters are gathered.
+    dtype: cast on the way out (default: the parameter's dtype). Sharded parameters are gathered. A model
+    with LoRA adapters gives its weights as it computes them: each target merged, W + (alpha / r) A B
+    (the adapters alone: `jaxflow.models.lora.peft_tensors`).
     """
     cfg = model.config
+    spec = model.layers.lora
     for row in tensor_maps(cfg, model.layers.names):
         host = np.asarray(jax.device_get(_param(model, row.path)))
+        if spec is not None and row.path[0] == "layers" and row.path[-1] in spec.targets:
+            a = np.asarray(jax.device_get(getattr(model.layers, f"{row.path[-1]}_lora_a")[...]), np.float32)
+            b = np.asarray(jax.device_get(getattr(model.layers, f"{row.path[-1]}_lora_b")[...]), np.float32)
+            delta = np.matmul(a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], b.shape[1], -1))
+            host = (host.astype(np.float32) + spec.scale * delta.reshape(host.shape)).astype(host.dtype)
         if dtype is not None:
             host = host.astype(dtype)
         if row.stacked:

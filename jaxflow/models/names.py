@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxflow.models.config import ModelConfig
 
-_LAYER = "model.layers.{i}."
+LAYER_PREFIX = "model.layers.{i}."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ _ATTN = "self_attn."
 _MLP = "mlp."
 # Layer parameters: attribute name -> (HF suffix, in_dims). Optional ones appear only when the model
 # has them (DecoderLayers decides which exist).
-_LAYER_TABLE = {
+LAYER_TABLE = {
     "input_norm": ("input_layernorm.weight", None),
     "q_proj": (_ATTN + "q_proj.weight", 1),
     "k_proj": (_ATTN + "k_proj.weight", 1),
@@ -91,8 +91,8 @@ def tensor_maps(cfg: ModelConfig, layer_names: tuple[str, ...]) -> list[TensorMa
     """The table for one model: its top-level parameters and its layer parameters `layer_names`."""
     rows = [TensorMap(("embed",), "model.embed_tokens.weight", hf_rank=2)]
     for name in layer_names:
-        suffix, in_dims = _LAYER_TABLE[name]
-        rows.append(TensorMap(("layers", name), _LAYER + suffix, in_dims=in_dims))
+        suffix, in_dims = LAYER_TABLE[name]
+        rows.append(TensorMap(("layers", name), LAYER_PREFIX + suffix, in_dims=in_dims))
     rows.append(TensorMap(("final_norm",), "model.norm.weight"))
     if not cfg.tie_word_embeddings:
         rows.append(TensorMap(("lm_head",), "lm_head.weight", in_dims=1))

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxflow.models import lora as lora_lib
 from jaxflow.models.config import ModelConfig
+from jaxflow.models.lora import LoRASpec
 
 # Large negative instead of -inf: a query with no visible key (a padding row) gets a uniform softmax
 # instead of NaN, and its output is never used.
@@ -126,18 +128,41 @@ def _init(kind, key, shape, std, dtype):
 
 
 class DecoderLayers(nnx.Module):
-    """All decoder blocks, each parameter stacked over a leading [L] axis."""
+    """All decoder blocks, each parameter stacked over a leading [L] axis; with `lora`, the adapters of
+    its targets too (`jaxflow.models.lora`: `<target>_lora_a` [L, in..., r] and `<target>_lora_b`
+    [L, r, out...], `nnx.LoRAParam`s; A random, B zero, so the adapted model starts as the base)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        self.names = tuple(_layer_param_specs(cfg))
-        for name, (axes, shape, kind) in _layer_param_specs(cfg).items():
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, lora: LoRASpec | None = None):
+        specs = _layer_param_specs(cfg)
+        self.names = tuple(specs)
+        for name, (axes, shape, kind) in specs.items():
             value = _init(kind, rngs.params(), (cfg.num_layers, *shape), cfg.initializer_range,
                           param_dtype)
             setattr(self, name, nnx.Param(value, logical_axes=("layers", *axes)))
+        self.lora = None
+        if lora is not None:
+            lora_lib.attach(self, lora, rngs.params())
 
     def stacked(self) -> dict[str, jax.Array]:
-        """The layer parameters as a dict of [L, ...] arrays, the `xs` of the layer scan."""
-        return {name: getattr(self, name)[...] for name in self.names}
+        """The layer parameters as a dict of [L, ...] arrays, the `xs` of the layer scan. Adapters come as
+        `<target>_lora_a` and `<target>_lora_b`, B already scaled by alpha / r."""
+        out = {name: getattr(self, name)[...] for name in self.names}
+        for target in (self.lora.targets if self.lora else ()):
+            out[f"{target}_lora_a"] = getattr(self, f"{target}_lora_a")[...]
+            out[f"{target}_lora_b"] = getattr(self, f"{target}_lora_b")[...] * self.lora.scale
+        return out
+
+
+def _project(p: dict[str, jax.Array], name: str, equation: str, x: jax.Array) -> jax.Array:
+    """x through the projection `name` (its einsum `equation`), plus its adapter's x A B where it has one."""
+    y = jnp.einsum(equation, x, p[name])
+    a = p.get(f"{name}_lora_a")
+    if a is None:
+        return y
+    b = p[f"{name}_lora_b"]
+    k = a.ndim - 1  # the kernel's input dims
+    xa = jnp.einsum("...i,ir->...r", x.reshape(*x.shape[:x.ndim - k], -1), a.reshape(-1, a.shape[-1]))
+    return y + jnp.einsum("...r,ro->...o", xa, b.reshape(b.shape[0], -1)).reshape(y.shape).astype(y.dtype)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt,
@@ -156,9 +181,9 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
     b, t, _ = x_btd.shape
     g, r = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     h = rms_norm(x_btd, p["input_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, p["q_proj"])
-    k = jnp.einsum("btd,dgk->btgk", h, p["k_proj"])
-    v = jnp.einsum("btd,dgk->btgk", h, p["v_proj"])
+    q = _project(p, "q_proj", "btd,dhk->bthk", h)
+    k = _project(p, "k_proj", "btd,dgk->btgk", h)
+    v = _project(p, "v_proj", "btd,dgk->btgk", h)
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
@@ -172,31 +197,32 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
     else:
         out, kv_out = cached_attention(q, k, v)
     out = out.reshape(b, t, g * r, -1)
-    attn = jnp.einsum("bthk,hkd->btd", out, p["o_proj"])
+    attn = _project(p, "o_proj", "bthk,hkd->btd", out)
     if cfg.o_bias:
         attn = attn + p["o_bias"]
     x_btd = x_btd + attn
 
     h = rms_norm(x_btd, p["post_attn_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, p["gate_proj"])
-    up = jnp.einsum("btd,df->btf", h, p["up_proj"])
+    gate = _project(p, "gate_proj", "btd,df->btf", h)
+    up = _project(p, "up_proj", "btd,df->btf", h)
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    down = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"])
+    down = _project(p, "down_proj", "btf,fd->btd", jax.nn.silu(gate) * up)
     if cfg.mlp_bias:
         down = down + p["down_bias"]
     return x_btd + down, kv_out
 
 
 class Transformer(nnx.Module):
-    """Token embedding, L stacked decoder blocks, final RMSNorm and LM head (tied or not)."""
+    """Token embedding, L stacked decoder blocks, final RMSNorm and LM head (tied or not); with `lora`,
+    LoRA adapters on the blocks' target projections (`jaxflow.models.lora`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=None, lora: LoRASpec | None = None):
         dtype = jnp.dtype(param_dtype or cfg.dtype)
         self.config = cfg
         self.embed = nnx.Param(_init("normal", rngs.params(), (cfg.vocab_size, cfg.hidden_size),
                                      cfg.initializer_range, dtype), logical_axes=("vocab", "embed"))
-        self.layers = DecoderLayers(cfg, rngs=rngs, param_dtype=dtype)
+        self.layers = DecoderLayers(cfg, rngs=rngs, param_dtype=dtype, lora=lora)
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype), logical_axes=("embed",))
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(_init("normal", rngs.params(), (cfg.hidden_size, cfg.vocab_size),

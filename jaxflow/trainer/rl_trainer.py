@@ -43,11 +43,11 @@ from flax import nnx
 from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import Trajectory, make_batch
-from jaxflow.models import hf_io
+from jaxflow.models import hf_io, lora
 from jaxflow.data import checks
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.records import FinishedGroup
-from jaxflow.trainer.state import TrainState, create_train_state, train_state_shardings
+from jaxflow.trainer.state import TrainState, create_train_state, frozen_state, train_state_shardings, trainable
 from jaxflow.trainer.step import PROX_MODES, StepConfig, TrainStep, make_optimizer
 from jaxflow.data.records import ConsumedBatch
 
@@ -118,6 +118,8 @@ def check_trainer_config(trainer: ml_collections.ConfigDict) -> None:
     """Validates every update option of the trainer section (what RLTrainer reads); raises one ValueError
     naming the bad keys (the first of each group: loss, step, optimizer, batch). No model, no device work."""
     problems = []
+    if trainer.get("lora") is not None:
+        problems += lora.lora_problems(trainer.lora.get("rank"), trainer.lora.get("alpha"), trainer.lora.get("targets"))
     for check in (lambda t: loss_config(t.loss), _check_step_fields, optimizer_config, _check_batch_fields):
         try:
             check(trainer)
@@ -206,7 +208,10 @@ class RLTrainer:
         self.mesh, self.seq_len, self.cfg = mesh, seq_len, trainer
         self.device_weights = device_weights
         self.graphdef = nnx.graphdef(model)
-        self._rest = nnx.state(model, nnx.Not(nnx.Param))
+        # With LoRA adapters (`trainer.lora`, added when the model was loaded) the optimizer trains them
+        # alone: the base is the frozen rest, an argument of the step, and each version is the adapters.
+        self.lora = model.layers.lora
+        self._rest = nnx.state(model, nnx.Not(trainable(model)))
         self.tx = make_optimizer(optimizer_config(trainer))
         self.state: TrainState = create_train_state(model, self.tx, mesh)
         self.shardings = train_state_shardings(self.state.params, self.tx, mesh)
@@ -215,7 +220,8 @@ class RLTrainer:
         # The KL reference: the initial policy, frozen (a copy: the state's arrays are donated to the step).
         self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.step_config.loss.kl_coef > 0
                            else None)
-        self._step = TrainStep(self.graphdef, self.tx, self.step_config, mesh, self.shardings)
+        self._step = TrainStep(self.graphdef, self.tx, self.step_config, mesh, self.shardings,
+                               frozen=frozen_state(model))
         seconds = self._step.compile(self.state, self.batch_shape, with_ref=self.ref_params is not None)
         logger.info("train step compiled for batches of %s in %.1f s", self.batch_shape, seconds)
 
@@ -229,6 +235,16 @@ class RLTrainer:
         return self._step.compile_s
 
     @property
+    def trainable_params(self) -> int:
+        """Parameters the optimizer trains (with LoRA, the adapters')."""
+        return sum(x.size for x in jax.tree.leaves(self.state.params))
+
+    @property
+    def frozen_params(self) -> int:
+        """Parameters held fixed (with LoRA, the base's; else 0)."""
+        return sum(x.size for x in jax.tree.leaves(self._rest))
+
+    @property
     def version(self) -> int:
         return int(self.state.version)
 
@@ -237,8 +253,16 @@ class RLTrainer:
         return nnx.merge(self.graphdef, self.state.params, self._rest)
 
     def hf_tensors(self) -> dict[str, np.ndarray]:
-        """The policy's weights as HF-named host arrays: what the parameter service publishes."""
+        """The policy's weights as HF-named host arrays (with LoRA merged: W + (alpha / r) A B), as vLLM
+        and an HF export take them."""
         return dict(hf_io.iter_hf_tensors(self.model()))
+
+    def sync_tensors(self) -> dict[str, np.ndarray]:
+        """What a version is for engines that take host tensors: the HF weights, or with LoRA the adapters
+        alone, PEFT-named (`jaxflow.models.lora.peft_tensors`), which JAX engines apply over their base."""
+        if self.lora is None:
+            return self.hf_tensors()
+        return lora.peft_tensors(self.model().layers)
 
     def train(self, consumed: ConsumedBatch) -> tuple[dict[str, float], dict[int, int]]:
         """One update on buffer `consumed.step` (== this trainer's version). Returns (metrics, staleness

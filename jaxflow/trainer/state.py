@@ -17,7 +17,8 @@ from jaxflow import sharding
 
 @struct.dataclass
 class TrainState:
-    """params: nnx.State of the policy (arrays sharded by their logical axes). opt_state: optax state,
+    """params: nnx.State of the policy's trainable parameters (all of them; with LoRA its adapters only),
+    arrays sharded by their logical axes. opt_state: optax state,
     sharded like params. step: optimizer updates applied. version: policy version of `params` (the
     trainer publishes version+1 after each step). skipped: updates skipped for a non-finite loss/grad.
     """
@@ -27,6 +28,20 @@ class TrainState:
     step: jax.Array
     version: jax.Array
     skipped: jax.Array
+
+
+def trainable(model: nnx.Module):
+    """The nnx filter of the parameters the optimizer trains: the LoRA adapters of a model that has them
+    (its base stays frozen), else every parameter."""
+    layers = getattr(model, "layers", None)
+    return nnx.LoRAParam if getattr(layers, "lora", None) is not None else nnx.Param
+
+
+def frozen_state(model: nnx.Module) -> nnx.State | None:
+    """What the train step holds fixed: the base parameters of a model with LoRA adapters, else None."""
+    if trainable(model) is nnx.Param:
+        return None
+    return nnx.state(model, nnx.Not(nnx.LoRAParam))
 
 
 def train_state_shardings(params: nnx.State, tx: optax.GradientTransformation, mesh,
@@ -48,8 +63,9 @@ def train_state_shardings(params: nnx.State, tx: optax.GradientTransformation, m
 
 def create_train_state(model: nnx.Module, tx: optax.GradientTransformation, mesh, *, rules=None,
                        version: int = 0) -> TrainState:
-    """A fresh state for `model` (already loaded onto `mesh`) starting at policy `version`."""
-    params = nnx.state(model, nnx.Param)
+    """A fresh state for `model` (already loaded onto `mesh`) starting at policy `version`: its trainable
+    parameters (`trainable`) and their optimizer state."""
+    params = nnx.state(model, trainable(model))
     shardings = train_state_shardings(params, tx, mesh, rules)
     opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
     scalar = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), shardings.step)  # noqa: E731
@@ -62,7 +78,7 @@ def abstract_train_state(model: nnx.Module, tx: optax.GradientTransformation, me
     """ShapeDtypeStructs carrying shardings on `mesh`: the restore target that lets a checkpoint
     written on one mesh be read onto another. `model` may be abstract (`hf_io.abstract_model`).
     """
-    params = nnx.state(model, nnx.Param)
+    params = nnx.state(model, trainable(model))
     shardings = train_state_shardings(params, tx, mesh, rules)
     shapes = TrainState(params=params, opt_state=jax.eval_shape(tx.init, params),
                         step=jax.ShapeDtypeStruct((), jnp.int32),

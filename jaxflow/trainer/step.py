@@ -126,15 +126,16 @@ def _has_tokens(mb: TrajectoryBatch) -> jax.Array:
 
 
 def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch,
-                ref_params) -> tuple[TrainState, dict[str, Any]]:
+                ref_params, frozen=None) -> tuple[TrainState, dict[str, Any]]:
     m, b, t = batch.tokens.shape
     k = cfg.minibatches
     version = state.version
     lc = cfg.loss
     uses_prox = losses.POLICY_LOSS_USES_PROX[lc.name]
 
-    def forward(params, mb):
-        return token_logprobs(nnx.merge(graphdef, params), mb, cfg.remat)
+    def forward(params, mb):  # with LoRA, params are the adapters and `frozen` the base
+        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+        return token_logprobs(model, mb, cfg.remat)
 
     def forward_logp(params, mb):  # no work on a micro-batch with nothing to train
         return jax.lax.cond(_has_tokens(mb), lambda: forward(params, mb)[0],
@@ -229,7 +230,7 @@ class TrainStep:
     """
 
     def __init__(self, graphdef, tx: optax.GradientTransformation, cfg: StepConfig, mesh,
-                 state_shardings: TrainState):
+                 state_shardings: TrainState, frozen: nnx.State | None = None):
         self.cfg, self.mesh = cfg, mesh
         batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
         self.rows_per_shard = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -237,13 +238,19 @@ class TrainStep:
         batch_shardings = TrajectoryBatch(**{f.name: self.batch_sharding
                                              for f in dataclasses.fields(TrajectoryBatch)})
 
-        def fn(state, batch, ref_params):
-            return _train_step(graphdef, tx, cfg, state, batch, ref_params)
+        # With LoRA the frozen base goes in as an argument of its own (never a constant of the program,
+        # never donated), on the shardings it already has.
+        self.frozen = frozen
+        frozen_shardings = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
 
-        self._jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings, state_shardings.params),
+        def fn(state, batch, ref_params, frozen):
+            return _train_step(graphdef, tx, cfg, state, batch, ref_params, frozen)
+
+        self._jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings, state_shardings.params,
+                                                 frozen_shardings),
                                out_shardings=(state_shardings, None), donate_argnums=0)
-        self._jitted_no_ref = jax.jit(lambda s, bt: fn(s, bt, None),
-                                      in_shardings=(state_shardings, batch_shardings),
+        self._jitted_no_ref = jax.jit(lambda s, bt, fr: fn(s, bt, None, fr),
+                                      in_shardings=(state_shardings, batch_shardings, frozen_shardings),
                                       out_shardings=(state_shardings, None), donate_argnums=0)
         self._compiled: dict[tuple, Any] = {}
         self.compiles, self.compile_s = 0, 0.0
@@ -269,10 +276,11 @@ class TrainStep:
         abstract_batch = TrajectoryBatch(**{
             f.name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(FIELD_DTYPES[f.name]), sharding=self.batch_sharding)
             for f in dataclasses.fields(TrajectoryBatch)})
+        abstract_frozen = None if self.frozen is None else jax.tree.map(spec, self.frozen)
         if with_ref:
-            lowered = self._jitted.lower(abstract_state, abstract_batch, abstract_state.params)
+            lowered = self._jitted.lower(abstract_state, abstract_batch, abstract_state.params, abstract_frozen)
         else:
-            lowered = self._jitted_no_ref.lower(abstract_state, abstract_batch)
+            lowered = self._jitted_no_ref.lower(abstract_state, abstract_batch, abstract_frozen)
         self._compiled[key] = lowered.compile()
         elapsed = time.perf_counter() - start
         self.compiles += 1
@@ -294,5 +302,5 @@ class TrainStep:
         # On a mesh over several processes each process feeds only its own rows of the batch.
         batch = jax.tree.map(lambda x: sharding.put_global(x, self.batch_sharding), batch)
         if ref_params is None:
-            return self._compiled[key](state, batch)
-        return self._compiled[key](state, batch, ref_params)
+            return self._compiled[key](state, batch, self.frozen)
+        return self._compiled[key](state, batch, ref_params, self.frozen)
