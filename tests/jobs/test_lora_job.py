@@ -45,3 +45,10 @@ def test_lora_trains_the_adapters_alone_and_resumes_from_them(tmp_path, capsys):
              for a, b in zip(jax.tree.leaves(nnx.state(export)),
                              jax.tree.leaves(nnx.state(base)))]
     assert max(moved) > 0
+    # Adapters of another rank cannot take over the run: refused before anything changes, the checkpoints kept.
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    with config.unlocked():
+        config.trainer.lora.rank, config.trainer.steps = 4, steps + 4
+    assert rl.run(config) == 2
+    assert "cannot resume" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == kept
