@@ -58,7 +58,7 @@ from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.envs.config import env_problems
 from jaxflow.jobs.evaluation import evaluate
-from jaxflow.models import hf_io
+from jaxflow.models import hf_io, lora
 from jaxflow.models.lora import LoRASpec
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.param_service import ParameterService
@@ -399,9 +399,13 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         ckpt.close()
         ledger.close()
         run_log.close()
-    return _conclude(config, result, service, ledger, pool, never_worked, trainer,
-                     lambda: hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir,
-                                                overwrite=True))
+    def export():  # the merged HF model; with LoRA also the adapters alone, in PEFT's format
+        hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True)
+        if trainer.lora is not None:
+            lora.write_adapter(workdir / "adapter", trainer.lora, lora.peft_tensors(trainer.model().layers),
+                               base_model=str(base_dir.resolve()), overwrite=True)
+
+    return _conclude(config, result, service, ledger, pool, never_worked, trainer, export)
 
 
 def _conclude(config, result: dict[str, Any], service, ledger: Ledger, pool, never_worked: str | None, trainer,
@@ -422,11 +426,14 @@ def _conclude(config, result: dict[str, Any], service, ledger: Ledger, pool, nev
         print(f"jaxflow: error: {never_worked}\n{reward_line}", file=sys.stderr, flush=True)
         return 2
     result["train_step_compiles"], result["train_step_compile_s"] = trainer.compiles, round(trainer.compile_s, 2)
-    result["trained_params"] = trainer.trainable_params
+    if hasattr(trainer, "trainable_params"):  # the trainer group (cluster mode) does not count them
+        result["trained_params"] = trainer.trainable_params
     export()
     (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"jaxflow: done. held-out accuracy {result['base_accuracy']:.1%} (base) -> "
-          f"{result['final_accuracy']:.1%} after {t.steps} steps; policy exported to {workdir / 'export'}\n"
+          f"{result['final_accuracy']:.1%} after {t.steps} steps; policy exported to {workdir / 'export'}"
+          + (f" (its LoRA adapters alone, PEFT's format: {workdir / 'adapter'})" if getattr(trainer, "lora", None) else "")
+          + "\n"
           f"jaxflow: groups created {a['created']} = consumed {a['consumed']} + in flight {a['in_flight']} + "
           f"failed {a['failed']} + surplus {a['surplus']}; the ledger holds {a['ledger_groups']} trained groups, "
           f"{a['ledger_duplicates']} trained twice\n"

@@ -106,6 +106,11 @@ def test_your_model_and_data_survives_a_buggy_reward_then_trains_exports_and_mat
     assert 0.0 <= summary["logits_max_diff"] <= summary["logits_bound"] < 1e-3
     images = [o for o in outputs(nb, "display_data") if "image/png" in o.get("data", {})]
     assert len(images) == 1
+    # The LoRA section: the adapters alone trained, PEFT's adapter over the base gives the merged export's logits.
+    assert 0 < summary["lora_trained_params"] < summary["full_trained_params"] / 5
+    assert 0.0 <= summary["lora_final_accuracy"] <= 1.0
+    assert (workdir / "runs" / "lora" / "adapter" / "adapter_model.safetensors").is_file()
+    assert 0.0 <= summary["lora_logits_max_diff"] <= summary["lora_logits_bound"] < 1e-3
 
 
 def test_staleness_lab_sweeps_the_losses_and_simulates_against_the_tail_floor(tmp_path):
