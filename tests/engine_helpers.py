@@ -1,6 +1,7 @@
 """Helpers shared by the engine tests (JAX engine, vLLM): prompts, runs, a model with lively weights, and
 jaxflow's own teacher-forced forward, the reference every engine's tokens and log-probs are checked on."""
 
+import os
 import time
 
 import jax
@@ -12,6 +13,19 @@ from jaxflow.models.tiny import write_tiny_model
 from rollout_bridge.engine import Request, SamplingParams
 
 PROMPT_LENS = (1, 3, 11, 30, 50, 7)
+
+
+def require_vllm(what: str) -> None:
+    """Skips the calling test module when vLLM is not importable (call it at module level), except under
+    CI, where vLLM must run: there the ImportError fails the module."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("CI"):
+            raise
+        import pytest
+        pytest.skip(f"vLLM is not importable ({e}); install the rollout-cpu or rollout-gpu extra to run {what}",
+                    allow_module_level=True)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 

@@ -12,13 +12,9 @@ import pathlib
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
-except ImportError as e:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip(f"vLLM is not importable ({e}); install the rollout-cpu or rollout-gpu extra to run the "
-                f"vLLM rollout actor test", allow_module_level=True)
+from engine_helpers import require_vllm  # noqa: E402
+
+require_vllm("the vLLM rollout actor test")
 
 import psutil  # noqa: E402  (a vLLM dependency: imported once vLLM is known to be there)
 

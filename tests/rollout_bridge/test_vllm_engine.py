@@ -15,13 +15,9 @@ import weakref
 import numpy as np
 import pytest
 
-try:
-    import vllm  # noqa: F401
-except ImportError as e:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip(f"vLLM is not importable ({e}); install the rollout-cpu or rollout-gpu extra to run the "
-                f"vLLM engine tests", allow_module_level=True)
+from engine_helpers import require_vllm  # noqa: E402
+
+require_vllm("the vLLM engine tests")
 
 import psutil  # noqa: E402  (a vLLM dependency)
 
