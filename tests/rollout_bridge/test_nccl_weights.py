@@ -13,14 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-try:
-    import torch
-    import vllm.distributed.weight_transfer.nccl_engine as nccl_engine
-except ImportError as e:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip(f"vLLM is not importable ({e}); install the rollout-cpu or rollout-gpu extra",
-                allow_module_level=True)
+from engine_helpers import require_vllm
+
+require_vllm("the NCCL weight sender tests")
+
+import torch  # noqa: E402  (vLLM's dependency)
+import vllm.distributed.weight_transfer.nccl_engine as nccl_engine  # noqa: E402
 
 from rollout_bridge.nccl_weights import HFTensorSource, NcclWeightSender, TensorSpec, plan  # noqa: E402
 
