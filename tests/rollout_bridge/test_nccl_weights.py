@@ -6,7 +6,6 @@ Skipped when vLLM is not importable, except under CI, where vLLM must be there.
 """
 
 import multiprocessing
-import os
 import socket
 
 import ml_dtypes
