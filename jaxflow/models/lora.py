@@ -60,6 +60,8 @@ class LoRASpec:
 
     def __post_init__(self):
         problems = lora_problems(self.rank, self.alpha, self.targets, prefix="lora.")
+        if not problems and self.rank == 0:  # rank 0 is the config's "no LoRA", never an adapter
+            problems = ["lora.rank must be >= 1 for adapters (rank 0 means no LoRA: no LoRASpec)"]
         if problems:
             raise ValueError("; ".join(problems))
         object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in self.targets))

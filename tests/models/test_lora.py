@@ -102,6 +102,7 @@ def test_adapters_of_another_base_model_are_refused(base_dir, tmp_path):
 
 @pytest.mark.parametrize("rank, alpha, targets, match", [
     (-1, 8.0, ("q_proj",), "lora.rank must be an int >= 0"),
+    (0, 8.0, ("q_proj",), "lora.rank must be >= 1 for adapters"),
     (4, 0.0, ("q_proj",), "lora.alpha must be a number > 0"),
     (4, 8.0, ("qproj",), "'qproj' not a projection"),
     (4, 8.0, (), "targets is empty"),
