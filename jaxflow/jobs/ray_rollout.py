@@ -243,7 +243,7 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
     `rollout.engine`, with the `rollout.*` sizes and sampling and the `rollout.coordination` options,
     seeded `seed` + i, named `names.rollout(tag, i)`), started and generating. Rewards are scored by
     `reward_ref`, in the reward pool's actor `rewards` (a proxy), or in the actors when None; with
-`rollout.env` set, the actors run its episodes, which their environments score. resources:
+    `rollout.env` set, the actors run its episodes, which their environments score. resources:
     custom node resources each actor needs."""
     r = config.rollout
     coordination = r.coordination.to_dict()
