@@ -5,7 +5,8 @@ A background thread runs the loop:
 
 1. apply commands from other threads (weight swaps, aborts, pauses) — only ever between decode calls;
    while paused, it stops here until `resume`;
-2. admit waiting requests into free slots: prefill prompt (+ resumed prefix) into the slot's cache rows;
+2. admit waiting requests into free slots: prefill prompt (+ resumed prefix) into the slot's cache rows
+   (once per distinct context: a GRPO group's samples share their prompt, and the row is copied);
 3. run `decode_chunk` decode steps for the active slots in one jitted call;
 4. hand finished samples to `poll`, freeing their slots for the next admission.
 
@@ -93,7 +94,7 @@ class JaxEngine(Engine):
 
     def __init__(self, model: str | os.PathLike | Transformer, *, max_slots: int = 32,
                  max_len: int = 1024, decode_chunk: int = 16, mesh: jax.sharding.Mesh | None = None,
-                 version: int = 0, prefill_buckets: Iterable[int] = (64, 128, 256, 512, 1024),
+                 version: int = 0, prefill_buckets: Iterable[int] = (32, 64, 128, 256, 512, 1024),
                  seed: int = 0, param_dtype=None, cast_weights: bool = False,
                  logprobs_mode: str = "raw", prefill_batch: int = 8, max_stop_ids: int = 8, rules=None,
                  warmup: bool = True):
@@ -401,14 +402,19 @@ class JaxEngine(Engine):
     def _prefill(self, slots: list[int]) -> None:
         """(Re)computes the cache rows of `slots` from their sequences under the current weights.
 
-        Sequences are grouped by bucket; a call takes up to prefill_batch of them, padded to a power of
-        two so that the number of compiled shapes stays at buckets x log2(prefill_batch).
+        Sequences with the same context (a GRPO group's samples of one prompt, episodes that made the
+        same tool call) are computed once and the row copied to the others' slots. Sequences are
+        grouped by bucket; a call takes up to prefill_batch of them, padded to a power of two so that the
+        number of compiled shapes stays at buckets x log2(prefill_batch).
         """
-        by_bucket: dict[int, list[tuple[int, list[int]]]] = collections.defaultdict(list)
+        shared: dict[tuple[int, ...], list[int]] = {}
         for slot in slots:
-            context = self._running[slot].sequence[:-1]  # the last token is the pending decode input
+            context = tuple(self._running[slot].sequence[:-1])  # the last token is the pending decode input
             if context:
-                by_bucket[next(b for b in self._buckets if b >= len(context))].append((slot, context))
+                shared.setdefault(context, []).append(slot)
+        by_bucket: dict[int, list[tuple[int, tuple[int, ...]]]] = collections.defaultdict(list)
+        for context, (slot, *_) in shared.items():
+            by_bucket[next(b for b in self._buckets if b >= len(context))].append((slot, context))
         for t, items in sorted(by_bucket.items()):
             for start in range(0, len(items), self._prefill_batch):
                 group = items[start:start + self._prefill_batch]
@@ -421,6 +427,17 @@ class JaxEngine(Engine):
                     lengths_p[row], slots_p[row] = len(context), slot
                 self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
                                                     lengths_p, slots_p, out_sharding=self._cache_sharding))
+        copies = [(first, slot) for first, *rest in shared.values() for slot in rest]
+        if copies:
+            self._copy_rows(copies)
+
+    def _copy_rows(self, copies: list[tuple[int, int]]) -> None:
+        """Copies cache rows (source slot, destination slot), padded to a power of two (at least 8)."""
+        q = max(8, 1 << (len(copies) - 1).bit_length())
+        src_q, dst_q = np.zeros(q, np.int32), np.full(q, self.max_slots, np.int32)
+        for i, (src, dst) in enumerate(copies):
+            src_q[i], dst_q[i] = src, dst
+        self._keep_cache(jax_decode.copy_rows(self._cache, src_q, dst_q, out_sharding=self._cache_sharding))
 
     def _warmup(self) -> None:
         """Compiles the programs `warmup` promises by running them on free slots, which changes nothing:
@@ -435,6 +452,12 @@ class JaxEngine(Engine):
                                                 np.full(p, self.max_slots, np.int32),
                                                 out_sharding=self._cache_sharding))
             p *= 2
+        q = 8
+        while q < 2 * self.max_slots:  # copy programs of every size a prefill can ask for
+            self._keep_cache(jax_decode.copy_rows(self._cache, np.zeros(q, np.int32),
+                                                  np.full(q, self.max_slots, np.int32),
+                                                  out_sharding=self._cache_sharding))
+            q *= 2
         jax.block_until_ready(self._cache)
 
     def _keep_cache(self, cache: jax_decode.KVCache) -> None:

@@ -10,6 +10,7 @@ K head_dim, F mlp width, V vocab, L layers.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -89,6 +90,74 @@ def attention(q_btgrk, k_bsgk, v_bsgk, mask_b11ts) -> jax.Array:
     return jnp.einsum("bgrts,bsgk->btgrk", probs, v_bsgk)
 
 
+# Packed rows: how many equal parts the trainer's attention may cut a row into (`split_attention`), and
+# the shortest part worth cutting to.
+ROW_SPLITS = (1, 2, 4, 8)
+MIN_SPLIT_LEN = 32
+
+
+def row_splits(t: int) -> tuple[int, ...]:
+    """The ways `split_attention` may cut rows of t tokens: n equal parts of at least MIN_SPLIT_LEN."""
+    return tuple(n for n in ROW_SPLITS if t % n == 0 and (n == 1 or t // n >= MIN_SPLIT_LEN))
+
+
+def split_index(segment_ids_bt: jax.Array, splits: tuple[int, ...]) -> jax.Array:
+    """Index into `splits` of the most parts every row of the batch can be cut into without cutting a
+    segment (a cut at position c is clean when c starts a segment or is padding). int32 scalar."""
+    t = segment_ids_bt.shape[1]
+    previous = jnp.pad(segment_ids_bt[:, :-1], ((0, 0), (1, 0)))
+    clean_t = jnp.all((segment_ids_bt == 0) | (segment_ids_bt != previous), axis=0)
+    # Cuts into n parts are a subset of the cuts into 2n, so the clean splits are a prefix of `splits`.
+    return sum(jnp.all(clean_t[::t // n]).astype(jnp.int32) for n in splits) - 1
+
+
+def _attention_in_parts(n: int, q_btgrk, k_bsgk, v_bsgk, segment_ids_bt) -> jax.Array:
+    """`attention` with each row cut into n equal parts that attend within themselves."""
+    b, t = q_btgrk.shape[:2]
+
+    def cut(x):
+        return x.reshape(b * n, t // n, *x.shape[2:])
+
+    out = attention(cut(q_btgrk), cut(k_bsgk), cut(v_bsgk), attention_mask(cut(segment_ids_bt)))
+    return out.reshape(q_btgrk.shape)
+
+
+@jax.custom_vjp
+def split_attention(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt) -> jax.Array:
+    """`attention` over packed rows, each cut into the most equal parts that no segment straddles: a
+    token only sees its own segment, so attending within parts of T/n tokens computes the same output
+    for n times less work. The batch packer (`jaxflow.trainer.batch`) keeps short sequences inside such
+    parts; the cut is chosen on device for the whole batch (one branch of a switch runs).
+
+    The backward pass recomputes the attention of the chosen cut instead of keeping its probabilities
+    (a switch's own gradient would keep every branch's, the uncut [B, G, R, T, T] among them)."""
+    splits = row_splits(q_btgrk.shape[1])
+    branches = [functools.partial(_attention_in_parts, n) for n in splits]
+    return jax.lax.switch(split_index(segment_ids_bt, splits), branches, q_btgrk, k_bsgk, v_bsgk,
+                          segment_ids_bt)
+
+
+def _split_attention_fwd(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt):
+    return split_attention(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt), (q_btgrk, k_bsgk, v_bsgk, segment_ids_bt)
+
+
+def _split_attention_bwd(residuals, d_out):
+    q_btgrk, k_bsgk, v_bsgk, segment_ids_bt = residuals
+    splits = row_splits(q_btgrk.shape[1])
+
+    def backward(n):
+        def run(q, k, v, d):
+            return jax.vjp(lambda q, k, v: _attention_in_parts(n, q, k, v, segment_ids_bt), q, k, v)[1](d)
+        return run
+
+    grads = jax.lax.switch(split_index(segment_ids_bt, splits), [backward(n) for n in splits], q_btgrk,
+                           k_bsgk, v_bsgk, d_out)
+    return (*grads, None)
+
+
+split_attention.defvjp(_split_attention_fwd, _split_attention_bwd)
+
+
 # Layer parameter name -> (logical axes without the leading `layers` axis, shape function, init kind).
 # The order here is the order of `DecoderLayers` attributes; `present` decides optional ones.
 def _layer_param_specs(cfg: ModelConfig):
@@ -166,17 +235,18 @@ def _project(p: dict[str, jax.Array], name: str, equation: str, x: jax.Array) ->
 
 
 def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt,
-                  inv_freq_k, mask_b11ts, cached_attention=None):
+                  inv_freq_k, mask_b11ts, attend=None):
     """One pre-norm decoder block on the per-layer params `p`.
 
-    cached_attention says where keys/values live. None: the chunk attends within itself (training,
-    prefill; `mask_b11ts` is [B, 1, 1, T, T]) and its own (k_btgk, v_btgk) are returned. Otherwise a
-    function `cached_attention(q_btgrk, k_btgk, v_btgk) -> (out_btgrk, cache)` that stores the chunk's
-    keys/values in a cache (the rollout engine's), attends over it (`mask_b11ts` is unused) and returns
-    the attention output and the updated cache, which is returned in their place. The cache layout and
-    the attention kernel stay the caller's business, so the engine can update a buffer in place and
-    read it in the order its hardware likes while this body stays the one the trainer runs.
-    Returns (x_btd, (k_btgk, v_btgk) or cache).
+    attend says how the block attends. None: the chunk attends within itself under `mask_b11ts`
+    ([B, 1, 1, T, T]; prefill) and its own (k_btgk, v_btgk) are returned. Otherwise a function
+    `attend(q_btgrk, k_btgk, v_btgk) -> (out_btgrk, extra)` (`mask_b11ts` is unused), returned with the
+    block's output in place of the keys/values: the rollout engine's stores them in its cache, attends
+    over it and returns the updated cache as `extra` (the cache layout and the attention kernel stay the
+    caller's business, so the engine can update a buffer in place and read it in the order its hardware
+    likes while this body stays the one the trainer runs); the trainer's attends within packed rows
+    (`split_attention`).
+    Returns (x_btd, (k_btgk, v_btgk) or extra).
     """
     b, t, _ = x_btd.shape
     g, r = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
@@ -192,10 +262,10 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
     q = apply_rope(q, positions_bt, inv_freq_k)
     k = apply_rope(k, positions_bt, inv_freq_k)
     q = q.reshape(b, t, g, r, -1)
-    if cached_attention is None:
+    if attend is None:
         out, kv_out = attention(q, k, v, mask_b11ts), (k, v)
     else:
-        out, kv_out = cached_attention(q, k, v)
+        out, kv_out = attend(q, k, v)
     out = out.reshape(b, t, g * r, -1)
     attn = _project(p, "o_proj", "bthk,hkd->btd", out)
     if cfg.o_bias:
@@ -235,7 +305,8 @@ class Transformer(nnx.Module):
 
         tokens_bt: int32 token ids. positions_bt: rotary positions (default 0..T-1; for left padding
         pass `positions_from_mask`). segment_ids_bt: int32, 0 marks padding, equal non-zero ids attend
-        to each other (packing); default all ones. remat recomputes each block in the backward pass.
+        to each other (packing; rows whose segments allow it attend in parts, `split_attention`);
+        default all ones. remat recomputes each block in the backward pass.
         """
         cfg = self.config
         if segment_ids_bt is None:
@@ -243,11 +314,13 @@ class Transformer(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
-        mask = attention_mask(segment_ids_bt)
         x = jnp.take(self.embed[...], tokens_bt, axis=0)
 
+        def attend(q, k, v):
+            return split_attention(q, k, v, segment_ids_bt), None
+
         def body(x, p):
-            return decoder_layer(cfg, p, x, positions_bt, inv_freq, mask)[0], None
+            return decoder_layer(cfg, p, x, positions_bt, inv_freq, None, attend)[0], None
 
         if remat:
             body = jax.checkpoint(body)

@@ -147,6 +147,30 @@ def test_refill_does_not_recompile(engine, greedy_reference):
     assert jax_decode.decode._cache_size() == before
 
 
+def test_shared_prompts_are_prefilled_once(engine, greedy_reference, monkeypatch):
+    """A GRPO group's samples share their prompt: one prefill row, copied to the others' slots; each
+    sample then decodes exactly as it would alone."""
+    prefill_rows = []
+    prefill = jax_decode.prefill
+
+    def counting(graphdef, params, cache, tokens_pt, lengths_p, slots_p, **kw):
+        prefill_rows.append(int((np.asarray(slots_p) < engine.max_slots).sum()))
+        return prefill(graphdef, params, cache, tokens_pt, lengths_p, slots_p, **kw)
+
+    monkeypatch.setattr(jax_decode, "prefill", counting)
+    p = prompts()[3]  # 30 tokens
+    out = run(engine, [p] * 4, tag="shared")
+    assert [c.sample.tokens for c in out] == [greedy_reference[3]] * 4
+    assert sum(prefill_rows) == 1
+    seeded = [SamplingParams(max_tokens=24, temperature=1.0, seed=s) for s in range(4)]
+    together = engine.generate([Request(f"t{s}", p, seeded[s]) for s in range(4)])
+    alone = [engine.generate([Request(f"a{s}", p, seeded[s])])[0] for s in range(4)]
+    assert [c.sample.tokens for c in together] == [c.sample.tokens for c in alone]
+    assert len({tuple(c.sample.tokens) for c in together}) > 1
+    np.testing.assert_allclose([c.sample.logprobs for c in together], [c.sample.logprobs for c in alone],
+                               atol=1e-5)
+
+
 def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
     eng = JaxEngine(qwen3_dir, **ENGINE_KW)
     new_model, new = perturbed(qwen3_model, seed=0)
