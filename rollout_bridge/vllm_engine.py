@@ -29,6 +29,15 @@ to recompute); `pause("abort")` pauses the same way, then aborts every request i
 `abort`, so their partial samples come back with exact versions. A weight update while paused leaves
 the engine paused.
 
+LoRA (`lora=LoRASpec(...)`): the base stays as loaded and a version is its adapters alone, through
+vLLM's public LoRA interface: `update_weights` takes PEFT-named adapter tensors (what
+`jaxflow.models.lora.peft_tensors` gives), checks them against the base's shapes and the spec, writes
+them as a PEFT directory and adds it as a new adapter (`AsyncLLM.add_lora`); requests started from then
+on run with it (`lora_request`), while requests already in flight finish with the adapter they started
+with, so each token's version is its request's adapter's (no pause, no KV dropped: vLLM keys its prefix
+cache by adapter). Adapters no request uses are removed at the next update. Before the first update,
+requests run on the base (a fresh adapter's B is zero: the same model).
+
 Load: `running` counts requests that have produced a token, `waiting` those submitted that have not
 (queued in vLLM, or prefilling); `kv_used` is vLLM's KV-cache usage after its latest step, read through
 a stat logger (0.0 when nothing is in flight).
@@ -42,6 +51,9 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import pathlib
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -49,78 +61,26 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from jaxflow.models import hf_io, names
-from jaxflow.models.config import ModelConfig, from_hf_config, read_hf_config
+from jaxflow.models import lora as lora_lib
+from jaxflow.models.lora import LoRASpec
+from jaxflow.models.config import from_hf_config, read_hf_config
 from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
                                    WeightsRejected, check_pause_mode, in_flight_copy, request_error)
+from rollout_bridge.vllm_weights import check_weights, expected_hf_tensors, weight_payloads
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rollout_bridge.vllm_worker_ext.JaxflowWorkerExtension"
 # Window of recent token arrivals that `load().tokens_per_s` averages over.
 _RATE_WINDOW_S = 5.0
-# Most tensor bytes per weight-update message: bounds the copies one message makes on its way.
-_CHUNK_BYTES = 256 * 2**20
 # vLLM's finish reasons -> jaxflow's ("repetition" needs repetition detection, never asked for here).
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 _GIB = 2**30
-
-
-def expected_hf_tensors(cfg: ModelConfig) -> tuple[tuple[str, ...], dict[str, tuple[int, ...]]]:
-    """The model's layer parameter names, and HF name -> HF shape of every tensor of a model of `cfg`,
-    from jaxflow's name table (shapes only, no memory)."""
-    model = hf_io.abstract_model(cfg)
-    shapes = {}
-    for name, row, _ in names.hf_names(cfg, model.layers.names):
-        node = model
-        for part in row.path:
-            node = getattr(node, part)
-        shape = node.get_value().shape
-        shapes[name] = row.hf_shape(shape[1:] if row.stacked else shape)
-    return model.layers.names, shapes
-
-
-def check_weights(cfg: ModelConfig, layer_names: tuple[str, ...], expected: Mapping[str, tuple[int, ...]],
-                  tensors: Mapping[str, np.ndarray], dtype: np.dtype, *, cast: bool, source: str) -> None:
-    """Raises WeightsRejected naming the tensor unless `tensors` are exactly the model's HF tensors by
-    name and shape, and of `dtype` (of any float dtype when `cast`). Reads only `.shape` and `.dtype`.
-    A tied model's `lm_head.weight` and old rotary buffers are tolerated (and not sent)."""
-    hf_io.check_hf_names(cfg, layer_names, tensors.keys(), source=source, error=WeightsRejected)
-    for name, want in expected.items():
-        tensor = tensors[name]
-        got = tuple(tensor.shape)
-        if got != want:
-            raise WeightsRejected(f"{source}: tensor {name!r} has shape {got}, expected {want} from the "
-                                  f"config")
-        got_dtype = np.dtype(tensor.dtype)
-        castable = got_dtype.kind == "f" or got_dtype.name == "bfloat16"
-        if got_dtype != dtype and not (cast and castable):
-            why = "not a float dtype" if cast else "casting was not asked for"
-            raise WeightsRejected(f"{source}: tensor {name!r} has dtype {got_dtype}, expected {dtype} "
-                                  f"(the serving dtype; {why})")
-
-
-def weight_payloads(expected: Iterable[str], tensors: Mapping[str, np.ndarray], dtype: np.dtype,
-                    chunk_bytes: int = _CHUNK_BYTES) -> list[list[tuple[str, str, list[int], memoryview]]]:
-    """Chunks of (name, dtype name, shape, raw bytes) for the worker extension, in `expected` order.
-
-    Raw bytes because vLLM's RPC turns arrays into nested lists. The bytes are memoryviews of the arrays
-    themselves (copied only where a cast or a non-contiguous layout needs it), so nothing is copied
-    before vLLM serialises the message.
-    """
-    chunks, chunk, size = [], [], 0
-    for name in expected:
-        array = np.ascontiguousarray(np.asarray(tensors[name]).astype(dtype, copy=False))
-        if chunk and size + array.nbytes > chunk_bytes:
-            chunks.append(chunk)
-            chunk, size = [], 0
-        chunk.append((name, array.dtype.name, list(array.shape), array.reshape(-1).view(np.uint8).data))
-        size += array.nbytes
-    if chunk:
-        chunks.append(chunk)
-    return chunks
+# vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks), and adapters per batch.
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_MAX_LORAS = 4
 
 
 @dataclasses.dataclass(eq=False)
@@ -137,6 +97,9 @@ class _Live:
     handed_out: bool = False  # its completion went to poll
     error: str | None = None
     task: asyncio.Task | None = None
+    # With LoRA: the adapter the request runs with (None: the base) and that adapter's version.
+    lora_request: object = None
+    lora_version: int = 0
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -175,14 +138,15 @@ class VllmEngine(Engine):
     serving dtype ("float32" for parity with the trainer; "auto" takes the checkpoint's). max_num_seqs:
     most sequences vLLM batches at once. seed: vLLM's seed (requests without a seed draw from it).
     cast_weights: let `update_weights` cast float tensors of another dtype; by default that is refused.
-    startup_timeout: seconds to wait for vLLM to come up. engine_kwargs: more `AsyncEngineArgs` fields
+    startup_timeout: seconds to wait for vLLM to come up. lora: serve LoRA adapters of this spec over the
+    base (module docstring); versions are then adapters. engine_kwargs: more `AsyncEngineArgs` fields
     (e.g. `enforce_eager=True`, `tensor_parallel_size=2`, `logprobs_mode="processed_logprobs"`).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, version: int = 0, max_model_len: int = 1024,
                  kv_cache_gib: float | None = 1.0, dtype: str = "float32", max_num_seqs: int = 256,
                  seed: int = 0, cast_weights: bool = False, startup_timeout: float = 900.0,
-                 **engine_kwargs):
+                 lora: LoRASpec | None = None, **engine_kwargs):
         self.model_dir = str(model_dir)
         self.config = from_hf_config(read_hf_config(model_dir),
                                      source=os.path.join(self.model_dir, "config.json"))
@@ -195,6 +159,15 @@ class VllmEngine(Engine):
                     logprobs_mode="raw_logprobs", skip_tokenizer_init=True, disable_log_stats=True)
         if kv_cache_gib is not None:
             args["kv_cache_memory_bytes"] = int(kv_cache_gib * _GIB)
+        self.lora = lora
+        self._adapters: dict[int, object] = {}  # version -> vLLM LoRARequest, while vLLM holds it
+        self._lora_request = None  # the newest adapter: what new requests run with
+        if lora is not None:
+            # max_lora_rank must be one of vLLM's sizes; max_loras adapters can share a batch (the newest
+            # and those of requests still finishing on older ones).
+            args.update(enable_lora=True, max_lora_rank=min(r for r in _VLLM_LORA_RANKS if r >= lora.rank),
+                        max_loras=_MAX_LORAS, max_cpu_loras=2 * _MAX_LORAS)
+            self._adapter_root = pathlib.Path(tempfile.mkdtemp(prefix="jaxflow-vllm-lora-"))
         args.update(engine_kwargs)
         # Shared with the API threads, under _lock.
         self._init_admission()
@@ -280,7 +253,8 @@ class VllmEngine(Engine):
 
     def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
         """Checks `tensors` (HF names, shapes, dtypes) against the model's table, then swaps them in with
-        requests kept in flight (their KV is recomputed under the new weights). Raises WeightsRejected,
+        requests kept in flight (their KV is recomputed under the new weights). With LoRA, `tensors` are
+        the version's PEFT-named adapters, added as a new adapter (module docstring). Raises WeightsRejected,
         with nothing changed, on any mismatch; EngineError if the transfer fails (a failure before the
         reload leaves the old weights serving; one during it stops the engine).
         """
@@ -290,6 +264,15 @@ class VllmEngine(Engine):
                 f"a vLLM engine loads HF-named host tensors: publish to a ParameterService and pull from "
                 f"it (DeviceWeights are for in-process JAX engines)")
         self._raise_if_down()
+        if self.lora is not None:
+            lora_lib.check_peft_tensors(self.lora, self._expected, self.config.num_layers, tensors, self._dtype,
+                                        source=f"adapters of version {version}", error=WeightsRejected)
+            with self._update_lock:
+                self._raise_if_down()
+                start = time.perf_counter()
+                self._call(self._add_adapter(int(version), tensors))
+                self.last_update_s = time.perf_counter() - start
+            return
         check_weights(self.config, self._layer_names, self._expected, tensors, self._dtype,
                       cast=self._cast_weights, source=f"weights of version {version}")
         chunks = weight_payloads(self._expected, tensors, self._dtype)
@@ -352,6 +335,8 @@ class VllmEngine(Engine):
         # Drop the last reference to vLLM's engine now, while the interpreter is whole: AsyncLLM.__del__ shuts
         # it down once more, harmless here but a TypeError traceback when it runs at interpreter exit.
         self._llm = None
+        if self.lora is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
         with self._lock:
             self._finished.notify_all()
 
@@ -461,8 +446,9 @@ class VllmEngine(Engine):
             else:
                 # An engine input (not a raw prompt): token ids go to the engine without a tokenizer.
                 prompt = tokens_input(list(request.prompt) + live.sample.tokens)
+                live.lora_request, live.lora_version = self._lora_request, self._version
                 stream = self._llm.generate(prompt, self._vllm_params(request.params, n_prefix),
-                                            live.vllm_id)
+                                            live.vllm_id, lora_request=live.lora_request)
                 async for out in stream:
                     completion = out.outputs[0]
                     self._append(live, completion)
@@ -497,7 +483,7 @@ class VllmEngine(Engine):
         with self._lock:
             live.sample.tokens.extend(tokens)
             live.sample.logprobs.extend(float(lp[t].logprob) for lp, t in zip(logprobs, tokens))
-            live.arrival_versions.extend([self._version] * len(tokens))
+            live.arrival_versions.extend([live.lora_version if self.lora else self._version] * len(tokens))
             live.started = True
             self._arrivals.append((time.monotonic(), len(tokens)))
 
@@ -507,6 +493,8 @@ class VllmEngine(Engine):
         versions = []
         for span in spans or ():
             versions += [int(span.version)] * (span.end - span.start)
+        if self.lora is not None:  # every token of a request comes from the adapter it runs with
+            versions = [live.lora_version] * n_new
         with self._lock:
             if len(versions) == n_new:
                 live.sample.versions.extend(versions)
@@ -530,6 +518,30 @@ class VllmEngine(Engine):
         log.warning("request %s: vLLM labelled no weight versions for %d tokens; using arrival-time "
                     "versions", live.request.request_id, missing)
         live.sample.versions.extend(live.arrival_versions[len(live.arrival_versions) - missing:])
+
+    async def _add_adapter(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Writes the adapters as a PEFT directory, adds them to vLLM as a new adapter that new requests
+        run with, then removes adapters that neither it nor a request in flight uses; on the loop."""
+        from vllm.lora.request import LoRARequest
+
+        path = self._adapter_root / f"v{version}"
+        lora_lib.write_adapter(path, self.lora, tensors, base_model=self.model_dir, overwrite=True)
+        request = LoRARequest(f"jaxflow-v{version}", version + 1, str(path))
+        try:
+            if version in self._adapters:  # the same version again (a resend): replace it
+                await self._llm.remove_lora(self._adapters.pop(version).lora_int_id)
+            if not await self._llm.add_lora(request):
+                raise EngineError("vLLM did not add it")
+        except BaseException as e:
+            shutil.rmtree(path, ignore_errors=True)
+            raise EngineError(f"adding the adapters of version {version} to vLLM failed; version "
+                              f"{self._version} keeps serving: {type(e).__name__}: {e}") from e
+        self._adapters[version], self._lora_request, self._version = request, request, version
+        with self._lock:
+            in_use = {live.lora_version for live in self._live.values() if live.lora_request is not None}
+        for old in [v for v in self._adapters if v != version and v not in in_use]:
+            await self._llm.remove_lora(self._adapters.pop(old).lora_int_id)
+            shutil.rmtree(self._adapter_root / f"v{old}", ignore_errors=True)
 
     async def _swap_weights(self, version: int, chunks) -> None:
         """Pause (requests kept) -> stage -> reload -> drop KV -> label -> resume; on the loop."""

@@ -180,9 +180,10 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
     jax_engine = r.engine == "jax"
     engine = make_engine(r.engine, trainer.model() if jax_engine else base_dir, r.max_len, r.max_slots,
                          seed=config.seed, decode_chunk=r.decode_chunk, kv_cache_gib=r.kv_cache_gib,
-                         version=trainer.version if jax_engine else 0)
+                         version=trainer.version if jax_engine else 0,
+                         lora=None if jax_engine or not trainer.publish_adapters else trainer.lora)
     if not jax_engine and trainer.version != 0:
-        engine.update_weights(trainer.version, trainer.hf_tensors())
+        engine.update_weights(trainer.version, trainer.publish_tensors())
     return engine
 
 
@@ -346,6 +347,13 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     ledger = Ledger(workdir / "ledger.jsonl", start_step)
     run_log = RunLog(workdir, total_steps=t.steps, start_step=start_step, resume=start_step > 0)
     r = config.rollout
+    # With LoRA, vLLM engines in this process take each version's adapters alone (a new vLLM adapter per
+    # version); engines in rollout actors load the base without adapters and take merged weights.
+    trainer.publish_adapters = trainer.lora is not None and config.cluster.rollout_actors == 0
+    if trainer.lora is not None and params is not None:
+        print(f"jaxflow: weight syncs to {'vLLM' if r.engine == 'vllm' else 'the JAX engines'} carry "
+              f"{'the LoRA adapters alone' if trainer.publish_adapters else 'merged weights (rollout actors)'}",
+              flush=True)
     trainer.publish_weights(params)
     # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
     weights = params if params is not None else device_weights

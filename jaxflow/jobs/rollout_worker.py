@@ -42,12 +42,13 @@ def _address(text: str) -> tuple[str, int]:
 
 
 def make_engine(kind: str, model, max_len: int, slots: int, *, seed: int = 0, decode_chunk: int = 16,
-                kv_cache_gib: float | None = 1.0, version: int = 0):
+                kv_cache_gib: float | None = 1.0, version: int = 0, lora=None):
     """The engine named by `kind` ("jax" or "vllm") serving `model` (an HF directory; a JAX engine also
     takes a `Transformer`) at policy `version`, with `slots` sequences of up to `max_len` tokens at once and
     sampling seeded by `seed`. jax: a `JaxEngine` decoding `decode_chunk` tokens a call. vllm: a
     `VllmEngine` with a KV cache of `kv_cache_gib` GiB (None: vLLM's own sizing) and CUDA graphs off
-    (`enforce_eager`, as the RL job's engines: no graph capture at start, and on CPU no torch.compile).
+    (`enforce_eager`, as the RL job's engines: no graph capture at start, and on CPU no torch.compile),
+    serving LoRA adapters of `lora` (a `LoRASpec`) over the base when given.
     The one construction path of the RL job's engines, its rollout actors' and this CLI's."""
     if kind == "jax":
         from rollout_bridge.jax_engine import JaxEngine
@@ -58,7 +59,7 @@ def make_engine(kind: str, model, max_len: int, slots: int, *, seed: int = 0, de
         from rollout_bridge.vllm_engine import VllmEngine
 
         return VllmEngine(model, version=version, max_model_len=max_len, max_num_seqs=slots,
-                          kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True)
+                          kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True, lora=lora)
     raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")
 
 

@@ -199,6 +199,30 @@ def adapter_arrays(layers, tensors: Mapping[str, np.ndarray], *, source: str,
     return out
 
 
+def check_peft_tensors(spec: LoRASpec, hf_shapes: Mapping[str, tuple[int, ...]], num_layers: int,
+                       tensors: Mapping[str, np.ndarray], dtype, *, source: str,
+                       error: type[Exception] = ValueError) -> None:
+    """Checks that PEFT-named `tensors` are exactly the adapters `spec` puts on a model of `num_layers`
+    layers whose HF weights have `hf_shapes` ({HF name: [out, in]}): every name present and no other, each
+    lora_A [rank, in] and lora_B [out, rank], each of `dtype`. For an engine that holds no jaxflow model
+    (vLLM); `error` names `source` and the tensor."""
+    expected = {}
+    for name, t, w, i in adapter_names(num_layers, spec.targets):
+        out_dim, in_dim = hf_shapes[names.LAYER_PREFIX.format(i=i) + names.LAYER_TABLE[t][0]]
+        expected[name] = (spec.rank, in_dim) if w == "a" else (out_dim, spec.rank)
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise error(f"{source}: not this engine's adapters (rank {spec.rank}, targets {', '.join(spec.targets)}): "
+                    + "; ".join(filter(None, [missing and f"{len(missing)} missing, e.g. {missing[0]!r}",
+                                              extra and f"{len(extra)} unexpected, e.g. {extra[0]!r}"])))
+    for name, shape in expected.items():
+        x = tensors[name]
+        if tuple(x.shape) != shape:
+            raise error(f"{source}: tensor {name!r} has shape {tuple(x.shape)}, expected {shape} (rank {spec.rank})")
+        if np.dtype(x.dtype) != np.dtype(dtype):
+            raise error(f"{source}: tensor {name!r} has dtype {x.dtype}, expected {np.dtype(dtype)}")
+
+
 def write_adapter(directory: str | os.PathLike, spec: LoRASpec, tensors: Mapping[str, np.ndarray], *,
                   base_model: str | None = None, overwrite: bool = False) -> pathlib.Path:
     """Writes `tensors` (PEFT-named, as `Transformer` adapters give them) as a PEFT adapter directory:

@@ -211,6 +211,7 @@ class RLTrainer:
         # With LoRA adapters (`trainer.lora`, added when the model was loaded) the optimizer trains them
         # alone: the base is the frozen rest, an argument of the step, and each version is the adapters.
         self.lora = model.layers.lora
+        self.publish_adapters = False  # see publish_tensors
         self._rest = nnx.state(model, nnx.Not(trainable(model)))
         self.tx = make_optimizer(optimizer_config(trainer))
         self.state: TrainState = create_train_state(model, self.tx, mesh)
@@ -346,10 +347,16 @@ class RLTrainer:
     def publish_weights(self, params=None) -> int:
         """Publishes the current version's weights: on device to `device_weights` (copied there, so the
         next step's donation of the state leaves them intact), and as HF host tensors to `params` (a
-        ParameterService or client) unless None. Returns the version."""
+        ParameterService or client; `publish_tensors`) unless None. Returns the version."""
         v = self.version
         if self.device_weights is not None:
             self.device_weights.publish(v, self.state.params)
         if params is not None:
-            params.publish(v, self.hf_tensors())
+            params.publish(v, self.publish_tensors())
         return v
+
+    def publish_tensors(self) -> dict[str, np.ndarray]:
+        """What `publish_weights` gives a parameter service: the LoRA adapters alone when
+        `publish_adapters` is set (every engine pulling from it applies adapters over its base), else the
+        HF tensors of the whole (merged) policy."""
+        return self.sync_tensors() if self.publish_adapters else self.hf_tensors()

@@ -3,6 +3,7 @@ the JAX engine and checkpointed; a resumed run continues from the adapters it sa
 merged policy. (That LoRA learns as full fine-tuning does is measured on the tool demo: README, LoRA.)"""
 
 import json
+import subprocess
 
 import jax
 import numpy as np
@@ -11,7 +12,8 @@ from flax import nnx
 from jaxflow.jobs import rl
 from jaxflow.models import hf_io
 
-from test_rl_job import records, small_config  # noqa: F401
+from engine_helpers import require_vllm
+from test_rl_job import base_dir, check_each_step_once, job_command, records, small_config  # noqa: F401
 
 LEARNS = {"base.steps": "300", "base.num_examples": "2000", "task.max_ops": "1",
           "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward", "trainer.batch_groups": "8",
@@ -52,3 +54,26 @@ def test_lora_trains_the_adapters_alone_and_resumes_from_them(tmp_path, capsys):
     assert rl.run(config) == 2
     assert "cannot resume" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == kept
+
+
+def test_lora_with_vllm_rollouts_syncs_the_adapters_alone(tmp_path, base_dir):
+    """The job with real vLLM (its public LoRA interface) as the rollout engine: each version reaches vLLM
+    as a new adapter (merged weights, or adapters to an engine without LoRA, would be refused and stop the
+    job), the bound and the accounting hold, and vLLM's log-probs agree with the trainer's recomputation.
+    That vLLM applies the adapters it gets, to 1e-4, is tests/rollout_bridge/test_vllm_engine_lora.py's
+    (four steps move the adapters too little for pi_prox / mu to tell). Its own process: vLLM's loggers
+    bind to the streams of the process that imports it."""
+    require_vllm("the LoRA job with vLLM")
+    workdir = tmp_path / "run"
+    cmd, env = job_command(base_dir, workdir, **{"rollout.engine": "vllm", "trainer.steps": 4, "trainer.eta": 1,
+                                                 "trainer.lora.rank": 8, "trainer.lr": 1e-3})
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "jaxflow: weight syncs to vLLM carry the LoRA adapters alone" in proc.stdout
+    steps = [r for r in records(workdir) if "loss" in r]
+    assert len(steps) == 4 and steps[-1]["weight_syncs"] >= 2
+    for r in steps:
+        assert max(int(k) for k in r["staleness"]) <= 1
+        assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
+    check_each_step_once(workdir, 4, 2)
+    assert (workdir / "adapter" / "adapter_model.safetensors").exists()
