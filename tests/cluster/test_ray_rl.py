@@ -128,3 +128,23 @@ def test_the_run_survives_a_rollout_actor_a_trainer_process_and_the_data_service
     for (kind, at), r in zip(killed, recoveries):
         assert r["detected_at"] >= at - 1 and r["recovered_s"] > 0
         assert r["step"] <= steps
+
+
+def test_lora_in_the_driver_with_a_rollout_actor_on_merged_weights(cluster, tmp_path, capsys):
+    """LoRA adapters trained in the driver process (LoRA is refused with trainer processes), the rollout
+    on a Ray actor whose JAX engine loads the base without adapters and takes each version's merged
+    weights from the parameter service: versions arrive (the bound holds token by token, so no engine is
+    left on old weights) and the engine serves what the trainer computes (pi_prox / mu near 1)."""
+    steps = 6
+    config = config_for(cluster, tmp_path, tmp_path / "base",
+                        **{"trainer.steps": steps, "cluster.trainer_processes": 0, "cluster.rollout_actors": 1,
+                           "trainer.lora.rank": 8, "trainer.lr": 1e-3})
+    assert rl.run(config) == 0
+    out = capsys.readouterr().out
+    assert "jaxflow: LoRA rank 8" in out and "carry merged weights (rollout actors)" in out
+    trained, result = check_run(pathlib.Path(config.workdir), steps)
+    assert len(result["cluster"]["rollout_actors"]) == 1
+    assert result["trained_params"] < 50_000  # the adapters alone
+    for r in trained:
+        assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
+    assert (pathlib.Path(config.workdir) / "adapter" / "adapter_config.json").exists()
