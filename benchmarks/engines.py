@@ -9,7 +9,11 @@ model's full HF tensor set (what a parameter-service pull delivers).
     .venv/bin/python benchmarks/engines.py --json /tmp/engines.json
     .venv/bin/python benchmarks/engines.py --quick
 
-The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload).
+The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload), and
+decode_vs_bandwidth: the JAX engine's tokens/s as a fraction of the memory-bandwidth bound, measured in the
+same run (`machine_limits.py`): each decode step reads every weight once and each running sequence's
+keys/values, so `slots` tokens a step cost at least (weight bytes + slots x KV bytes of a mean context) of
+reads.
 vLLM runs when it is installed (`python3 -m jaxflow.setup_env`); otherwise its columns say n/a.
 """
 
@@ -25,6 +29,7 @@ import time
 import numpy as np
 
 from jaxflow.models.hf_io import iter_hf_tensors, load_model
+from machine_limits import read_bandwidth
 from jaxflow.models.tiny import write_tiny_model
 from rollout_bridge.engine import Request, SamplingParams
 
@@ -131,6 +136,16 @@ def main(argv=None) -> int:
     print("engine start-up (load, compile, warm-up): "
           + ", ".join(f"{eng} {seconds:.1f} s" for eng, seconds in startup_s.items()))
     jax_tps = results["jax"]["long_tail"]["tokens_per_s"]
+    cfg = MODELS[args.model]
+    weight_bytes = sum(t.nbytes for t in tensors.values())
+    kv_bytes_per_position = 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * 4  # fp32 K and V
+    mean_context = statistics.mean(len(q.prompt) + q.params.max_tokens / 2 for q in loads["long_tail"])
+    bandwidth = read_bandwidth()
+    bound = bandwidth * args.slots / (weight_bytes + args.slots * kv_bytes_per_position * mean_context)
+    decode_vs_bandwidth = jax_tps / bound
+    print(f"memory-bandwidth bound (read {bandwidth / 1e9:.1f} GB/s measured now; {weight_bytes / 1e6:.2f} MB of "
+          f"weights + {args.slots} x {kv_bytes_per_position * mean_context / 1e3:.0f} kB of KV a step): "
+          f"{bound:,.0f} tokens/s; the JAX engine reached {decode_vs_bandwidth:.3f} of it")
     vllm_tps = results["vllm"]["long_tail"]["tokens_per_s"] if "vllm" in results else None
     ratio = jax_tps / vllm_tps if vllm_tps else None
     if ratio is not None:
@@ -138,6 +153,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
+                       "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,
+                       "read_bandwidth_bytes_per_s": bandwidth,
                        "results": results, "startup_s": startup_s, "args": vars(args)}, f, indent=2)
         print(f"wrote {args.json}")
     return 0

@@ -1,14 +1,16 @@
 """Throughput of the jitted PPO update for a model size given on the command line.
 
 Runs the same synthetic long-tail batch through several layouts side by side (padded rows, packed rows,
-packed + remat) and prints one table: median step time, tokens/s (non-padding tokens processed) and,
-on a GPU/TPU, model-FLOPs utilisation.
+packed + remat) and prints one table: median step time, tokens/s (non-padding tokens processed) and
+model-FLOPs utilisation: on a GPU/TPU against the chip's listed peak, on a CPU against the peak of a large
+fp32 matrix multiply measured in the same run (`machine_limits.py`).
 
     .venv/bin/python benchmarks/train_step.py --size 10m --json /tmp/train_step.json
     .venv/bin/python benchmarks/train_step.py --quick
 
-The JSON carries tokens_per_s, step_time_s and mfu (null without an accelerator) of the packed layout,
-plus every variant and its ratio to the padded baseline.
+The JSON carries tokens_per_s, step_time_s, mfu (null without an accelerator) and cpu_mfu (null on an
+accelerator) of the packed layout, the measured matmul peak, plus every variant and its ratio to the
+padded baseline.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import sharding
+from machine_limits import matmul_peak_flops
 from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
@@ -35,7 +38,8 @@ SIZES = {
     "tiny": (64, 128, 2, 4, 2, 16, 512),
     "10m": (256, 768, 6, 4, 2, 64, 8192),
     "50m": (512, 1536, 8, 8, 4, 64, 16384),
-    "125m": (768, 2048, 12, 12, 4, 64, 32768),
+    "100m": (768, 2048, 12, 12, 4, 64, 32768),  # 100.7M parameters
+    "125m": (768, 2048, 12, 12, 4, 64, 32768),  # the same model, its older name
     "500m": (1024, 3072, 24, 16, 8, 64, 65536),
     "1b": (2048, 5632, 16, 16, 8, 128, 65536),
 }
@@ -144,18 +148,24 @@ def main(argv=None) -> int:
     variants = {"padded": (padded, False), "packed": (packed, False), "packed+remat": (packed, True)}
     results = {}
     peak = peak_flops(device)
+    cpu_peak = matmul_peak_flops() if device.platform == "cpu" else None
     for name, (batch, remat) in variants.items():
         r = bench_variant(cfg, mesh, batch, remat, args.steps)
         flops = train_flops_per_token(cfg, args.seq_len) * r["tokens"] / r["step_time_s"]
         r["mfu"] = flops / (peak * jax.device_count()) if peak else None
+        r["cpu_mfu"] = flops / cpu_peak if cpu_peak else None
+        r["flops_per_s"] = flops
         results[name] = r
         print(f"  {name} done (first step {r['first_step_s']:.1f}s)", flush=True)
 
     base = results["padded"]["tokens_per_s"]
+    if cpu_peak:
+        print(f"\nMFU against this CPU's fp32 matmul peak, measured now: {cpu_peak / 1e9:,.0f} GFLOP/s")
     print(f"\n{'variant':<14}{'rows x len':>12}{'step (ms)':>11}{'tokens/s':>12}{'vs padded':>11}{'MFU':>8}")
     for name, r in results.items():
         r["ratio_vs_padded"] = r["tokens_per_s"] / base
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        mfu = r["mfu"] if r["mfu"] is not None else r["cpu_mfu"]
+        mfu = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
         print(f"{name:<14}{r['rows']:>5} x {r['seq_len']:<5}{1e3 * r['step_time_s']:>10.1f}"
               f"{r['tokens_per_s']:>12,.0f}{r['ratio_vs_padded']:>10.2f}x{mfu:>8}")
     if args.json:
@@ -164,7 +174,8 @@ def main(argv=None) -> int:
             json.dump({"size": args.size, "params": cfg.num_params(), "dtype": dtype,
                        "device": device.device_kind, "devices": jax.device_count(),
                        "tokens_per_s": main_r["tokens_per_s"], "step_time_s": main_r["step_time_s"],
-                       "mfu": main_r["mfu"], "variants": results}, f, indent=2)
+                       "mfu": main_r["mfu"], "cpu_mfu": main_r["cpu_mfu"], "cpu_matmul_peak_flops": cpu_peak,
+                       "variants": results}, f, indent=2)
         print(f"\nwrote {args.json}")
     return 0
 
