@@ -268,6 +268,8 @@ class EpisodeEngine(Engine):
             self._crash(ep, e)
 
     def _crash(self, ep: _Episode, e: BaseException) -> None:
+        if self._gone(ep):
+            return
         log.exception("episode %s failed", ep.request.request_id)
         ep.sample.finish_reason = "error"
         self._finish(ep, f"episode engine: {type(e).__name__}: {e}")
@@ -317,10 +319,19 @@ class EpisodeEngine(Engine):
         return self.tokenizer.decode(ids)
 
     async def _call(self, ep: _Episode, method: str, *args: Any) -> Any:
+        if ep.env is None:  # handed back (abort, pause, close) with this coroutine already scheduled
+            raise asyncio.CancelledError(f"episode {ep.request.request_id} was handed back")
         return await base.call(ep.env, method, *args, timeout_s=self.step_timeout_s, env_name=self.env_name,
                                episode=ep.request.request_id, default_role=self.default_role)
 
+    def _gone(self, ep: _Episode) -> bool:
+        """The episode was handed back (abort, pause, close): what its environment does now is not counted."""
+        with self._lock:
+            return self._episodes.get(ep.request.request_id) is not ep
+
     def _fail(self, ep: _Episode, e: base.EnvironmentFailed) -> None:
+        if self._gone(ep):
+            return
         self.counts[f"env_{e.kind}"] += 1
         log.warning("%s", e)
         if ep.sample.finish_reason not in ("stop", "length"):

@@ -178,12 +178,47 @@ def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(mod
         got.update(poll_all(engine, 3 - len(got), timeout=300))
     finally:
         engine.close()
+    # Aborts are not environment failures.
+    assert not {k: n for k, n in engine.counts.items() if k.startswith("env_") and n}
     assert any(s.env_spans for s in partial)  # aborted after a turn was answered
     assert any(not s.env_spans or s.env_spans[-1][1] < len(s.tokens) for s in partial)  # or within a turn
     for rid, want in reference.items():
         s = got[rid].sample
         assert s.tokens == want.tokens and s.env_spans == want.env_spans, rid
         assert s.finish_reason == want.finish_reason and s.reward == want.reward
+
+
+def test_a_turn_that_finishes_after_its_episode_was_handed_back_is_dropped(model_dir, tokenizer, turn_stops,
+                                                                          caplog):
+    """An abort (or close) hands the episode back and closes its environment while the turn that just
+    finished may already be scheduled on the event loop: that turn must end quietly, not count an
+    environment failure or call the closed environment."""
+    envs = []
+
+    def make_env(meta):
+        envs.append(Echo(turns=3))
+        return envs[-1]
+
+    engine = episode_engine(model_dir, tokenizer, make_env, turn_stops)
+    try:
+        (r,) = requests(1)
+        engine.submit(r)
+        while not engine.progress([r.request_id])[0].sample.tokens:
+            time.sleep(0.01)
+        with engine._lock:
+            ep = engine._episodes[r.request_id]
+        (aborted,) = engine.abort([r.request_id])
+        assert ep.env is None
+        answered = list(envs[0].seen)
+        aborted.sample.finish_reason = "stop"  # as if the turn had ended just before the abort
+        late = asyncio.run_coroutine_threadsafe(engine._turn_done(ep, aborted), engine._loop)
+        with pytest.raises(BaseException):  # cancelled: the episode is gone
+            late.result(timeout=10)
+        assert engine.poll(timeout=0.2) == []
+    finally:
+        engine.close()
+    assert not {k: n for k, n in engine.counts.items() if k.startswith("env_") and n}
+    assert envs[0].seen == answered and "raised" not in caplog.text
 
 
 def test_reset_may_not_add_messages(model_dir, tokenizer, turn_stops):
