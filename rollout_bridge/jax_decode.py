@@ -92,12 +92,14 @@ def init_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype,
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "out_sharding"), donate_argnames=("cache",))
 def prefill(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, lengths_p: jax.Array,
-            slots_p: jax.Array, *, out_sharding) -> KVCache:
-    """Computes keys/values of tokens_pt[p, :lengths_p[p]] and stores them in slot slots_p[p], positions
-    0..T-1 (the tail past lengths_p[p] holds junk that decode overwrites before it is ever visible).
+            slots_pr: jax.Array, *, out_sharding) -> KVCache:
+    """Computes keys/values of tokens_pt[p, :lengths_p[p]] once and stores them, positions 0..T-1, in
+    each of the slots slots_pr[p, :] (the tail past lengths_p[p] holds junk that decode overwrites before
+    it is ever visible). Sequences that share their context (the G samples of a GRPO group share their
+    prompt) are computed once and written to all their slots in the same scatter.
 
-    tokens_pt: int32, right-padded. slots_p: int32; a slot >= B marks a padding row, which is dropped.
-    Returns the updated cache (the input cache is donated).
+    tokens_pt: int32, right-padded. slots_pr: int32 [P, R]; a slot >= B marks an unused destination
+    (a padding row has none), which is dropped. Returns the updated cache (the input cache is donated).
     """
     model = nnx.merge(graphdef, params)
     cfg = model.config
@@ -112,19 +114,11 @@ def prefill(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, l
 
     x_ptd = jnp.take(model.embed[...], tokens_pt, axis=0)
     _, (k_lptgk, v_lptgk) = jax.lax.scan(body, x_ptd, model.layers.stacked())
-    k_lpgtk, v_lpgtk = jnp.swapaxes(k_lptgk, 2, 3), jnp.swapaxes(v_lptgk, 2, 3)
-    k = cache.k_lbgsk.at[:, slots_p, :, :t].set(k_lpgtk.astype(cache.k_lbgsk.dtype), mode="drop")
-    v = cache.v_lbgsk.at[:, slots_p, :, :t].set(v_lpgtk.astype(cache.v_lbgsk.dtype), mode="drop")
-    return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
-
-
-@functools.partial(jax.jit, static_argnames=("out_sharding",), donate_argnames=("cache",))
-def copy_rows(cache: KVCache, src_q: jax.Array, dst_q: jax.Array, *, out_sharding) -> KVCache:
-    """Copies whole cache rows, slot src_q[q] to slot dst_q[q] (a dst_q >= B marks padding, dropped): a
-    prefill computed once for sequences that share their context (the G samples of a GRPO group share
-    their prompt). Returns the updated cache (the input cache is donated)."""
-    k = cache.k_lbgsk.at[:, dst_q].set(cache.k_lbgsk[:, src_q], mode="drop")
-    v = cache.v_lbgsk.at[:, dst_q].set(cache.v_lbgsk[:, src_q], mode="drop")
+    fanout = slots_pr.shape[1]
+    slots_q = slots_pr.reshape(-1)  # destination q = p * R + r takes row p
+    k_lqgtk, v_lqgtk = (jnp.repeat(jnp.swapaxes(a, 2, 3), fanout, axis=1) for a in (k_lptgk, v_lptgk))
+    k = cache.k_lbgsk.at[:, slots_q, :, :t].set(k_lqgtk.astype(cache.k_lbgsk.dtype), mode="drop")
+    v = cache.v_lbgsk.at[:, slots_q, :, :t].set(v_lqgtk.astype(cache.v_lbgsk.dtype), mode="drop")
     return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
 
 

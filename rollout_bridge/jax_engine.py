@@ -86,7 +86,8 @@ class JaxEngine(Engine):
     seeds for requests without one. param_dtype: the serving dtype (default the checkpoint's).
     cast_weights: let `update_weights` cast tensors of another dtype; by default that is refused.
     logprobs_mode: "raw" or "processed" (module docstring). prefill_batch: most sequences per prefill
-    call (calls are padded to a power of two). max_stop_ids: most stop token ids per request.
+    call (calls are padded to a power of two). prefill_fanout: most slots one prefill row is written to
+    (sequences sharing a context beyond that take another row). max_stop_ids: most stop token ids per request.
     warmup: compile at construction every decode program (one per slot bucket) and the prefill programs
     of the shortest prefill bucket, so that no compile lands mid-run when the number of active
     sequences first drops to a new bucket.
@@ -96,13 +97,14 @@ class JaxEngine(Engine):
                  max_len: int = 1024, decode_chunk: int = 16, mesh: jax.sharding.Mesh | None = None,
                  version: int = 0, prefill_buckets: Iterable[int] = (32, 64, 128, 256, 512, 1024),
                  seed: int = 0, param_dtype=None, cast_weights: bool = False,
-                 logprobs_mode: str = "raw", prefill_batch: int = 8, max_stop_ids: int = 8, rules=None,
-                 warmup: bool = True):
+                 logprobs_mode: str = "raw", prefill_batch: int = 8, prefill_fanout: int = 8,
+                 max_stop_ids: int = 8, rules=None, warmup: bool = True):
         if logprobs_mode not in jax_decode.LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode!r} is not one of {jax_decode.LOGPROBS_MODES}")
-        if max_slots < 1 or max_len < 2 or decode_chunk < 1 or prefill_batch < 1:
-            raise ValueError(f"need max_slots >= 1, max_len >= 2, decode_chunk >= 1, prefill_batch >= 1; "
-                             f"got {max_slots}, {max_len}, {decode_chunk}, {prefill_batch}")
+        if min(max_slots, decode_chunk, prefill_batch, prefill_fanout) < 1 or max_len < 2:
+            raise ValueError(f"need max_slots, decode_chunk, prefill_batch, prefill_fanout >= 1 and "
+                             f"max_len >= 2; got {max_slots}, {decode_chunk}, {prefill_batch}, "
+                             f"{prefill_fanout}, {max_len}")
         self._mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
         self._rules = rules
         if isinstance(model, Transformer):
@@ -127,7 +129,7 @@ class JaxEngine(Engine):
         self._version = version
         self.max_slots, self.max_len, self.decode_chunk = max_slots, max_len, decode_chunk
         self._buckets = tuple(sorted({min(int(b), max_len) for b in prefill_buckets} | {max_len}))
-        self._prefill_batch = prefill_batch
+        self._prefill_batch, self._prefill_fanout = prefill_batch, prefill_fanout
         self._logprobs_mode = logprobs_mode
         self._max_stop_ids = max_stop_ids
         self._seeds = np.random.default_rng(seed)
@@ -403,41 +405,33 @@ class JaxEngine(Engine):
         """(Re)computes the cache rows of `slots` from their sequences under the current weights.
 
         Sequences with the same context (a GRPO group's samples of one prompt, episodes that made the
-        same tool call) are computed once and the row copied to the others' slots. Sequences are
-        grouped by bucket; a call takes up to prefill_batch of them, padded to a power of two so that the
-        number of compiled shapes stays at buckets x log2(prefill_batch).
+        same tool call) are computed once, in one prefill row written to up to prefill_fanout slots.
+        Rows are grouped by bucket; a call takes up to prefill_batch of them, padded to a power of two
+        so that the number of compiled shapes stays at buckets x log2(prefill_batch).
         """
         shared: dict[tuple[int, ...], list[int]] = {}
         for slot in slots:
             context = tuple(self._running[slot].sequence[:-1])  # the last token is the pending decode input
             if context:
                 shared.setdefault(context, []).append(slot)
-        by_bucket: dict[int, list[tuple[int, tuple[int, ...]]]] = collections.defaultdict(list)
-        for context, (slot, *_) in shared.items():
-            by_bucket[next(b for b in self._buckets if b >= len(context))].append((slot, context))
+        by_bucket: dict[int, list[tuple[tuple[int, ...], list[int]]]] = collections.defaultdict(list)
+        r = self._prefill_fanout
+        for context, targets in shared.items():
+            bucket = next(b for b in self._buckets if b >= len(context))
+            by_bucket[bucket] += [(context, targets[i:i + r]) for i in range(0, len(targets), r)]
         for t, items in sorted(by_bucket.items()):
             for start in range(0, len(items), self._prefill_batch):
                 group = items[start:start + self._prefill_batch]
                 p = 1 << (len(group) - 1).bit_length()
                 tokens_pt = np.zeros((p, t), np.int32)
                 lengths_p = np.zeros(p, np.int32)
-                slots_p = np.full(p, self.max_slots, np.int32)  # out of range: padding rows are dropped
-                for row, (slot, context) in enumerate(group):
+                slots_pr = np.full((p, r), self.max_slots, np.int32)  # out of range: dropped
+                for row, (context, targets) in enumerate(group):
                     tokens_pt[row, :len(context)] = context
-                    lengths_p[row], slots_p[row] = len(context), slot
+                    lengths_p[row] = len(context)
+                    slots_pr[row, :len(targets)] = targets
                 self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
-                                                    lengths_p, slots_p, out_sharding=self._cache_sharding))
-        copies = [(first, slot) for first, *rest in shared.values() for slot in rest]
-        if copies:
-            self._copy_rows(copies)
-
-    def _copy_rows(self, copies: list[tuple[int, int]]) -> None:
-        """Copies cache rows (source slot, destination slot), padded to a power of two (at least 8)."""
-        q = max(8, 1 << (len(copies) - 1).bit_length())
-        src_q, dst_q = np.zeros(q, np.int32), np.full(q, self.max_slots, np.int32)
-        for i, (src, dst) in enumerate(copies):
-            src_q[i], dst_q[i] = src, dst
-        self._keep_cache(jax_decode.copy_rows(self._cache, src_q, dst_q, out_sharding=self._cache_sharding))
+                                                    lengths_p, slots_pr, out_sharding=self._cache_sharding))
 
     def _warmup(self) -> None:
         """Compiles the programs `warmup` promises by running them on free slots, which changes nothing:
@@ -449,15 +443,9 @@ class JaxEngine(Engine):
         while p < 2 * min(self._prefill_batch, self.max_slots):
             self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache,
                                                 np.zeros((p, t), np.int32), np.zeros(p, np.int32),
-                                                np.full(p, self.max_slots, np.int32),
-                                                out_sharding=self._cache_sharding))
+                                                np.full((p, self._prefill_fanout), self.max_slots,
+                                                        np.int32), out_sharding=self._cache_sharding))
             p *= 2
-        q = 8
-        while q < 2 * self.max_slots:  # copy programs of every size a prefill can ask for
-            self._keep_cache(jax_decode.copy_rows(self._cache, np.zeros(q, np.int32),
-                                                  np.full(q, self.max_slots, np.int32),
-                                                  out_sharding=self._cache_sharding))
-            q *= 2
         jax.block_until_ready(self._cache)
 
     def _keep_cache(self, cache: jax_decode.KVCache) -> None:

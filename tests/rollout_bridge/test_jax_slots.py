@@ -1,6 +1,6 @@
 """The JAX engine's slot table: which rows and attention windows a decode call runs."""
 
-from rollout_bridge.jax_slots import SlotTable, attention_windows, num_groups
+from rollout_bridge.jax_slots import SlotTable, attention_windows, num_groups, row_buckets
 
 WINDOWS = (16, 32, 64, 128)  # any ascending list; the engine uses attention_windows
 
@@ -16,13 +16,22 @@ def test_attention_windows():
     assert attention_windows(128, 128) == (128,)
 
 
+def test_row_buckets_step_by_at_most_half_and_split_into_groups_of_four():
+    for max_slots in (8, 12, 64, 128, 200, 256):
+        buckets = row_buckets(max_slots)
+        assert buckets[0] == 8 and buckets[-1] == max_slots
+        assert all(b / a <= 1.5 for a, b in zip(buckets, buckets[1:]))
+        assert all(b % 4 == 0 for b in buckets[:-1])
+    assert row_buckets(5) == [5] and row_buckets(1) == [1]
+
+
 def test_num_groups():
     assert [num_groups(n) for n in (64, 8, 4, 6, 3, 1)] == [16, 2, 1, 3, 3, 1]
 
 
 def test_plan_runs_active_slots_longest_first_in_a_bucket():
     table = SlotTable(32, 4, WINDOWS, select_rows=True)
-    assert table.buckets == [8, 16, 32]
+    assert table.buckets == [8, 12, 16, 24, 32]
     for slot, length in [(3, 10), (7, 100), (12, 40), (20, 5), (21, 90)]:
         fill(table, slot, length)
     plan = table.plan(num_steps=8)
