@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 import sys
 import time
 from collections.abc import Iterator
@@ -95,8 +96,12 @@ def hf_pieces(model) -> Iterator[tuple[str, list[int], list[int], np.ndarray]]:
     from jaxflow.models.names import tensor_maps
 
     cfg = model.config
+    spec = model.layers.lora
     for row in tensor_maps(cfg, model.layers.names):
         array = _param(model, row.path)
+        if spec is not None and row.path[0] == "layers" and row.path[-1] in spec.targets:
+            array = _merged(array, getattr(model.layers, f"{row.path[-1]}_lora_a")[...],
+                            getattr(model.layers, f"{row.path[-1]}_lora_b")[...], spec.scale)
         shape = tuple(array.shape[1:] if row.stacked else array.shape)
         hf_shape = list(row.hf_shape(shape))
         ok = all(_hf_block(row, s, n, shape) is not None for s, n in _blocks(array, row.stacked))
@@ -122,6 +127,20 @@ def hf_pieces(model) -> Iterator[tuple[str, list[int], list[int], np.ndarray]]:
                 yield row.hf_name(), hf_shape, start, np.ascontiguousarray(row.to_hf(data).reshape(piece_shape))
 
 
+def _merged(w, a, b, scale: float):
+    """A LoRA target as the engines take it, W + scale * A B, computed where W's shards live (a jitted
+    program on the global arrays: every process calls it) and laid out as W."""
+    import jax
+    import jax.numpy as jnp
+
+    def merge(w, a, b):
+        delta = jnp.matmul(a.reshape(a.shape[0], -1, a.shape[-1]).astype(jnp.float32),
+                           b.reshape(b.shape[0], b.shape[1], -1).astype(jnp.float32))
+        return (w.astype(jnp.float32) + scale * delta.reshape(w.shape)).astype(w.dtype)
+
+    return jax.jit(merge, out_shardings=w.sharding)(w, a, b)
+
+
 class TrainerActor:
     """The body of one trainer process's actor (see the module docstring)."""
 
@@ -136,18 +155,23 @@ class TrainerActor:
         distributed.initialize(address, num_processes, process_id, timeout_s=spec["init_timeout_s"],
                                heartbeat_timeout_s=spec["heartbeat_timeout_s"])
         from jaxflow.models import hf_io
+        from jaxflow.models.lora import LoRASpec
         from jaxflow.trainer.checkpoint import Checkpointer
         from jaxflow.trainer.rl_trainer import RLTrainer
 
         mesh = distributed.global_mesh(fsdp=spec["fsdp"], tensor=spec["tensor"])
-        self.trainer = RLTrainer(hf_io.load_model(spec["model_dir"], mesh=mesh), spec["trainer"], mesh,
-                                 seq_len=spec["seq_len"], max_sequences=spec["max_sequences"])
+        # Adapters start from the same seed in every process (and as the single-process job's would).
+        model = hf_io.load_model(spec["model_dir"], mesh=mesh, lora=LoRASpec.from_config(spec["trainer"].get("lora")),
+                                 lora_seed=spec["lora_seed"])
+        self.trainer = RLTrainer(model, spec["trainer"], mesh, seq_len=spec["seq_len"],
+                                 max_sequences=spec["max_sequences"])
         self.mesh, self.process_id = mesh, process_id
         self.ckpt = Checkpointer(spec["checkpoints"], max_to_keep=spec["max_to_keep"])
         extra = self.restore_latest()[1] if self.ckpt.latest_step() is not None else None
         return {"version": self.trainer.version, "extra": extra, "compile_s": self.trainer.compile_s,
                 "batch_shape": list(self.trainer.batch_shape), "damaged": list(self.ckpt.damaged),
-                "pid": os.getpid(), "mesh": dict(mesh.shape)}
+                "pid": os.getpid(), "mesh": dict(mesh.shape), "trainable_params": self.trainer.trainable_params,
+                "frozen_params": self.trainer.frozen_params}
 
     def restore_latest(self) -> tuple[int, dict, list[list]]:
         """Rolls the trainer back to the newest intact checkpoint; (its version, its extra, the damaged
@@ -188,8 +212,9 @@ class TrainerActor:
         self.ckpt.wait_until_finished()
         return started
 
-    def export(self, directory: str, tokenizer_dir: str) -> str | None:
-        """Gathers the policy (a collective) and, in process 0, writes it as an HF model to `directory`."""
+    def export(self, directory: str, tokenizer_dir: str, adapter_dir: str | None = None) -> str | None:
+        """Gathers the policy (a collective) and, in process 0, writes it as an HF model to `directory`
+        (LoRA merged) and, with LoRA and an `adapter_dir`, the adapters alone in PEFT's format there."""
         import jax
         from flax import nnx
         from jax.experimental import multihost_utils
@@ -201,6 +226,10 @@ class TrainerActor:
         if jax.process_index() != 0:
             return None
         local = nnx.merge(graphdef, jax.tree.map(jax.numpy.asarray, host))
+        if local.layers.lora is not None and adapter_dir is not None:
+            from jaxflow.models import lora
+            lora.write_adapter(adapter_dir, local.layers.lora, lora.peft_tensors(local.layers),
+                               base_model=str(pathlib.Path(tokenizer_dir).resolve()), overwrite=True)
         return str(hf_io.export_model(local, directory, tokenizer_dir=tokenizer_dir, overwrite=True))
 
     def close(self) -> None:
@@ -236,9 +265,10 @@ class TrainerGroup:
     @staticmethod
     def spec(model_dir: str, trainer: ml_collections.ConfigDict, *, seq_len: int, max_sequences: int,
              checkpoints: str, max_to_keep: int, fsdp: int = -1, tensor: int = 1, init_timeout_s: float = 120.0,
-             heartbeat_timeout_s: int = 60) -> dict[str, Any]:
-        """What every trainer process is built from."""
+             heartbeat_timeout_s: int = 60, lora_seed: int = 0) -> dict[str, Any]:
+        """What every trainer process is built from (LoRA: `trainer.lora`, adapters drawn from `lora_seed`)."""
         return {"model_dir": str(model_dir), "trainer": trainer, "seq_len": seq_len, "max_sequences": max_sequences,
+                "lora_seed": lora_seed,
                 "checkpoints": str(checkpoints), "max_to_keep": max_to_keep, "fsdp": fsdp, "tensor": tensor,
                 "init_timeout_s": init_timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s}
 
@@ -332,8 +362,13 @@ class TrainerGroup:
         self._set_aside(damaged)
         return self.version, extra
 
-    def export(self, directory: str, tokenizer_dir: str) -> None:
-        self._all("export", str(directory), str(tokenizer_dir))
+    def export(self, directory: str, tokenizer_dir: str, adapter_dir: str | None = None) -> None:
+        """The merged HF model to `directory`; with LoRA the adapters (PEFT's format) to `adapter_dir`."""
+        self._all("export", str(directory), str(tokenizer_dir), None if adapter_dir is None else str(adapter_dir))
+
+    @property
+    def trainable_params(self) -> int:
+        return self.started[0]["trainable_params"]
 
     def params(self) -> dict[str, np.ndarray]:
         """The current parameters gathered to host, by path (see `TrainerActor.params`)."""

@@ -130,10 +130,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problems += number_problems(config, problems)
     problems += _task_problems(config)
     problems += cluster_problems(config.cluster)
-    lora_section = t.get("lora")
-    if lora_section is not None and lora_section.get("rank") and config.cluster.trainer_processes:
-        problems.append("trainer.lora does not run with cluster.trainer_processes yet (the trainer group "
-                        "publishes full weights); set cluster.trainer_processes=0 or trainer.lora.rank=0")
     env = r.get("env")
     if env is not None:
         problems += env_problems(env)

@@ -53,6 +53,7 @@ from jaxflow.jobs import rl
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked
 from jaxflow.jobs.ray_rollout import start_fleet
 from jaxflow.jobs.run_log import RunLog
+from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards import RewardPool
 
 __all__ = ["run"]
@@ -78,7 +79,7 @@ class _Cluster:
         self.spec = TrainerGroup.spec(
             str(base_dir), t, seq_len=config.rollout.max_len, max_sequences=t.batch_groups * config.rollout.group_size,
             checkpoints=str(self.workdir / "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
-            fsdp=config.cluster.trainer_mesh.fsdp, tensor=config.cluster.trainer_mesh.tensor)
+            fsdp=config.cluster.trainer_mesh.fsdp, tensor=config.cluster.trainer_mesh.tensor, lora_seed=config.seed)
         self.generation = 0
         ray = ray_actors.require_ray()
         self.host = ray_actors.start_host(name=names.data(self.tag), max_restarts=-1,
@@ -149,6 +150,10 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
     print(f"jaxflow: {config.cluster.trainer_processes} trainer processes form one mesh "
           f"{group.started[0]['mesh']} (train step compiled in {group.compile_s:.1f}s)"
           + (f"; resuming {workdir} from step {version}" if extra else ""), flush=True)
+    if (spec := LoRASpec.from_config(config.trainer.get("lora"))) is not None:
+        print(f"jaxflow: LoRA rank {spec.rank} (alpha {spec.alpha:g}) on {', '.join(spec.targets)}: "
+              f"{group.trainable_params:,} trained parameters; weight syncs to the rollout actors carry merged "
+              f"weights", flush=True)
     if version >= t.steps:
         print(f"jaxflow: {workdir} already ran {version} of {t.steps} steps; nothing to do")
         return 0
@@ -219,7 +224,7 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
             run_log.close()
     result["coordination"] = {k: v for k, v in fleet.stats().items() if k != "instances"}
     return rl._conclude(config, result, trajectories, ledger, rewards, never_worked, group,
-                        lambda: group.export(workdir / "export", base_dir))
+                        lambda: group.export(workdir / "export", base_dir, workdir / "adapter"))
 
 
 def _recover(cluster: _Cluster, kind: str) -> tuple[int, dict, TrainerGroup]:

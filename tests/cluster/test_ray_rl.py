@@ -7,6 +7,7 @@ import statistics
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
@@ -15,6 +16,7 @@ from ray.cluster_utils import Cluster
 from jaxflow.cluster import names, ray_actors
 from jaxflow.config import load_config
 from jaxflow.jobs import rl
+from jaxflow.models import hf_io, lora
 
 from service_placements import ray_session_end
 
@@ -130,21 +132,37 @@ def test_the_run_survives_a_rollout_actor_a_trainer_process_and_the_data_service
         assert r["step"] <= steps
 
 
-def test_lora_in_the_driver_with_a_rollout_actor_on_merged_weights(cluster, tmp_path, capsys):
-    """LoRA adapters trained in the driver process (LoRA is refused with trainer processes), the rollout
-    on a Ray actor whose JAX engine loads the base without adapters and takes each version's merged
-    weights from the parameter service: versions arrive (the bound holds token by token, so no engine is
-    left on old weights) and the engine serves what the trainer computes (pi_prox / mu near 1)."""
+@pytest.mark.parametrize("trainer_processes", [0, 2])
+def test_lora_with_a_rollout_actor_on_merged_weights(cluster, tmp_path, capsys, trainer_processes):
+    """LoRA adapters trained in the driver process (trainer_processes=0) or on the mesh of two trainer
+    processes, the rollout on a Ray actor whose JAX engine loads the base without adapters and takes each
+    version's merged weights (the trainer processes merge on device, shard by shard): versions arrive (the
+    bound holds token by token, so no engine is left on old weights) and the engine serves what the
+    trainer computes (pi_prox / mu near 1). The export holds the adapters in PEFT's format and the merged
+    model, which agree."""
     steps = 6
     config = config_for(cluster, tmp_path, tmp_path / "base",
-                        **{"trainer.steps": steps, "cluster.trainer_processes": 0, "cluster.rollout_actors": 1,
-                           "trainer.lora.rank": 8, "trainer.lr": 1e-3})
+                        **{"trainer.steps": steps, "cluster.trainer_processes": trainer_processes,
+                           "cluster.rollout_actors": 1, "trainer.lora.rank": 8, "trainer.lr": 1e-3})
     assert rl.run(config) == 0
     out = capsys.readouterr().out
-    assert "jaxflow: LoRA rank 8" in out and "carry merged weights (rollout actors)" in out
+    assert "jaxflow: LoRA rank 8" in out and "merged weights" in out
     trained, result = check_run(pathlib.Path(config.workdir), steps)
     assert len(result["cluster"]["rollout_actors"]) == 1
-    assert result["trained_params"] < 50_000  # the adapters alone
+    if trainer_processes:
+        assert len({p["pid"] for p in result["cluster"]["trainer_processes"]}) == 2
+    else:
+        assert result["trained_params"] < 50_000  # the adapters alone
     for r in trained:
         assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
-    assert (pathlib.Path(config.workdir) / "adapter" / "adapter_config.json").exists()
+    workdir = pathlib.Path(config.workdir)
+    spec, adapters = lora.read_adapter(workdir / "adapter")
+    assert spec.rank == 8 and adapters
+    base = hf_io.load_model(tmp_path / "base")
+    merged = dict(hf_io.iter_hf_tensors(hf_io.load_model(workdir / "export")))
+    with_adapters = hf_io.load_model(tmp_path / "base", lora=spec)
+    for name, value in lora.adapter_arrays(with_adapters.layers, adapters, source="export").items():
+        getattr(with_adapters.layers, name)[...] = value
+    for name, w in hf_io.iter_hf_tensors(with_adapters):
+        np.testing.assert_allclose(merged[name], w, atol=1e-6, err_msg=name)
+    assert any(not np.array_equal(merged[n], w) for n, w in hf_io.iter_hf_tensors(base))  # it trained

@@ -146,8 +146,6 @@ def test_ray_mode_without_ray_says_how_to_install_it(monkeypatch):
     ({"trainer.lora.rank": "4", "trainer.lora.alpha": "0"}, "trainer.lora.alpha must be a number > 0, got 0.0"),
     ({"trainer.lora.rank": "4", "trainer.lora.targets": "('q_proj', 'qkv')"}, "trainer.lora.targets: 'qkv' not a projection"),
     ({"trainer.lora.rank": "4", "trainer.lora.targets": "()"}, "trainer.lora.targets is empty"),
-    ({"trainer.lora.rank": "4", "cluster.mode": "ray", "cluster.rollout_actors": "2", "cluster.trainer_processes": "2",
-      "cluster.trainer_cpu_devices": "4"}, "trainer.lora does not run with cluster.trainer_processes yet"),
 ])
 def test_bad_lora_settings_are_named_before_anything_starts(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
