@@ -122,6 +122,52 @@ def prefill(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, l
     return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "out_sharding"), donate_argnames=("cache",))
+def extend(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, starts_p: jax.Array,
+           slots_p: jax.Array, *, out_sharding) -> KVCache:
+    """Appends tokens_pt[p] to the sequence whose keys/values slot slots_p[p] already holds at positions
+    0..starts_p[p]-1: computes the new tokens' keys/values at positions starts_p[p].. (attending over the
+    slot's cached positions and causally among themselves) and stores them there. An episode's next turn
+    costs its new tokens (the environment's answer) instead of a prefill of its whole context.
+
+    tokens_pt: int32, right-padded (padding tokens write junk past the sequence, which decode overwrites
+    before it is ever visible; positions past the cache are dropped). slots_p: int32; a slot >= B marks a
+    padding row, dropped. Returns the updated cache (the input cache is donated).
+    """
+    model = nnx.merge(graphdef, params)
+    cfg = model.config
+    max_len = cache.k_lbgsk.shape[3]
+    positions_pt = starts_p[:, None] + jnp.arange(tokens_pt.shape[1])[None, :]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    # Row p's query at position i sees cached and new positions <= i (of its own slot).
+    visible_pts = jnp.arange(max_len)[None, None, :] <= positions_pt[:, :, None]
+    rows_p = jnp.minimum(slots_p, cache.k_lbgsk.shape[1] - 1)  # padding rows read some slot, write nowhere
+
+    def body(carry, xs):
+        x_ptd, k_lbgsk, v_lbgsk = carry
+        p, layer = xs
+
+        def attend(q_ptgrk, k_ptgk, v_ptgk):
+            k = k_lbgsk.at[layer, slots_p[:, None], :, positions_pt].set(k_ptgk.astype(k_lbgsk.dtype),
+                                                                         mode="drop")
+            v = v_lbgsk.at[layer, slots_p[:, None], :, positions_pt].set(v_ptgk.astype(v_lbgsk.dtype),
+                                                                         mode="drop")
+            keys, values = k[layer, rows_p], v[layer, rows_p]  # [P, G, S, K]
+            scale = 1.0 / math.sqrt(q_ptgrk.shape[-1])
+            scores = jnp.einsum("ptgrk,pgsk->pgrts", q_ptgrk, keys, preferred_element_type=jnp.float32)
+            scores = jnp.where(visible_pts[:, None, None], scores * scale, MASK_VALUE)
+            probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+            return jnp.einsum("pgrts,pgsk->ptgrk", probs, values), (k, v)
+
+        x_ptd, (k_lbgsk, v_lbgsk) = decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, None, attend)
+        return (x_ptd, k_lbgsk, v_lbgsk), None
+
+    x_ptd = jnp.take(model.embed[...], tokens_pt, axis=0)
+    layers = (model.layers.stacked(), jnp.arange(cfg.num_layers))
+    (_, k, v), _ = jax.lax.scan(body, (x_ptd, cache.k_lbgsk, cache.v_lbgsk), layers)
+    return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
+
+
 def _cached_attention(q_bgrk: jax.Array, keys_bgsk: jax.Array, values_bgsk: jax.Array,
                       visible_bs: jax.Array) -> jax.Array:
     """One query token per slot against its cached keys/values; returns [B, G, R, K].

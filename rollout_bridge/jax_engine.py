@@ -6,12 +6,15 @@ A background thread runs the loop:
 1. apply commands from other threads (weight swaps, aborts, pauses) — only ever between decode calls;
    while paused, it stops here until `resume`;
 2. admit waiting requests into free slots: prefill prompt (+ resumed prefix) into the slot's cache rows
-   (once per distinct context: a GRPO group's samples share their prompt, and the row is copied);
+   (once per distinct context: a GRPO group's samples share their prompt, and the row is written to all
+   their slots); a request that extends what its own earlier request left in a slot (an episode's next
+   turn: same request id, the finished turn plus the environment's answer) computes only its new tokens
+   (`reuse_turns`);
 3. run `decode_chunk` decode steps for the active slots in one jitted call;
 4. hand finished samples to `poll`, freeing their slots for the next admission.
 
 A decode call's cost follows the work left rather than the engine's size (`jax_slots`): it runs only the
-active slots, padded to a slot bucket (8, 16, ... max_slots), and each group of similar-length sequences
+active slots, padded to a slot bucket (8, 12, 16, 24, ... max_slots), and each group of similar-length sequences
 attends over the smallest of a few window sizes that holds it, so the draining tail of a rollout round
 and a mix of short and long sequences stay cheap.
 
@@ -85,6 +88,9 @@ class JaxEngine(Engine):
     smallest decode attention window (`jax_slots.attention_windows`). seed: draws per-request
     seeds for requests without one. param_dtype: the serving dtype (default the checkpoint's).
     cast_weights: let `update_weights` cast tensors of another dtype; by default that is refused.
+    reuse_turns: a request that finishes with a stop keeps its cache row (until a weight swap, or until
+    the slot is needed: least recently finished first); the same request id submitted again with a
+    sequence that extends it (an episode's next turn) is admitted there and computes only its new tokens.
     logprobs_mode: "raw" or "processed" (module docstring). prefill_batch: most sequences per prefill
     call (calls are padded to a power of two). prefill_fanout: most slots one prefill row is written to
     (sequences sharing a context beyond that take another row). max_stop_ids: most stop token ids per request.
@@ -98,7 +104,7 @@ class JaxEngine(Engine):
                  version: int = 0, prefill_buckets: Iterable[int] = (32, 64, 128, 256, 512, 1024),
                  seed: int = 0, param_dtype=None, cast_weights: bool = False,
                  logprobs_mode: str = "raw", prefill_batch: int = 8, prefill_fanout: int = 8,
-                 max_stop_ids: int = 8, rules=None, warmup: bool = True):
+                 max_stop_ids: int = 8, rules=None, warmup: bool = True, reuse_turns: bool = True):
         if logprobs_mode not in jax_decode.LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode!r} is not one of {jax_decode.LOGPROBS_MODES}")
         if min(max_slots, decode_chunk, prefill_batch, prefill_fanout) < 1 or max_len < 2:
@@ -144,6 +150,8 @@ class JaxEngine(Engine):
         self._slots = jax_slots.SlotTable(max_slots, max_stop_ids, self._windows,
                                           select_rows=not slots_sharded)
         self._running: dict[int, _Running] = {}  # slot -> request; the loop changes it, under _lock
+        self._reuse_turns = reuse_turns
+        self._kept = jax_slots.KeptTurns()  # finished turns kept for their next one; the loop's alone
         self._rates: collections.deque[tuple[float, float, int]] = collections.deque()
         # Shared with the API threads, under _lock.
         self._init_admission()
@@ -378,17 +386,30 @@ class JaxEngine(Engine):
         return self._abort(in_flight) if arg == "abort" else []
 
     def _admit(self) -> None:
-        """Moves waiting requests into free slots and prefills them."""
-        free = [s for s in range(self.max_slots) if s not in self._running]
-        admitted = []
+        """Moves waiting requests into free slots and computes their caches."""
+        admitted, extended = [], []
         with self._lock:
-            while free and self._waiting:
-                slot = free.pop(0)
-                self._running[slot] = self._waiting.popleft()
-                admitted.append(slot)
-        for slot in admitted:
+            while self._waiting and len(self._running) < self.max_slots:
+                run = self._waiting.popleft()
+                slot, start = self._take_slot(run)
+                self._running[slot] = run
+                if start:
+                    extended.append((slot, start))
+                else:
+                    admitted.append(slot)
+        for slot in admitted + [slot for slot, _ in extended]:
             self._fill_slot(slot)
         self._prefill(admitted)
+        self._extend(extended)
+
+    def _take_slot(self, run: _Running) -> tuple[int, int]:
+        """(A free slot for `run`, how many of its positions already hold its sequence): its own finished
+        turn's slot when the sequence extends that turn; else a free slot that keeps nothing; else the
+        least recently kept one."""
+        slot, start = self._kept.take(run.request.request_id, run.sequence)
+        if slot is None:
+            slot = next((s for s in range(self.max_slots) if s not in self._running and s not in self._kept), None)
+        return (self._kept.evict() if slot is None else slot), start
 
     def _fill_slot(self, slot: int) -> None:
         run = self._running[slot]
@@ -405,9 +426,8 @@ class JaxEngine(Engine):
         """(Re)computes the cache rows of `slots` from their sequences under the current weights.
 
         Sequences with the same context (a GRPO group's samples of one prompt, episodes that made the
-        same tool call) are computed once, in one prefill row written to up to prefill_fanout slots.
-        Rows are grouped by bucket; a call takes up to prefill_batch of them, padded to a power of two
-        so that the number of compiled shapes stays at buckets x log2(prefill_batch).
+        same tool call) are computed once, in one prefill row written to up to prefill_fanout slots;
+        rows go to calls by bucket (`_calls`).
         """
         shared: dict[tuple[int, ...], list[int]] = {}
         for slot in slots:
@@ -419,19 +439,43 @@ class JaxEngine(Engine):
         for context, targets in shared.items():
             bucket = next(b for b in self._buckets if b >= len(context))
             by_bucket[bucket] += [(context, targets[i:i + r]) for i in range(0, len(targets), r)]
+        for t, p, group in self._calls(by_bucket):
+            tokens_pt = np.zeros((p, t), np.int32)
+            lengths_p = np.zeros(p, np.int32)
+            slots_pr = np.full((p, r), self.max_slots, np.int32)  # out of range: dropped
+            for row, (context, targets) in enumerate(group):
+                tokens_pt[row, :len(context)] = context
+                lengths_p[row] = len(context)
+                slots_pr[row, :len(targets)] = targets
+            self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
+                                                lengths_p, slots_pr, out_sharding=self._cache_sharding))
+
+    def _calls(self, by_bucket: dict[int, list]):
+        """(bucket length t, rows p, items) per prefill or extend call: up to prefill_batch items of one
+        bucket, padded to a power of two rows, so the compiled shapes stay at buckets x log2(prefill_batch)."""
         for t, items in sorted(by_bucket.items()):
-            for start in range(0, len(items), self._prefill_batch):
-                group = items[start:start + self._prefill_batch]
-                p = 1 << (len(group) - 1).bit_length()
-                tokens_pt = np.zeros((p, t), np.int32)
-                lengths_p = np.zeros(p, np.int32)
-                slots_pr = np.full((p, r), self.max_slots, np.int32)  # out of range: dropped
-                for row, (context, targets) in enumerate(group):
-                    tokens_pt[row, :len(context)] = context
-                    lengths_p[row] = len(context)
-                    slots_pr[row, :len(targets)] = targets
-                self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
-                                                    lengths_p, slots_pr, out_sharding=self._cache_sharding))
+            for first in range(0, len(items), self._prefill_batch):
+                group = items[first:first + self._prefill_batch]
+                yield t, 1 << (len(group) - 1).bit_length(), group
+
+    def _extend(self, extended: list[tuple[int, int]]) -> None:
+        """Computes the new tokens of requests admitted into their own finished turn's slot, (slot, start):
+        positions start.. of the context (the pending last token excluded), grouped by bucket as
+        `_prefill` does."""
+        by_bucket: dict[int, list[tuple[int, int, list[int]]]] = collections.defaultdict(list)
+        for slot, start in extended:
+            new = self._running[slot].sequence[start:-1]
+            if new:
+                by_bucket[next(b for b in self._buckets if b >= len(new))].append((slot, start, new))
+        for t, p, group in self._calls(by_bucket):
+            tokens_pt = np.zeros((p, t), np.int32)
+            starts_p = np.zeros(p, np.int32)
+            slots_p = np.full(p, self.max_slots, np.int32)  # out of range: padding rows are dropped
+            for row, (slot, start, new) in enumerate(group):
+                tokens_pt[row, :len(new)] = new
+                starts_p[row], slots_p[row] = start, slot
+            self._keep_cache(jax_decode.extend(self._graphdef, self._params, self._cache, tokens_pt, starts_p,
+                                               slots_p, out_sharding=self._cache_sharding))
 
     def _warmup(self) -> None:
         """Compiles the programs `warmup` promises by running them on free slots, which changes nothing:
@@ -445,6 +489,12 @@ class JaxEngine(Engine):
                                                 np.zeros((p, t), np.int32), np.zeros(p, np.int32),
                                                 np.full((p, self._prefill_fanout), self.max_slots,
                                                         np.int32), out_sharding=self._cache_sharding))
+            p *= 2
+        p = 1
+        while self._reuse_turns and p < 2 * min(self._prefill_batch, self.max_slots):
+            self._keep_cache(jax_decode.extend(self._graphdef, self._params, self._cache, np.zeros((p, t), np.int32),
+                                               np.zeros(p, np.int32), np.full(p, self.max_slots, np.int32),
+                                               out_sharding=self._cache_sharding))
             p *= 2
         jax.block_until_ready(self._cache)
 
@@ -483,7 +533,13 @@ class JaxEngine(Engine):
                 generated += n
                 if not state.active_b[row]:
                     sample.finish_reason = _FINISH_NAMES[int(state.finish_b[row])]
-                    finished.append(self._free_slot(slot))
+                    run = self._free_slot(slot)
+                    # A turn that stopped stays in its slot for the request's next turn; the stop token
+                    # was sampled, never fed: not in the cache.
+                    if self._reuse_turns and sample.finish_reason == "stop":
+                        self._kept.keep(run.request.request_id, slot, run.sequence[:-1],
+                                        int(state.lengths_b[row]))
+                    finished.append(run)
         now = time.monotonic()
         self._rates.append((start, now, generated))
         while self._rates and self._rates[0][1] < now - _RATE_WINDOW_S:
@@ -521,6 +577,7 @@ class JaxEngine(Engine):
         if self.lora is not None:
             params = nnx.merge_state(self._params, params)
         self._params, self._version = params, version
+        self._kept.clear()  # computed under the old weights
         self._prefill(list(self._running))
 
     def _publish_load(self) -> None:

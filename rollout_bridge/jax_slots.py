@@ -10,6 +10,9 @@ work actually left:
   the smallest window (`attention_windows`) its own sequences fit, so one long sequence no longer makes
   every short one read the long window.
 
+Free slots may keep a finished turn's cache rows for the same request's next turn (`KeptTurns`): an
+episode's next turn then computes only its new tokens.
+
 Each slot bucket is one compiled decode program (the windows are traced indices into a static list of
 window sizes), so `JaxEngine` can compile them all at start.
 """
@@ -160,3 +163,43 @@ class SlotTable:
     def slots(self, plan: DecodePlan) -> np.ndarray:
         """The slot of each row of the plan."""
         return np.arange(len(self.arrays["active_b"])) if plan.rows_b is None else plan.rows_b
+
+
+class KeptTurns:
+    """Cache rows of finished turns kept for the same request's next turn (`JaxEngine(reuse_turns=)`):
+    request id -> (slot, the tokens whose keys/values the slot holds), least recently kept first."""
+
+    def __init__(self):
+        self._by_id: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._slots: set[int] = set()
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._slots
+
+    def keep(self, request_id: str, slot: int, cached: list[int], length: int) -> None:
+        """Keeps `slot`, holding `cached` (checked against the slot's cached `length`)."""
+        if len(cached) == length:
+            self._by_id[request_id] = (slot, tuple(cached))
+            self._slots.add(slot)
+
+    def take(self, request_id: str, sequence: list[int]) -> tuple[int | None, int]:
+        """(The slot `request_id` kept, or None; how many leading positions of `sequence` it already
+        holds: all its kept tokens when `sequence` extends them by at least its pending last token, else 0)."""
+        kept = self._by_id.pop(request_id, None)
+        if kept is None:
+            return None, 0
+        slot, cached = kept
+        self._slots.discard(slot)
+        n = len(cached)
+        return slot, n if n < len(sequence) and tuple(sequence[:n]) == cached else 0
+
+    def evict(self) -> int:
+        """Frees the least recently kept slot and returns it."""
+        request_id = next(iter(self._by_id))
+        slot, _ = self._by_id.pop(request_id)
+        self._slots.discard(slot)
+        return slot
+
+    def clear(self) -> None:
+        self._by_id.clear()
+        self._slots.clear()

@@ -196,7 +196,7 @@ def test_a_turn_that_finishes_after_its_episode_was_handed_back_is_dropped(model
     envs = []
 
     def make_env(meta):
-        envs.append(Echo(turns=3))
+        envs.append(Echo(turns=3, latency_s=2.0))  # the episode cannot end before the abort
         return envs[-1]
 
     engine = episode_engine(model_dir, tokenizer, make_env, turn_stops)

@@ -171,6 +171,48 @@ def test_shared_prompts_are_prefilled_once(engine, greedy_reference, monkeypatch
                                atol=1e-5)
 
 
+def test_a_next_turn_computes_only_its_new_tokens(engine, greedy_reference, qwen3_model, monkeypatch):
+    """A request that stopped keeps its cache row; the same request id submitted again with a sequence
+    extending it (an episode's next turn: the turn, then the environment's answer) is admitted there and
+    computes only the new tokens, and decodes as a request that prefilled its whole context does."""
+    calls = {"prefill": 0, "extend": []}
+    prefill, extend = jax_decode.prefill, jax_decode.extend
+
+    def counting_prefill(*args, **kw):
+        calls["prefill"] += 1
+        return prefill(*args, **kw)
+
+    def counting_extend(graphdef, params, cache, tokens_pt, starts_p, slots_p, **kw):
+        calls["extend"] += [int(st) for st, sl in zip(starts_p, slots_p) if sl < engine.max_slots]
+        return extend(graphdef, params, cache, tokens_pt, starts_p, slots_p, **kw)
+
+    monkeypatch.setattr(jax_decode, "prefill", counting_prefill)
+    monkeypatch.setattr(jax_decode, "extend", counting_extend)
+    p, reference = prompts()[1], greedy_reference[1]
+    stop = reference[5]
+    turn = reference[:reference.index(stop) + 1]
+    (first,) = engine.generate([Request("ep", p, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                stop_token_ids=(stop,)))])
+    assert first.sample.tokens == turn and first.sample.finish_reason == "stop"
+    answer = [7, 8, 9, 10, 11]  # the environment's tokens
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    calls["prefill"] = 0
+    (again,) = engine.generate([Request("ep", p + turn + answer, params)])
+    assert calls["prefill"] == 0 and calls["extend"] == [len(p) + len(turn) - 1]
+    (fresh,) = engine.generate([Request("other", p + turn + answer, params)])  # prefills the whole context
+    assert calls["prefill"] == 1 and len(calls["extend"]) == 1
+    assert again.sample.tokens == fresh.sample.tokens
+    np.testing.assert_allclose(again.sample.logprobs, fresh.sample.logprobs, atol=1e-5)
+    # A sequence that does not extend the kept turn is prefilled, whatever its id.
+    (differs,) = engine.generate([Request("other", p + answer, params)])
+    assert calls["prefill"] == 2 and len(calls["extend"]) == 1
+    # A weight swap forgets the kept turns: their keys/values are the old weights'.
+    engine.generate([Request("ep2", p, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,)))])
+    engine.update_weights(engine.version, dict(iter_hf_tensors(qwen3_model)))  # the same weights
+    engine.generate([Request("ep2", p + turn + answer, params)])
+    assert calls["prefill"] == 4 and len(calls["extend"]) == 1  # ep2's first turn, then its whole context
+
+
 def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
     eng = JaxEngine(qwen3_dir, **ENGINE_KW)
     new_model, new = perturbed(qwen3_model, seed=0)

@@ -1,6 +1,6 @@
 """The JAX engine's slot table: which rows and attention windows a decode call runs."""
 
-from rollout_bridge.jax_slots import SlotTable, attention_windows, num_groups, row_buckets
+from rollout_bridge.jax_slots import KeptTurns, SlotTable, attention_windows, num_groups, row_buckets
 
 WINDOWS = (16, 32, 64, 128)  # any ascending list; the engine uses attention_windows
 
@@ -59,3 +59,19 @@ def test_slot_sharded_table_runs_every_slot():
     assert plan.rows_b is None and [WINDOWS[w] for w in plan.window_g] == [32]
     assert table.slots(plan).tolist() == [0, 1, 2, 3]
     assert [(p.rows_b, len(p.window_g)) for p in table.idle_plans()] == [(None, 1)]
+
+
+def test_kept_turns_give_back_a_slot_only_to_a_sequence_that_extends_it():
+    kept = KeptTurns()
+    kept.keep("a", 3, [5, 6, 7], length=3)
+    kept.keep("b", 4, [5, 6], length=3)  # the slot holds another length: not kept
+    assert 3 in kept and 4 not in kept
+    assert kept.take("a", [5, 6, 7, 8, 9]) == (3, 3) and 3 not in kept
+    kept.keep("a", 3, [5, 6, 7], length=3)
+    assert kept.take("a", [5, 6, 7]) == (3, 0)  # nothing new to feed: computed from scratch
+    kept.keep("a", 3, [5, 6, 7], length=3)
+    assert kept.take("a", [5, 9, 7, 8]) == (3, 0)  # not an extension
+    assert kept.take("z", [1, 2]) == (None, 0)
+    kept.keep("a", 1, [1], length=1)
+    kept.keep("c", 2, [2], length=1)
+    assert kept.evict() == 1 and kept.evict() == 2 and 1 not in kept
