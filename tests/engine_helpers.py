@@ -131,3 +131,15 @@ def check_stop_tokens_and_max_tokens(engine, greedy_reference):
     assert c.sample.versions == [0] * 3 + [engine.version] * 2
     c = engine.generate([Request("q", p, SamplingParams(max_tokens=3, temperature=0.0), prefix)])[0]
     assert c.sample.tokens == ref[:3] and c.sample.finish_reason == "length"
+
+
+def adapted(base_dir, spec, seed):
+    """The base model with LoRA adapters `spec` whose B is random (seeded), so that they change its outputs
+    (a fresh adapter's B is zero)."""
+    model = load_model(base_dir, lora=spec)
+    key = jax.random.key(seed)
+    for t in spec.targets:
+        var = getattr(model.layers, f"{t}_lora_b")
+        key, sub = jax.random.split(key)
+        var[...] = 0.2 * jax.random.normal(sub, var[...].shape)
+    return model

@@ -9,6 +9,8 @@ from the JAXFLOW_TOKEN environment variable so it never shows in a process list.
 loads the newest published weights, then runs until SIGTERM/SIGINT, when it hands its in-flight groups
 back (with their partial samples) before exiting, or with --drain lets them finish first. Placement and
 weight-sync options are those of the `rollout.coordination` config section (`--sync`, `--sync-mode`, ...).
+With `--lora-rank` the engine serves LoRA adapters over --model and each published version is the
+adapters alone (PEFT-named), as a trainer with `trainer.lora` publishes them.
 The trajectory server must serve `take_surplus` besides dispatch/finish/abort/fail/needs_sync, and
 should serve `renew` and `release_worker`: without `renew` the worker cannot keep its leases, so its groups
 go back to the queue after the service's `lease_s` (a later finish of one is refused and logged).
@@ -26,6 +28,7 @@ import ml_collections
 
 from jaxflow.config import ConfigError
 from jaxflow.envs.config import env_problems, environment_factory, turn_stop_ids
+from jaxflow.models.lora import LORA_TARGETS, LoRASpec
 from jaxflow.transport import rpc
 from jaxflow.transport.param_client import ParameterClient
 from jaxflow.coordination import Coordination, Coordinator
@@ -47,12 +50,16 @@ def make_engine(kind: str, model, max_len: int, slots: int, *, seed: int = 0, de
     takes a `Transformer`) at policy `version`, with `slots` sequences of up to `max_len` tokens at once and
     sampling seeded by `seed`. jax: a `JaxEngine` decoding `decode_chunk` tokens a call. vllm: a
     `VllmEngine` with a KV cache of `kv_cache_gib` GiB (None: vLLM's own sizing) and CUDA graphs off
-    (`enforce_eager`, as the RL job's engines: no graph capture at start, and on CPU no torch.compile),
-    serving LoRA adapters of `lora` (a `LoRASpec`) over the base when given.
+    (`enforce_eager`, as the RL job's engines: no graph capture at start, and on CPU no torch.compile).
+    lora (a `LoRASpec`): either engine serves LoRA adapters over the base, and each version is the
+    adapters alone (PEFT-named tensors).
     The one construction path of the RL job's engines, its rollout actors' and this CLI's."""
     if kind == "jax":
         from rollout_bridge.jax_engine import JaxEngine
 
+        if lora is not None and not hasattr(model, "layers"):
+            from jaxflow.models import hf_io
+            model = hf_io.load_model(model, lora=lora)
         return JaxEngine(model, max_slots=slots, max_len=max_len, decode_chunk=decode_chunk, version=version,
                          seed=seed)
     if kind == "vllm":
@@ -105,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-idle-below", type=int, default=0)
     parser.add_argument("--sync-max-lag", type=int, default=1)
     parser.add_argument("--sync-mode", default="keep", choices=["keep", "abort"])
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="serve LoRA adapters of this rank over --model (0: none); each version is then the "
+                             "adapters alone, as a trainer with trainer.lora publishes them")
+    parser.add_argument("--lora-alpha", type=float, default=16.0)
+    parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                        help="comma-separated projections the adapters sit on")
     parser.add_argument("--drain", action="store_true",
                         help="on SIGTERM/SIGINT let the groups in flight finish instead of handing them back")
     args = parser.parse_args(argv)
@@ -112,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--decode-chunk must be >= 1, got {args.decode_chunk}")
     if not args.kv_cache_gib > 0:
         parser.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+    lora = None
+    if args.lora_rank:
+        try:
+            lora = LoRASpec(args.lora_rank, args.lora_alpha, tuple(t for t in args.lora_targets.split(",") if t))
+        except ValueError as e:
+            parser.error(f"--lora-*: {e}")
     try:
         # Stuck buffers are the trainer's side's business (one worker sees one engine): "wait", so that
         # eta, which only that strategy reads, does not matter here.
@@ -126,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     trajectories = rpc.Client(args.trajectories, token=token)
     params = ParameterClient(rpc.Client(args.params, token=token))
     engine = make_engine(args.engine, args.model, args.max_len, args.slots, seed=args.seed,
-                         decode_chunk=args.decode_chunk, kv_cache_gib=args.kv_cache_gib)
+                         decode_chunk=args.decode_chunk, kv_cache_gib=args.kv_cache_gib, lora=lora)
     reward_fn = None
     if args.reward:
         from jaxflow.rewards import resolve

@@ -338,3 +338,41 @@ def test_worker_process_against_served_services(model_dir, weights, tmp_path):
     # Its in-flight groups went back to the service on SIGTERM, not lost.
     stats = traj.stats()
     assert stats["groups"]["running"] == 0, stats
+
+
+def test_worker_process_serves_lora_adapters_published_alone(model_dir, tmp_path):
+    """A worker process started with --lora-rank takes each version as the adapters alone (what a trainer
+    with trainer.lora publishes to engines that apply adapters): its samples' behaviour log-probs are
+    jaxflow's forward with those adapters, not the base's."""
+    from engine_helpers import adapted, teacher_forced
+    from jaxflow.models import lora
+    from jaxflow.models.lora import LoRASpec
+
+    spec = LoRASpec(rank=4, alpha=8.0)
+    model, base = adapted(model_dir, spec, seed=3), load_model(model_dir)
+    traj, params = services(eta=1, batch=2)
+    params.publish(0, lora.peft_tensors(model.layers))
+    token = "worker-lora-token"
+    with rpc.Server(traj, SERVICE_METHODS["TrajectoryService"], token=token).start() as ts, \
+            rpc.Server(params, RPC_METHODS, token=token).start() as ps:
+        env = {**os.environ, "JAXFLOW_TOKEN": token, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+        cmd = [sys.executable, "-m", "jaxflow.jobs.rollout_worker",
+               "--trajectories", f"{ts.address[0]}:{ts.address[1]}",
+               "--params", f"{ps.address[0]}:{ps.address[1]}", "--model", str(model_dir),
+               "--name", "lora0", "--max-tokens", "6", "--slots", "4", "--max-len", "64",
+               "--reward", "jaxflow.tasks.arithmetic:reward", "--lora-rank", "4", "--lora-alpha", "8"]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            batch = traj.consume(0, timeout=120)
+        finally:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=60)
+    assert len(batch.groups) == 2, out
+    assert proc.returncode == 0, out
+    gap = 0.0
+    for g in batch.groups:
+        for s in g.samples:
+            ours, _ = teacher_forced(model, g.prompt, s.tokens)
+            np.testing.assert_allclose(s.logprobs, ours, atol=1e-4, rtol=0)
+            gap = max(gap, float(np.abs(teacher_forced(base, g.prompt, s.tokens)[0] - ours).max()))
+    assert gap > 1e-2  # the adapters change the log-probs: the check above could fail

@@ -8,7 +8,6 @@ Skipped when vLLM is not importable, except under CI, where vLLM must run.
 
 import time
 
-import jax
 import numpy as np
 import pytest
 
@@ -16,7 +15,7 @@ from engine_helpers import require_vllm
 
 require_vllm("the vLLM LoRA engine tests")
 
-from engine_helpers import GREEDY, lively_tiny_model, prompts, run, teacher_forced  # noqa: E402
+from engine_helpers import GREEDY, adapted, lively_tiny_model, prompts, run, teacher_forced  # noqa: E402
 from jaxflow.models import hf_io, lora  # noqa: E402
 from jaxflow.models.lora import LoRASpec  # noqa: E402
 from rollout_bridge.engine import Request, SamplingParams, WeightsRejected  # noqa: E402
@@ -25,16 +24,6 @@ from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
 SPEC = LoRASpec(rank=8, alpha=16.0)
 ATOL = 1e-4  # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order
 ASKED = prompts(seed=3, lens=(3, 9, 20))
-
-
-def adapted(base_dir, seed):
-    model = hf_io.load_model(base_dir, lora=SPEC)
-    key = jax.random.key(seed)
-    for t in SPEC.targets:
-        var = getattr(model.layers, f"{t}_lora_b")
-        key, sub = jax.random.split(key)
-        var[...] = 0.2 * jax.random.normal(sub, var[...].shape)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +49,7 @@ def check_served(completions, model, version):
 def test_versions_are_adapters_and_bad_adapters_are_refused(engine, base_dir):
     base = hf_io.load_model(base_dir)
     check_served(run(engine, ASKED, GREEDY, tag="base"), base, 0)  # no adapter yet: the base
-    models = {v: adapted(base_dir, v) for v in (1, 2)}
+    models = {v: adapted(base_dir, SPEC, v) for v in (1, 2)}
     for v, model in models.items():
         engine.update_weights(v, lora.peft_tensors(model.layers))
         assert engine.version == v
@@ -85,7 +74,7 @@ def test_versions_are_adapters_and_bad_adapters_are_refused(engine, base_dir):
 
 
 def test_requests_in_flight_finish_on_their_adapter(engine, base_dir):
-    models = {v: adapted(base_dir, v) for v in (4, 5)}
+    models = {v: adapted(base_dir, SPEC, v) for v in (4, 5)}
     engine.update_weights(4, lora.peft_tensors(models[4].layers))
     long = SamplingParams(max_tokens=100, temperature=0.0)
     engine.submit(Request("long", ASKED[0], long))

@@ -11,10 +11,9 @@ import pathlib
 import subprocess
 import sys
 
-import jax
 import numpy as np
 
-from engine_helpers import lively_tiny_model, prompts, require_vllm, teacher_forced
+from engine_helpers import adapted, lively_tiny_model, prompts, require_vllm, teacher_forced
 
 require_vllm("the vLLM LoRA test")
 
@@ -25,19 +24,9 @@ SPEC = LoRASpec(rank=8, alpha=16.0)
 ATOL = 1e-4  # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order
 
 
-def adapted(base_dir, seed):
-    model = hf_io.load_model(base_dir, lora=SPEC)
-    key = jax.random.key(seed)
-    for t in SPEC.targets:
-        var = getattr(model.layers, f"{t}_lora_b")
-        key, sub = jax.random.split(key)
-        var[...] = 0.2 * jax.random.normal(sub, var[...].shape)
-    return model
-
-
 def test_vllm_serves_jaxflows_peft_adapters_version_after_version(tmp_path):
     base = lively_tiny_model(tmp_path / "base")
-    models = [adapted(base, seed) for seed in (1, 2)]
+    models = [adapted(base, SPEC, seed) for seed in (1, 2)]
     dirs = [lora.write_adapter(tmp_path / f"v{i + 1}", SPEC, lora.peft_tensors(m.layers), base_model=str(base))
             for i, m in enumerate(models)]
     asked = prompts(seed=3, lens=(3, 9, 20))
