@@ -23,6 +23,7 @@ from typing import Any
 
 from jaxflow.cluster import names, ray_actors
 from jaxflow.coordination import Coordination, Coordinator
+from jaxflow.data.param_service import UnknownVersionError
 from jaxflow.jobs.rollout_worker import make_engine, with_episodes
 from rollout_bridge.engine import SamplingParams
 
@@ -79,7 +80,14 @@ class RolloutActor:
                 trajectories.release_worker(name, "rollout actor restarted")
             except Exception as e:  # noqa: BLE001 - the service may be down too; its leases then run out
                 log.warning("%s: could not release the groups of the previous process: %s", name, e)
-            self.start()
+            try:
+                self.start()
+            except UnknownVersionError as e:
+                # The newest version's tensors went with the trainer process that held them (it died
+                # too): the driver recovers from that, republishes and resumes every actor (`resume`).
+                # Raising here would end this actor for good (Ray does not restart a failed constructor).
+                log.warning("%s: restarted, but the newest weights are gone (%s); waiting to be resumed",
+                            name, e)
 
     def start(self) -> dict[str, Any]:
         """Loads the newest published weights and starts generating (unless it already is); {"pid",
