@@ -314,9 +314,9 @@ def test_a_dead_workers_groups_resume_elsewhere_from_the_tokens_it_reported(engi
         np.testing.assert_allclose(s.logprobs, reference.sample.logprobs, atol=1e-4, rtol=0)
 
 
-def test_worker_process_against_served_services(model_dir, weights, tmp_path):
-    traj, params = services(eta=1, batch=2)
-    params.publish(0, weights[0])
+def run_worker_process(model_dir, traj, params, *extra):
+    """A rollout worker process (the CLI) against `traj` and `params` served over RPC, until the first
+    batch is consumed, then SIGTERM; (the batch, the process's output, its exit code)."""
     token = "worker-test-token"
     with rpc.Server(traj, SERVICE_METHODS["TrajectoryService"], token=token).start() as ts, \
             rpc.Server(params, RPC_METHODS, token=token).start() as ps:
@@ -325,16 +325,23 @@ def test_worker_process_against_served_services(model_dir, weights, tmp_path):
                "--trajectories", f"{ts.address[0]}:{ts.address[1]}",
                "--params", f"{ps.address[0]}:{ps.address[1]}", "--model", str(model_dir),
                "--name", "proc0", "--max-tokens", "6", "--slots", "4", "--max-len", "64",
-               "--reward", "jaxflow.tasks.arithmetic:reward"]
+               "--reward", "jaxflow.tasks.arithmetic:reward", *extra]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             batch = traj.consume(0, timeout=120)
         finally:
             proc.terminate()
             out, _ = proc.communicate(timeout=60)
+    return batch, out, proc.returncode
+
+
+def test_worker_process_against_served_services(model_dir, weights, tmp_path):
+    traj, params = services(eta=1, batch=2)
+    params.publish(0, weights[0])
+    batch, out, returncode = run_worker_process(model_dir, traj, params)
     assert len(batch.groups) == 2, out
     assert all(len(s.tokens) == 6 for g in batch.groups for s in g.samples)
-    assert "stopped" in out and proc.returncode == 0, out
+    assert "stopped" in out and returncode == 0, out
     # Its in-flight groups went back to the service on SIGTERM, not lost.
     stats = traj.stats()
     assert stats["groups"]["running"] == 0, stats
@@ -352,23 +359,9 @@ def test_worker_process_serves_lora_adapters_published_alone(model_dir, tmp_path
     model, base = adapted(model_dir, spec, seed=3), load_model(model_dir)
     traj, params = services(eta=1, batch=2)
     params.publish(0, lora.peft_tensors(model.layers))
-    token = "worker-lora-token"
-    with rpc.Server(traj, SERVICE_METHODS["TrajectoryService"], token=token).start() as ts, \
-            rpc.Server(params, RPC_METHODS, token=token).start() as ps:
-        env = {**os.environ, "JAXFLOW_TOKEN": token, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-        cmd = [sys.executable, "-m", "jaxflow.jobs.rollout_worker",
-               "--trajectories", f"{ts.address[0]}:{ts.address[1]}",
-               "--params", f"{ps.address[0]}:{ps.address[1]}", "--model", str(model_dir),
-               "--name", "lora0", "--max-tokens", "6", "--slots", "4", "--max-len", "64",
-               "--reward", "jaxflow.tasks.arithmetic:reward", "--lora-rank", "4", "--lora-alpha", "8"]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            batch = traj.consume(0, timeout=120)
-        finally:
-            proc.terminate()
-            out, _ = proc.communicate(timeout=60)
+    batch, out, returncode = run_worker_process(model_dir, traj, params, "--lora-rank", "4", "--lora-alpha", "8")
     assert len(batch.groups) == 2, out
-    assert proc.returncode == 0, out
+    assert returncode == 0, out
     gap = 0.0
     for g in batch.groups:
         for s in g.samples:
