@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.models.config import ModelConfig
-from jaxflow.models.transformer import (MASK_VALUE, attention_mask, decoder_layer, rms_norm,
+from jaxflow.models.transformer import (MASK_VALUE, attention, attention_mask, decoder_layer, rms_norm,
                                         rope_inv_freq)
 
 # SlotState.finish_b codes.
@@ -152,12 +152,8 @@ def extend(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, st
                                                                          mode="drop")
             v = v_lbgsk.at[layer, slots_p[:, None], :, positions_pt].set(v_ptgk.astype(v_lbgsk.dtype),
                                                                          mode="drop")
-            keys, values = k[layer, rows_p], v[layer, rows_p]  # [P, G, S, K]
-            scale = 1.0 / math.sqrt(q_ptgrk.shape[-1])
-            scores = jnp.einsum("ptgrk,pgsk->pgrts", q_ptgrk, keys, preferred_element_type=jnp.float32)
-            scores = jnp.where(visible_pts[:, None, None], scores * scale, MASK_VALUE)
-            probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-            return jnp.einsum("pgrts,pgsk->ptgrk", probs, values), (k, v)
+            keys, values = (jnp.swapaxes(c[layer, rows_p], 1, 2) for c in (k, v))  # [P, S, G, K]
+            return attention(q_ptgrk, keys, values, visible_pts[:, None, None]), (k, v)
 
         x_ptd, (k_lbgsk, v_lbgsk) = decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, None, attend)
         return (x_ptd, k_lbgsk, v_lbgsk), None
