@@ -229,6 +229,22 @@ _COORDINATION_METRICS = ("requests_migrated", "requests_retried", "requests_resu
                          "buffers_released")
 
 
+# The train loop's phases, in the order `phase_line` prints them; "other" is what the rest leave.
+PHASES = ("wait_rollout", "batch", "update", "publish", "eval", "checkpoint")
+
+
+def phase_line(result: dict[str, Any]) -> str:
+    """One line: the train loop's wall time split by phase (`result["phases_s"]`), and how busy the rollout
+    engines were meanwhile."""
+    phases, wall = result.get("phases_s"), result.get("wall_s")
+    if not phases or not wall:
+        return ""
+    parts = ", ".join(f"{k.replace('_', ' ')} {x:.1f}s ({x / wall:.0%})" for k, x in phases.items())
+    idle = result.get("rollout_idle_frac")
+    busy = "" if idle is None else f"; rollout engines busy {1.0 - idle:.0%} of it"
+    return f"jaxflow: train loop {wall:.1f}s: {parts}{busy}\n"
+
+
 def _consume(service: TrajectoryService, version: int, stop: StopRequest):
     """Waits for buffer `version`; None if a stop was requested meanwhile."""
     waited = 0.0
@@ -441,7 +457,8 @@ def _conclude(config, result: dict[str, Any], service, ledger: Ledger, pool, nev
           f"jaxflow: groups created {a['created']} = consumed {a['consumed']} + in flight {a['in_flight']} + "
           f"failed {a['failed']} + surplus {a['surplus']}; the ledger holds {a['ledger_groups']} trained groups, "
           f"{a['ledger_duplicates']} trained twice\n"
-          f"jaxflow: train-step compiles: {trainer.compiles} ({trainer.compile_s:.1f}s)\n{reward_line}",
+          f"jaxflow: train-step compiles: {trainer.compiles} ({trainer.compile_s:.1f}s)\n{phase_line(result)}"
+          f"{reward_line}",
           flush=True)
     return 0
 
@@ -454,15 +471,18 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
     coordinator.start()
     out: dict[str, Any] = {}
     loop_start, waited, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0, 0.0
-    eval_s = 0.0  # held-out evals inside the loop (the trainer waits on them; rollouts go on)
-    accuracy = None
+    # The train loop's wall time by what it was doing (the rollout runs beside it): `phase_line` prints it.
+    phases = dict.fromkeys(PHASES, 0.0)
+    accuracy = rollout_idle = None
 
     saved = [start_step]
 
     def save():
         if saved[-1] != trainer.version:
+            save_from = time.monotonic()
             trainer.checkpoint(ckpt, {"trajectories": service.snapshot(), "base_accuracy": base_accuracy})
             saved.append(trainer.version)
+            phases["checkpoint"] += time.monotonic() - save_from
 
     with StopRequest() as stop:
         for step in range(start_step, t.steps):
@@ -471,13 +491,20 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
             if consumed is None:
                 break
             waited += time.monotonic() - before
+            phases["wait_rollout"] += time.monotonic() - before
             if step == start_step:  # before any update: a reward that never works must not train on zeros
                 check_first_batch(pool, rewards_before, t.batch_groups * config.rollout.group_size,
                                    reward_errors, reward_ref)
             busy_from = time.monotonic()
             metrics, staleness = trainer.train(consumed)
+            published_from = time.monotonic()
             trainer.publish(service, params)
+            metrics["publish_s"] = time.monotonic() - published_from
             metrics["trainer_busy_s"] = time.monotonic() - busy_from
+            batch_s = metrics.get("batch_s", 0.0)  # the trainer group's steps do not split it out
+            phases["batch"] += batch_s
+            phases["update"] += published_from - busy_from - batch_s
+            phases["publish"] += metrics["publish_s"]
             ledger.record(step, [g.group_id for g in consumed.groups])
             elapsed = time.monotonic() - loop_start
             trained_tokens += metrics["trained_tokens"]
@@ -491,6 +518,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
                            groups_aborted=float(counts["aborted"]), groups_failed=float(counts["failed"]),
                            groups_surplus=float(counts["surplus"]),
                            weight_syncs=float(coordinator.counts["syncs"]))
+            rollout_idle = metrics["rollout_idle_frac"]
             metrics.update({k: float(coordinator.counts[k]) for k in _COORDINATION_METRICS})
             reward_stats = pool.stats()
             metrics.update({f"reward_{k}": float(reward_stats[k]) for k in REWARD_FAILURES})
@@ -501,7 +529,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
                 metrics["eval_accuracy"] = accuracy
                 metrics.update(evaluator.extra())
                 metrics["eval_s"] = time.monotonic() - eval_from
-                eval_s += metrics["eval_s"]
+                phases["eval"] += metrics["eval_s"]
             run_log.log_step(step, metrics, staleness=staleness)
             if step_done is not None:  # the cluster driver times its recoveries by it
                 step_done(step)
@@ -514,5 +542,8 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
     out["interrupted"] = trainer.version < t.steps
     out["final_accuracy"] = accuracy
     out["wall_s"] = time.monotonic() - loop_start
-    out["eval_s"] = eval_s
+    out["eval_s"] = phases["eval"]
+    phases["other"] = max(out["wall_s"] - sum(phases.values()), 0.0)  # metrics, logging, the ledger
+    out["phases_s"] = {k: round(x, 3) for k, x in phases.items()}
+    out["rollout_idle_frac"] = rollout_idle
     return out

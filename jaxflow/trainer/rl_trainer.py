@@ -298,6 +298,7 @@ class RLTrainer:
                 logger.warning("%d trajectories do not fit the compiled batch shape %s; trying %d micro-batches",
                                len(trajs), self.batch_shape, micro)
         self.batch_shape = (micro, rows, self.seq_len)  # a deeper shape, once needed, is kept
+        batch_s = time.perf_counter() - start
         self.state, step_metrics = self._step(self.state, batch, self.ref_params)
         step_metrics = {k: float(x) for k, x in jax.device_get(step_metrics).items()}
         step_s = time.perf_counter() - start
@@ -326,6 +327,7 @@ class RLTrainer:
             "groups_trained": float(len(groups)),
             "groups_rejected": float(len(rejected)),
             "step_s": step_s,
+            "batch_s": batch_s,  # of step_s: the host building the batch (packing, advantages)
             "rows_filled": float(np.any(np.asarray(batch.segment_ids) > 0, axis=-1).sum()),
             "train_step_compiles": float(self._step.compiles),
             "compile_s": self._step.compile_s,
