@@ -1,5 +1,6 @@
 """The RL job on a 3-node Ray cluster: 2 trainer processes forming one mesh, 2 rollout actors, the data
-services in their own actor; and its recovery when a trainer process or the data-services actor dies."""
+services in their own actor; and, training LoRA adapters, its recovery when a rollout actor, a trainer
+process or the data-services actor dies."""
 
 import json
 import pathlib
@@ -15,7 +16,7 @@ from ray.cluster_utils import Cluster
 
 from jaxflow.cluster import names, ray_actors
 from jaxflow.config import load_config
-from jaxflow.jobs import rl
+from jaxflow.jobs import rl, warm_start
 from jaxflow.models import hf_io, lora
 
 from service_placements import ray_session_end
@@ -48,6 +49,16 @@ def cluster():
     c.shutdown()
 
 
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """One warm-started base for the module's runs (each run building its own cost ~40 s here)."""
+    directory = tmp_path_factory.mktemp("base") / "model"
+    config = load_config(CONFIG, {k: str(v) for k, v in {
+        **SMALL, "base.dir": directory, "workdir": tmp_path_factory.mktemp("unused")}.items()})
+    warm_start.build_base_model(config, directory, log=lambda *_: None)
+    return directory
+
+
 def config_for(cluster, tmp_path, base_dir, **more):
     overrides = {**SMALL, "cluster.address": cluster.address, "base.dir": base_dir,
                  "workdir": tmp_path / "run", **more}
@@ -73,9 +84,9 @@ def check_run(workdir: pathlib.Path, steps: int, groups_per_step: int = 4):
     return trained, result
 
 
-def test_two_trainer_processes_and_two_rollout_actors_learn(cluster, tmp_path):
+def test_two_trainer_processes_and_two_rollout_actors_learn(cluster, tmp_path, base_dir):
     steps = 24
-    config = config_for(cluster, tmp_path, tmp_path / "base", **{"trainer.steps": steps, "trainer.batch_groups": 8})
+    config = config_for(cluster, tmp_path, base_dir, **{"trainer.steps": steps, "trainer.batch_groups": 8})
     assert rl.run(config) == 0
     trained, result = check_run(pathlib.Path(config.workdir), steps, groups_per_step=8)
     placed = result["cluster"]
@@ -110,9 +121,16 @@ def _kill_when(workdir, steps, name, deadline_s=300):
     return time.time()
 
 
-def test_the_run_survives_a_rollout_actor_a_trainer_process_and_the_data_services_actor_killed(cluster, tmp_path):
+def test_the_run_survives_a_rollout_actor_a_trainer_process_and_the_data_services_actor_killed(
+        cluster, tmp_path, base_dir, capsys):
+    """With LoRA adapters trained on the mesh of the two trainer processes: each process merges its shards
+    on device and the rollout actors' JAX engines (the base without adapters) take each version's merged
+    weights. A rollout actor, a trainer process and the data-services actor are killed in turn; the run
+    recovers from each and finishes with every step once. The export holds the adapters in PEFT's format and
+    the merged model, which agree."""
     steps = 9
-    config = config_for(cluster, tmp_path, tmp_path / "base", **{"trainer.steps": steps})
+    config = config_for(cluster, tmp_path, base_dir, **{"trainer.steps": steps, "trainer.lora.rank": 8,
+                                                        "trainer.lr": 1e-3})
     workdir = pathlib.Path(config.workdir)
     tag = names.run_tag(workdir)
     code = []
@@ -123,44 +141,21 @@ def test_the_run_survives_a_rollout_actor_a_trainer_process_and_the_data_service
     killed.append(("data", _kill_when(workdir, 6, names.data(tag))))
     job.join(timeout=600)
     assert code == [0]
+    out = capsys.readouterr().out
+    assert "jaxflow: LoRA rank 8" in out and "merged weights" in out
     _, result = check_run(workdir, steps)
+    assert len({p["pid"] for p in result["cluster"]["trainer_processes"]}) == 2
     assert result["coordination"]["actor_restarts"] >= 1  # the rollout actor's process was replaced
     recoveries = result["recoveries"]
     assert [r["kind"] for r in recoveries] == ["trainer", "data"], recoveries
     for (kind, at), r in zip(killed, recoveries):
         assert r["detected_at"] >= at - 1 and r["recovered_s"] > 0
         assert r["step"] <= steps
-
-
-@pytest.mark.parametrize("trainer_processes", [0, 2])
-def test_lora_with_a_rollout_actor_on_merged_weights(cluster, tmp_path, capsys, trainer_processes):
-    """LoRA adapters trained in the driver process (trainer_processes=0) or on the mesh of two trainer
-    processes, the rollout on a Ray actor whose JAX engine loads the base without adapters and takes each
-    version's merged weights (the trainer processes merge on device, shard by shard): versions arrive (the
-    bound holds token by token, so no engine is left on old weights) and the engine serves what the
-    trainer computes (pi_prox / mu near 1). The export holds the adapters in PEFT's format and the merged
-    model, which agree."""
-    steps = 6
-    config = config_for(cluster, tmp_path, tmp_path / "base",
-                        **{"trainer.steps": steps, "cluster.trainer_processes": trainer_processes,
-                           "cluster.rollout_actors": 1, "trainer.lora.rank": 8, "trainer.lr": 1e-3})
-    assert rl.run(config) == 0
-    out = capsys.readouterr().out
-    assert "jaxflow: LoRA rank 8" in out and "merged weights" in out
-    trained, result = check_run(pathlib.Path(config.workdir), steps)
-    assert len(result["cluster"]["rollout_actors"]) == 1
-    if trainer_processes:
-        assert len({p["pid"] for p in result["cluster"]["trainer_processes"]}) == 2
-    else:
-        assert result["trained_params"] < 50_000  # the adapters alone
-    for r in trained:
-        assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
-    workdir = pathlib.Path(config.workdir)
     spec, adapters = lora.read_adapter(workdir / "adapter")
     assert spec.rank == 8 and adapters
-    base = hf_io.load_model(tmp_path / "base")
+    base = hf_io.load_model(base_dir)
     merged = dict(hf_io.iter_hf_tensors(hf_io.load_model(workdir / "export")))
-    with_adapters = hf_io.load_model(tmp_path / "base", lora=spec)
+    with_adapters = hf_io.load_model(base_dir, lora=spec)
     for name, value in lora.adapter_arrays(with_adapters.layers, adapters, source="export").items():
         getattr(with_adapters.layers, name)[...] = value
     for name, w in hf_io.iter_hf_tensors(with_adapters):

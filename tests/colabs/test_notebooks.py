@@ -115,7 +115,7 @@ def test_your_model_and_data_survives_a_buggy_reward_then_trains_exports_and_mat
 
 def test_staleness_lab_sweeps_the_losses_and_simulates_against_the_tail_floor(tmp_path):
     nb = execute("staleness_lab.ipynb", f"SMALL = True\nWORKDIR = {str(tmp_path / 'runs')!r}\nETAS = (4,)\n"
-                 "STEPS = 4\nSIM_STEPS = 10\n")
+                 "STEPS = 4\nSIM_STEPS = 10\nSIM_SIZES = (64,)\n")  # 512 instances: 4 more minutes here
     lines = [ln for ln in text_of(nb).splitlines() if ln.startswith("LAB_SUMMARY ")]
     assert len(lines) == 1, text_of(nb)[-3000:]
     summary = json.loads(lines[0].split(" ", 1)[1])
@@ -139,8 +139,8 @@ def test_staleness_lab_sweeps_the_losses_and_simulates_against_the_tail_floor(tm
     assert runs["decoupled_ppo_eta0"]["clip_frac"] == 0.0 and runs["decoupled_ppo_eta4"]["clip_frac"] == 0.0
     assert runs["ppo_eta4"]["behav_weight_max"] == 1.0
     sim = summary["sim"]
-    assert set(sim) == {f"{n}/{s}" for n in (64, 512) for s in ("synchronous", "AReaL-style", "jaxflow")}
-    for n in (64, 512):
+    assert set(sim) == {f"64/{s}" for s in ("synchronous", "AReaL-style", "jaxflow")}
+    for n in (64,):
         # jaxflow's strategies vs AReaL-style: about equal on this tail-bound preset (the README's figures:
         # 0.94-1.12x), and one workload seed over a few steps moves a run by about 10%.
         assert sim[f"{n}/jaxflow"]["tokens_per_s"] >= 0.9 * sim[f"{n}/AReaL-style"]["tokens_per_s"], sim

@@ -23,6 +23,8 @@ LEARNS = {"base.steps": "300", "base.num_examples": "2000", "task.max_ops": "1",
 
 def test_lora_trains_the_adapters_alone_and_resumes_from_them(tmp_path, capsys):
     steps = 8
+    # A base warm-started long enough that its answers earn the reward some of the time: every step has a
+    # signal that moves the adapters.
     config = small_config(tmp_path, tmp_path / "base", **{**LEARNS, "trainer.steps": str(steps // 2)})
     assert rl.run(config) == 0
     out = capsys.readouterr().out
@@ -62,11 +64,12 @@ def test_lora_with_vllm_rollouts_syncs_the_adapters_alone(tmp_path, base_dir):
     job), the bound and the accounting hold, and vLLM's log-probs agree with the trainer's recomputation.
     That vLLM applies the adapters it gets, to 1e-4, is tests/rollout_bridge/test_vllm_engine_lora.py's
     (four steps move the adapters too little for pi_prox / mu to tell). Its own process: vLLM's loggers
-    bind to the streams of the process that imports it."""
+    bind to the streams of the process that imports it. The data services run in a Ray actor: vLLM pulls
+    each version's adapters from the parameter service there."""
     require_vllm("the LoRA job with vLLM")
     workdir = tmp_path / "run"
     cmd, env = job_command(base_dir, workdir, **{"rollout.engine": "vllm", "trainer.steps": 4, "trainer.eta": 1,
-                                                 "trainer.lora.rank": 8, "trainer.lr": 1e-3})
+                                                 "trainer.lora.rank": 8, "trainer.lr": 1e-3, "cluster.mode": "ray"})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "jaxflow: weight syncs to vLLM carry the LoRA adapters alone" in proc.stdout
@@ -77,3 +80,6 @@ def test_lora_with_vllm_rollouts_syncs_the_adapters_alone(tmp_path, base_dir):
         assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
     check_each_step_once(workdir, 4, 2)
     assert (workdir / "adapter" / "adapter_model.safetensors").exists()
+    placed = json.loads((workdir / "result.json").read_text())["cluster"]
+    assert placed["parameter_service"] == placed["trajectory_service"]  # one data-services actor
+    assert f"the data services run in a Ray actor (pid {placed['parameter_service']['pid']}," in proc.stdout
