@@ -470,7 +470,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
     rewards_before = pool.stats()
     coordinator.start()
     out: dict[str, Any] = {}
-    loop_start, waited, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0, 0.0
+    loop_start, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0
     # The train loop's wall time by what it was doing (the rollout runs beside it): `phase_line` prints it.
     phases = dict.fromkeys(PHASES, 0.0)
     accuracy = rollout_idle = None
@@ -490,7 +490,6 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
             consumed = _consume(service, step, stop)
             if consumed is None:
                 break
-            waited += time.monotonic() - before
             phases["wait_rollout"] += time.monotonic() - before
             if step == start_step:  # before any update: a reward that never works must not train on zeros
                 check_first_batch(pool, rewards_before, t.batch_groups * config.rollout.group_size,
@@ -512,7 +511,7 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
             instances = coordinator.instances
             idle = sum(i.idle_s for i in instances) / (elapsed * max(len(instances), 1))
             counts = service.stats()["counts"]
-            metrics.update(trainer_idle_frac=waited / elapsed, rollout_idle_frac=min(idle, 1.0),
+            metrics.update(trainer_idle_frac=phases["wait_rollout"] / elapsed, rollout_idle_frac=min(idle, 1.0),
                            trained_tokens_per_s=trained_tokens / elapsed,
                            consumed_tokens_per_s=consumed_tokens / elapsed,
                            groups_aborted=float(counts["aborted"]), groups_failed=float(counts["failed"]),
