@@ -36,7 +36,6 @@ from flax import nnx
 
 from engines import MODELS, workload
 from jaxflow import sharding
-from jaxflow.models.hf_io import load_model
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.models.transformer import Transformer
 from jaxflow.trainer.batch import make_batch
@@ -227,7 +226,6 @@ def profile_decode(args, trace_dir: str) -> dict:
 
     model_dir = os.path.join(tempfile.mkdtemp(prefix="jaxflow-profile-"), "model")
     write_tiny_model(model_dir, **MODELS["tiny"])
-    load_model(model_dir)  # fails here, not inside the engine thread, if the model is unreadable
     requests = workload(args.requests, 64, args.max_tokens, long_tail=True)
     engine = JaxEngine(model_dir, max_slots=args.slots, max_len=args.max_tokens + 64)
     try:

@@ -22,7 +22,7 @@ from jaxflow.trainer.distributed import ProcessGroupError
 # norm relative to itself, on every parameter absolutely.
 BOUND = 1e-5
 # Metrics that are wall-clock times, which differ from process to process.
-TIMINGS = ("step_s", "batch_s", "compile_s")  # wall-clock figures, which differ per process
+TIMINGS = ("step_s", "batch_s", "compile_s")
 
 
 def buffer(version: int, seed: int) -> ConsumedBatch:
