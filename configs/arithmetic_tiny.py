@@ -117,6 +117,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.trainer = ml_collections.ConfigDict()
     config.trainer.steps = 1000
+    # Stop after this many seconds of the train loop (from its first wait for rollouts), as after the
+    # last step: held-out eval, checkpoint, export. 0: no limit, train all `steps`.
+    config.trainer.time_limit_s = 0.0
     # Groups per train step (B) and the staleness bound (eta): a group admitted at version v is
     # trained at a version <= v + eta. eta = 0 is synchronous RL.
     config.trainer.batch_groups = 32

@@ -94,7 +94,8 @@ _INT_FIELDS = (("seed", 0), ("data.train_prompts", 1),
                ("model.num_heads", 1), ("model.num_kv_heads", 1), ("model.head_dim", 1), ("model.vocab_size", 1))
 # Float fields: (key, lower bound, whether the bound itself is excluded); all must be finite.
 _FLOAT_FIELDS = (("rollout.temperature", 0.0, False), ("rollout.reward_timeout_s", 0.0, True),
-                 ("rollout.kv_cache_gib", 0.0, True), ("rollout.lease_s", 0.0, True), ("base.lr", 0.0, True))
+                 ("rollout.kv_cache_gib", 0.0, True), ("rollout.lease_s", 0.0, True), ("base.lr", 0.0, True),
+                 ("trainer.time_limit_s", 0.0, False))
 
 
 def _get(config: ml_collections.ConfigDict, key: str):
@@ -451,7 +452,9 @@ def _conclude(config, result: dict[str, Any], service, ledger: Ledger, pool, nev
     export()
     (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"jaxflow: done. held-out accuracy {result['base_accuracy']:.1%} (base) -> "
-          f"{result['final_accuracy']:.1%} after {t.steps} steps; policy exported to {workdir / 'export'}"
+          f"{result['final_accuracy']:.1%} after {trainer.version} steps"
+          + (f" (trainer.time_limit_s {t.time_limit_s:g} reached)" if trainer.version < t.steps else "")
+          + f"; policy exported to {workdir / 'export'}"
           + (f" (its LoRA adapters alone, PEFT's format: {workdir / 'adapter'})" if getattr(trainer, "lora", None) else "")
           + "\n"
           f"jaxflow: groups created {a['created']} = consumed {a['consumed']} + in flight {a['in_flight']} + "
@@ -521,7 +524,8 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
             metrics.update({k: float(coordinator.counts[k]) for k in _COORDINATION_METRICS})
             reward_stats = pool.stats()
             metrics.update({f"reward_{k}": float(reward_stats[k]) for k in REWARD_FAILURES})
-            done = step + 1 == t.steps
+            # A time limit ends the run like its last step: a held-out eval, a checkpoint, the export.
+            done = step + 1 == t.steps or 0 < t.time_limit_s <= elapsed
             if (step + 1) % config.eval.every == 0 or done:
                 eval_from = time.monotonic()
                 accuracy = evaluator()
@@ -534,11 +538,11 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
                 step_done(step)
             if (step + 1) % config.checkpoint.every == 0 or done or stop.requested:
                 save()
-            if stop.requested:
+            if stop.requested or done:
                 break
         if stop.requested:
             save()
-    out["interrupted"] = trainer.version < t.steps
+    out["interrupted"] = stop.requested
     out["final_accuracy"] = accuracy
     out["wall_s"] = time.monotonic() - loop_start
     out["eval_s"] = phases["eval"]

@@ -27,6 +27,8 @@ CONFIG = "configs/arithmetic_tiny.py"
     ("rollout.temperature", "-1.0", "rollout.temperature must be >= 0"),
     ("rollout.reward_timeout_s", "inf", "rollout.reward_timeout_s"),
     ("rollout.reward_timeout_s", "0", "rollout.reward_timeout_s must be > 0"),
+    ("trainer.time_limit_s", "-5", "trainer.time_limit_s must be >= 0"),
+    ("trainer.time_limit_s", "inf", "trainer.time_limit_s"),
     ("trainer.loss.kl_coef", "inf", "trainer.loss.kl_coef"),
     ("data.train_prompts", "0", "data.train_prompts must be >= 1"),
     ("seed", "-1", "seed must be >= 0"),

@@ -267,6 +267,17 @@ def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
     assert list((workdir / "tensorboard").iterdir())
     # A finished run is not rerun.
     assert rl.run(config) == 0 and "nothing to do" in capsys.readouterr().out
+    # More steps under a time limit already past after one step: that step ends the run as a last step
+    # does (held-out eval, checkpoint, result.json), not as an interrupted one.
+    more = small_config(tmp_path, base_dir, **{"trainer.steps": "100", "trainer.eta": "2",
+                                               "trainer.time_limit_s": "0.001"})
+    assert rl.run(more) == 0
+    out = capsys.readouterr().out
+    assert "after 5 steps (trainer.time_limit_s 0.001 reached)" in out
+    steps = [r for r in records(workdir) if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3, 4] and "eval_accuracy" in steps[-1]
+    result = json.loads((workdir / "result.json").read_text())
+    assert not result["interrupted"] and result["final_accuracy"] == steps[-1]["eval_accuracy"]
 
 
 def _run_on_ray(tmp_path, base_dir, more=(), **cluster) -> dict:
