@@ -383,8 +383,9 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     never_worked = None
     try:
         if result["base_accuracy"] is None:
+            eval_from = time.monotonic()
             result["base_accuracy"] = evaluator()
-            run_log.log_eval(0, result["base_accuracy"], **evaluator.extra())
+            run_log.log_eval(0, result["base_accuracy"], eval_s=time.monotonic() - eval_from, **evaluator.extra())
         with_env = episodes(config, tokenizer)
         for _ in range(r.num_engines if not config.cluster.rollout_actors else 0):
             engine = _make_engine(config, trainer, base_dir)

@@ -235,6 +235,8 @@ def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
     out = capsys.readouterr().out
     steps = [r for r in records(workdir) if "loss" in r]
     assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    base = records(workdir)[0]  # the base model's eval, timed (benchmarks take it out of training time)
+    assert "loss" not in base and 0 < base["eval_s"] <= base["time_s"] < steps[0]["time_s"]
     for r in steps:
         assert 0 <= r["reward_mean"] <= 1 and r["trained_tokens"] > 0
         assert max(int(k) for k in r["staleness"]) <= 2  # the staleness bound, token by token
