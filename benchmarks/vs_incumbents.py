@@ -14,7 +14,8 @@ TRL and Tunix are never installed into this project's environment: each runs onl
 given (`--trl-python` or JAXFLOW_TRL_PYTHON; `--tunix-python` or JAXFLOW_TUNIX_PYTHON), through
 `benchmarks/incumbent_trl.py` / `incumbent_tunix.py`, and the table says which were not run and why.
 A TRL environment: `python3 -m venv ENV && ENV/bin/pip install torch==2.13.0 && ENV/bin/pip install
-trl==1.13.0 requests` (with torch pinned, so no resolver replaces the CPU build).
+trl==1.13.0 requests` (torch first, so that no resolver swaps the CPU build for another); a Tunix
+environment: `python3 -m venv ENV && ENV/bin/pip install google-tunix==0.1.7` (its own JAX).
 
 The target is on the sampled train reward, as the issue that asked for this defines it: the trailing
 `--window`-step mean (25) reaching the base's sampled reward + 0.05, the base's being the mean reward of
@@ -47,7 +48,9 @@ DIFFERENCES = {
                "a paged KV cache and continuous batching; XLA CPU",
     "trl": "synchronous (eta = 0): generate the batch, then one update on it; loss_type 'dapo' (token mean); "
            "every group in the update; padded rows; transformers generate; torch CPU",
-    "tunix": "synchronous GRPOLearner; its own JAX sampler",
+    "tunix": "synchronous GRPOLearner, its own JAX sampler (padded batch) sharing the actor's weights; loss "
+             "sequence-mean-token-mean; completions cut before their EOS (not trained); a fresh sampler seed "
+             "per step; its Qwen3 RoPE given the model's rope_theta (Tunix 0.1.7 ignores it)",
 }
 
 
