@@ -188,6 +188,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=None, help="training time per run (default 6; quick 1.5)")
     parser.add_argument("--window", type=int, default=None, help="steps in the reward's trailing mean (25; quick 10)")
     parser.add_argument("--systems", default="jaxflow,trl,tunix")
+    parser.add_argument("--tunix-seeds", default=None,
+                        help="the seeds Tunix runs (default: --seeds); its steps are the slowest of the three")
     parser.add_argument("--trl-python", default=None)
     parser.add_argument("--tunix-python", default=None)
     parser.add_argument("--workdir", type=pathlib.Path, default=ROOT / "runs" / "vs_incumbents")
@@ -195,6 +197,7 @@ def main() -> None:
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
     minutes = args.minutes or (1.5 if args.quick else 6.0)
     window = args.window or (10 if args.quick else 25)
+    tunix_seeds = seeds if args.tunix_seeds is None else [int(x) for x in args.tunix_seeds.split(",")]
     systems = args.systems.split(",")
     pythons = {"trl": incumbent_python(args.trl_python, "JAXFLOW_TRL_PYTHON"),
                "tunix": incumbent_python(args.tunix_python, "JAXFLOW_TUNIX_PYTHON")}
@@ -213,7 +216,7 @@ def main() -> None:
             runs.append(run_jaxflow(seed, minutes, args.workdir / f"jaxflow_seed{seed}", base_dir))
         for name in ("trl", "tunix"):
             python = pythons[name][0]
-            if name in systems and python:
+            if name in systems and python and (name != "tunix" or seed in tunix_seeds):
                 runs.append(run_incumbent(name, python, setup, seed, args.workdir / f"{name}_seed{seed}"))
     if not runs:
         raise SystemExit("nothing ran")
