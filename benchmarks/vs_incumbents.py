@@ -44,8 +44,8 @@ SETTINGS = {"batch_prompts": 32, "group_size": 8, "max_new_tokens": 128, "temper
 # What each system does differently from the others at these settings (its defaults, where they differ).
 DIFFERENCES = {
     "jaxflow": "eta = 4 (asynchronous: rollouts of up to 4 versions behind, decoupled PPO with pi_prox); "
-               "groups whose 8 samples scored alike are left out of the update; packed rows; JAX engine with "
-               "a paged KV cache and continuous batching; XLA CPU",
+               "groups whose 8 samples scored alike are left out of the update; packed rows; its JAX engine "
+               "(KV cache in fixed slots, continuous batching, a group's prompt prefilled once); XLA CPU",
     "trl": "synchronous (eta = 0): generate the batch, then one update on it; loss_type 'dapo' (token mean); "
            "every group in the update; padded rows; transformers generate; torch CPU",
     "tunix": "synchronous GRPOLearner, its own JAX sampler (padded batch) sharing the actor's weights; loss "
@@ -210,14 +210,25 @@ def main() -> None:
     base_dir = warm_start.ensure_base_model(load_config(CONFIG))
     started = time.monotonic()
     runs = []
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    log = open(args.workdir / "runs.jsonl", "w")  # each run as it ends: a long benchmark keeps what it did
+
+    def done(run: dict) -> None:
+        runs.append(run)
+        log.write(json.dumps(run) + "\n")
+        log.flush()
+        print(f"  {run['system']} seed {run['seed']}: {len(run['curve'])} steps, held-out {run['eval_accuracy']:.1%}",
+              flush=True)
+
     for seed in seeds:
         setup = write_setup(args.workdir / f"setup_seed{seed}", seed, minutes, base_dir)
         if "jaxflow" in systems:
-            runs.append(run_jaxflow(seed, minutes, args.workdir / f"jaxflow_seed{seed}", base_dir))
+            done(run_jaxflow(seed, minutes, args.workdir / f"jaxflow_seed{seed}", base_dir))
         for name in ("trl", "tunix"):
             python = pythons[name][0]
             if name in systems and python and (name != "tunix" or seed in tunix_seeds):
-                runs.append(run_incumbent(name, python, setup, seed, args.workdir / f"{name}_seed{seed}"))
+                done(run_incumbent(name, python, setup, seed, args.workdir / f"{name}_seed{seed}"))
+    log.close()
     if not runs:
         raise SystemExit("nothing ran")
     out = summarise(runs, window)
