@@ -70,6 +70,7 @@ def summarise(runs: list[dict], window: int) -> dict:
     for r in runs:
         reached = time_to_target(r["curve"], target, window)
         r["time_to_target_s"] = None if reached is None else reached + r.get("compile_s", 0.0)
+        r["steps_to_target"] = None if reached is None else [t for t, _ in r["curve"]].index(reached) + 1
         times = [t for t, _ in r["curve"]]
         r["median_step_s"] = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else None
     systems = {}
@@ -93,6 +94,9 @@ def summarise(runs: list[dict], window: int) -> dict:
                 if mate and mate["time_to_target_s"]:
                     per_seed[str(r["seed"])] = r["time_to_target_s"] / mate["time_to_target_s"]
             out[f"speedup_vs_{name}_per_seed"] = per_seed
+        elif name != "jaxflow" and jf and not s["reached"]:
+            # Never reached in its time: jaxflow was at least this much sooner.
+            out[f"speedup_vs_{name}_at_least"] = min(r["curve"][-1][0] for r in runs if r["system"] == name) / jf
     return out
 
 
@@ -242,9 +246,15 @@ def main() -> None:
               f"{r['first_step_s']:>13.1f} {target:>12} {r['eval_accuracy']:>9.1%}")
     for name in ("trl", "tunix"):
         if name in out["systems"]:
-            ratio = out.get(f"speedup_vs_{name}")
-            print(f"jaxflow reaches the target {'-' if ratio is None else f'{ratio:.2f}x'} sooner than {name} "
-                  f"(medians; per seed: {out.get(f'speedup_vs_{name}_per_seed', {})}; goal >= 3x)")
+            ratio, floor = out.get(f"speedup_vs_{name}"), out.get(f"speedup_vs_{name}_at_least")
+            if ratio is not None:
+                print(f"jaxflow reaches the target {ratio:.2f}x sooner than {name} (medians; per seed: "
+                      f"{ {k: round(v, 2) for k, v in out[f'speedup_vs_{name}_per_seed'].items()} }; goal >= 3x)")
+            elif floor is not None:
+                print(f"{name} did not reach the target in {minutes:g} min on any seed: jaxflow at least "
+                      f"{floor:.2f}x sooner (a floor only; goal >= 3x)")
+            else:
+                print(f"jaxflow reaches the target - sooner than {name}: not every run reached it")
         elif name in systems:
             print(f"{name}: {pythons[name][1]}")
     print("Settings that differ:")

@@ -38,6 +38,10 @@ def test_summary_shares_one_base_and_adds_jaxflows_compile():
     runs.append(run("trl", 1, [0.0, 0.0], 3.0))
     out = vs_incumbents.summarise(runs, window=1)
     assert out["systems"]["trl"]["median_time_to_target_s"] is None and "speedup_vs_trl" not in out
+    # One that never reached it in its time: only a floor, its shortest run's time over jaxflow's median.
+    out = vs_incumbents.summarise([runs[0], run("trl", 0, [0.30, 0.32, 0.33, 0.34], 3.0)], window=1)
+    assert runs[0]["steps_to_target"] == 2 and "speedup_vs_trl" not in out
+    assert out["speedup_vs_trl_at_least"] == pytest.approx(12.0 / 4.0)
 
 
 def test_setup_holds_jaxflows_prompts_in_draw_order_as_text_that_tokenizes_back(tmp_path):
@@ -76,3 +80,36 @@ def test_an_incumbent_without_its_own_python_is_not_run_and_says_why(tmp_path, m
     assert path is None and "does not exist" in why
     monkeypatch.setenv("JAXFLOW_TUNIX_PYTHON", sys.executable)
     assert vs_incumbents.incumbent_python(None, "JAXFLOW_TUNIX_PYTHON")[0] == sys.executable
+
+
+def test_an_incumbents_run_reads_the_setup_logs_steps_and_scores_with_the_tasks_reward(tmp_path, monkeypatch):
+    """incumbent_io.Run, what TRL's and Tunix's runners share (standard library only), driven as they
+    drive it, with a stand-in for the incumbent's trainer and generator."""
+    import incumbent_io
+    from jaxflow.models.tiny import write_tiny_model
+    from jaxflow.tokenizer import Tokenizer
+
+    base = write_tiny_model(tmp_path / "base")
+    setup = vs_incumbents.write_setup(tmp_path / "setup", 0, 0.5, base)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["runner", "--setup", str(setup), "--out", str(out), "--seed", "7"])
+    run = incumbent_io.Run("a runner")
+    assert run.seed == 7 and run.settings["batch_prompts"] == 32 and len(run.held_out) == 256
+    tokenizer = Tokenizer.from_dir(base)
+    run.check_tokenizer(lambda text: tokenizer.encode(text, add_special_tokens=False), "jaxflow's own")
+    with pytest.raises(SystemExit, match="off-by-one's tokenizer gives"):
+        run.check_tokenizer(lambda text: tokenizer.encode(text)[1:], "off-by-one")
+    run.begin()
+    assert run.log_step(0.25, 100) >= 0 and run.log_step(0.5, 90) >= 0
+    # The task's reward: a response with the right answer scores 1, a wrong one 0, meta as dict or JSON.
+    right = [f"<answer>{p['meta']['answer']}</answer>" for p in run.held_out]
+    assert run.reward(right[0], run.held_out[0]["meta"]) == 1.0
+    assert run.reward(right[0], json.dumps(run.held_out[0]["meta"])) == 1.0
+    answers = iter(right[:128] + ["<answer>x</answer>"] * 128)
+    assert run.accuracy(lambda chunk: [next(answers) for _ in chunk]) == 0.5
+    run.finish("stand-in", 0.5, {"stand-in": "0"}, {"loss": "none"})
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1] and [s["reward_mean"] for s in steps] == [0.25, 0.5]
+    result = json.loads((out / "result.json").read_text())
+    assert result["steps"] == 2 and result["seed"] == 7 and result["eval_accuracy"] == 0.5
+    assert result["first_step_s"] == steps[0]["time_s"] and result["train_s"] == steps[1]["time_s"]
