@@ -69,9 +69,9 @@ def summarise(runs: list[dict], window: int) -> dict:
     target = base + 0.05
     for r in runs:
         reached = time_to_target(r["curve"], target, window)
-        r["time_to_target_s"] = None if reached is None else reached + r.get("compile_s", 0.0)
-        r["steps_to_target"] = None if reached is None else [t for t, _ in r["curve"]].index(reached) + 1
         times = [t for t, _ in r["curve"]]
+        r["time_to_target_s"] = None if reached is None else reached + r.get("compile_s", 0.0)
+        r["steps_to_target"] = None if reached is None else times.index(reached) + 1
         r["median_step_s"] = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else None
     systems = {}
     for name in dict.fromkeys(r["system"] for r in runs):
@@ -104,23 +104,22 @@ def write_setup(directory: pathlib.Path, seed: int, minutes: float, base_dir: pa
     """The prompts (in jaxflow's draw order for `seed`), the held-out problems and the settings, as files an
     incumbent's runner reads without jaxflow's environment."""
     from jaxflow.config import load_config
-    from jaxflow.data.prompt_source import PromptSource
-    from jaxflow.jobs import warm_start
+    from jaxflow.jobs import rl, warm_start
     from jaxflow.tokenizer import Tokenizer
 
-    config = load_config(CONFIG, {"seed": str(seed)})
+    config = load_config(CONFIG, {"seed": str(seed), "eval.num_prompts": str(SETTINGS["eval_prompts"])})
     tokenizer = Tokenizer.from_dir(base_dir)
     task = warm_start.make_task(config)
-    records = task.to_prompt_records(task.examples("train", config.data.train_prompts, seed=seed + 1000), tokenizer)
-    source = PromptSource(records, seed=seed, num_epochs=1)  # as the RL job draws them
-    held_out = task.to_prompt_records(task.examples("eval", SETTINGS["eval_prompts"], seed=0), tokenizer)
+    records = rl.train_records(config, task, tokenizer)
+    source = rl.prompt_source(config, records)  # the RL job's own order; its first pass
+    held_out = rl.eval_records(config, task, tokenizer)
     directory.mkdir(parents=True, exist_ok=True)
 
     def lines(recs):
         return "".join(json.dumps({"prompt": r["prompt"], "meta": r["meta"],
                                    "text": tokenizer.decode(r["prompt"], skip_special_tokens=False)}) + "\n"
                        for r in recs)
-    (directory / "prompts.jsonl").write_text(lines(iter(source.next, None)))
+    (directory / "prompts.jsonl").write_text(lines(source.next() for _ in records))
     (directory / "eval.jsonl").write_text(lines(held_out))
     setup = {"model_dir": str(base_dir.resolve()), "prompts": str(directory / "prompts.jsonl"),
              "eval": str(directory / "eval.jsonl"), "seed": seed,

@@ -197,8 +197,8 @@ class _Evaluator:
         """trainer: its `version` is evaluated; weights: where that version is pulled from; model: what the
         engine starts from (default the trainer's model; a path for a trainer in other processes)."""
         from rollout_bridge.jax_engine import JaxEngine
-        e, r = config.eval, config.rollout
-        self.records = task.to_prompt_records(task.examples("eval", e.num_prompts, seed=0), tokenizer)
+        r = config.rollout
+        self.records = eval_records(config, task, tokenizer)
         self.engine = JaxEngine(trainer.model() if model is None else model, max_slots=min(r.max_slots, 64),
                                 max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version)
         if isinstance(weights, DeviceParamSource):
@@ -244,6 +244,23 @@ def phase_line(result: dict[str, Any]) -> str:
     idle = result.get("rollout_idle_frac")
     busy = "" if idle is None else f"; rollout engines busy {1.0 - idle:.0%} of it"
     return f"jaxflow: train loop {wall:.1f}s: {parts}{busy}\n"
+
+
+def train_records(config: ml_collections.ConfigDict, task, tokenizer) -> list[dict]:
+    """The RL prompts as prompt records: train-split problems drawn with a seed apart from the warm
+    start's, so that RL samples from problems the base model has not seen."""
+    return task.to_prompt_records(task.examples("train", config.data.train_prompts, seed=config.seed + 1000),
+                                  tokenizer)
+
+
+def prompt_source(config: ml_collections.ConfigDict, records: list[dict]) -> PromptSource:
+    """`records` in the order the run draws them (reshuffled at each pass over them)."""
+    return PromptSource(records, seed=config.seed, num_epochs=None)
+
+
+def eval_records(config: ml_collections.ConfigDict, task, tokenizer) -> list[dict]:
+    """The held-out problems of every eval: the same `eval.num_prompts` eval-split ones for every seed."""
+    return task.to_prompt_records(task.examples("eval", config.eval.num_prompts, seed=0), tokenizer)
 
 
 def _consume(service: TrajectoryService, version: int, stop: StopRequest):
@@ -309,12 +326,10 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         print(f"jaxflow: error: {e}", file=sys.stderr)
         return 2
     task = warm_start.make_task(config)
-    # A seed apart from the warm start's: RL prompts are train-split problems the base model has not seen.
-    train_records = task.to_prompt_records(
-        task.examples("train", config.data.train_prompts, seed=config.seed + 1000), tokenizer)
+    records = train_records(config, task, tokenizer)
     if config.cluster.trainer_processes:  # the trainer as Ray actors: the cluster driver takes it from here
         from jaxflow.jobs import rl_cluster
-        return rl_cluster.run(config, cleanup, base_dir, tokenizer, task, train_records)
+        return rl_cluster.run(config, cleanup, base_dir, tokenizer, task, records)
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     # JAX engines and the evaluator (this process) take each version on device; only vLLM needs the HF
     # host tensors of a parameter service (see `params` below). Two versions kept, as the parameter
@@ -332,7 +347,7 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
               f"{trainer.frozen_params:,} frozen", flush=True)
     t = config.trainer
     strategy = Coordination.from_config(config.rollout.coordination)
-    service = TrajectoryService(PromptSource(train_records, seed=config.seed, num_epochs=None),
+    service = TrajectoryService(prompt_source(config, records),
                                 batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
                                 batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
                                 reserve_groups=strategy.reserve_groups(t.batch_groups))

@@ -47,7 +47,6 @@ from jaxflow.cluster import names, ray_actors
 from jaxflow.cluster.trainer_group import TrainerGroup, TrainerGroupFailed
 from jaxflow.cluster.weights import PUBLISHER_METHODS, ManifestSource, RayWeightPublisher
 from jaxflow.coordination import Coordination
-from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.jobs import rl
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked
@@ -91,7 +90,7 @@ class _Cluster:
     def new_service(self, snapshot: dict | None) -> TrajectoryService:
         config, t = self.config, self.config.trainer
         strategy = Coordination.from_config(config.rollout.coordination)
-        service = TrajectoryService(PromptSource(self.train_records, seed=config.seed, num_epochs=None),
+        service = TrajectoryService(rl.prompt_source(config, self.train_records),
                                     batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
                                     batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
                                     reserve_groups=strategy.reserve_groups(t.batch_groups))
