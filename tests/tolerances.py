@@ -31,3 +31,31 @@ def policy_loss_scale(batch) -> tuple[int, float]:
     mask = np.asarray(batch.loss_mask) > 0
     adv = np.abs(np.asarray(batch.advantages))[mask]
     return int(mask.sum()), 2.0 * float(adv.max())
+
+
+def assert_engines_served_the_trainers_weights(trained: list[dict], first_step_exact: bool = True):
+    """A run's per-step `behav_weight_*` metrics (w = pi_prox / mu token by token: the trainer's recomputed
+    probability of each sampled token over the engine's) say the engines sampled with the weights the
+    trainer published, version by version.
+
+    Step 0 trains version-0 tokens only, sampled with the weights the trainer starts from, so every w is 1
+    up to float32 summation order (1e-6 in log-prob); a tensor mangled or half-loaded on its way would move
+    some token's w far more than 1e-3. Later steps train tokens up to eta versions old. There w estimates
+    E_mu[pi/mu] = 1 without bias but with a heavy right tail: a token mu sampled at probability 0.01 that
+    pi_prox gives 0.5 weighs 50, and moves the mean of a step of a few hundred tokens by 0.1 or more (CI saw
+    1.14 on one step of a 24-step run at lr 3e-4). So the mean over all steps' tokens must be within 10% of 1,
+    and each step's mean without its largest weight within (0.75, 1.33): engines on the wrong version or on
+    garbage weights sample tokens pi_prox finds unlikely, which pulls the typical w, not only the tail, down.
+    """
+    assert trained, "no trained steps"
+    if first_step_exact:
+        first = trained[0]
+        assert first["staleness"].keys() == {"0"}, first["staleness"]
+        assert abs(first["behav_weight_mean"] - 1) < 1e-3 and first["behav_weight_max"] < 1 + 1e-3, first
+    tokens = sum(r["num_tokens"] for r in trained)
+    pooled = sum(r["behav_weight_mean"] * r["num_tokens"] for r in trained) / tokens
+    assert 0.9 < pooled < 1.1, (pooled, [round(r["behav_weight_mean"], 3) for r in trained])
+    for r in trained:
+        n = r["num_tokens"]
+        rest = (r["behav_weight_mean"] * n - r["behav_weight_max"]) / max(n - 1, 1)
+        assert 0.75 < rest < 1.33, (r["step"], rest, r["behav_weight_mean"], r["behav_weight_max"], n)

@@ -20,6 +20,7 @@ from jaxflow.jobs import rl, warm_start
 from jaxflow.models import hf_io, lora
 
 from service_placements import ray_session_end
+from tolerances import assert_engines_served_the_trainers_weights
 
 CONFIG = "configs/arithmetic_tiny.py"
 ETA = 2
@@ -94,10 +95,8 @@ def test_two_trainer_processes_and_two_rollout_actors_learn(cluster, tmp_path, b
         "data": 1, "fsdp": 4, "tensor": 2}
     assert len({p["pid"] for p in placed["trainer_processes"]}) == 2
     assert len(placed["rollout_actors"]) == 2
-    # The engines generate with the trainer's weights: pi_prox / mu stays near 1 (wrong or half-published
-    # weights would move it).
-    for r in trained:
-        assert 0.9 < r["behav_weight_mean"] < 1.1, r["behav_weight_mean"]
+    # The engines generate with the weights the trainer processes published, version by version.
+    assert_engines_served_the_trainers_weights(trained)
     # The reward rises: the first 8 steps' mean against the last 8's (32 samples a step; embedded, the same
     # settings went from 0.51 to 0.63, about 2.7 standard errors of the difference).
     rewards = [r["reward_mean"] for r in trained]
