@@ -112,3 +112,12 @@ def test_an_incumbents_run_reads_the_setup_logs_steps_and_scores_with_the_tasks_
     result = json.loads((out / "result.json").read_text())
     assert result["steps"] == 2 and result["seed"] == 7 and result["eval_accuracy"] == 0.5
     assert result["first_step_s"] == steps[0]["time_s"] and result["train_s"] == steps[1]["time_s"]
+
+
+@pytest.mark.parametrize("flag", ["--minutes", "--incumbent-minutes"])
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
+def test_a_time_budget_that_is_not_a_positive_number_is_refused_by_name(flag, value, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["vs_incumbents.py", flag, value])
+    with pytest.raises(SystemExit):
+        vs_incumbents.main()
+    assert f"{flag} must be a positive number of minutes" in capsys.readouterr().err
