@@ -33,12 +33,20 @@ def test_summary_shares_one_base_and_adds_jaxflows_compile():
     # jaxflow reaches 0.40 at its second step (2 s) plus its 2 s compile; TRL at its first step (3 s).
     assert runs[0]["time_to_target_s"] == pytest.approx(4.0) and runs[1]["time_to_target_s"] == pytest.approx(3.0)
     assert out["speedup_vs_trl"] == pytest.approx(0.75) and out["speedup_vs_trl_per_seed"] == {"0": 0.75}
+    assert out["speedup_vs_trl_floor_seeds"] == [] and out["jaxflow_missed_seeds"] == []
     assert out["systems"]["trl"]["median_step_s"] == pytest.approx(3.0)
-    # A system that missed the target on some seed has no median time to it, and no speed-up is claimed.
-    runs.append(run("trl", 1, [0.0, 0.0], 3.0))
+    # Seed 1 (first batches keep the base at 0.35): jaxflow reaches 0.40 at 1 s, TRL never does in its 6 s.
+    # Its 6 s / 1 s is a floor, so the median over seeds is one: at least median(0.75, 6.0).
+    runs += [run("jaxflow", 1, [0.40], 1.0), run("trl", 1, [0.30, 0.30], 3.0)]
     out = vs_incumbents.summarise(runs, window=1)
     assert out["systems"]["trl"]["median_time_to_target_s"] is None and "speedup_vs_trl" not in out
-    # One that never reached it in its time: only a floor, its shortest run's time over jaxflow's median.
+    assert out["speedup_vs_trl_per_seed"] == {"0": pytest.approx(0.75), "1": pytest.approx(6.0)}
+    assert out["speedup_vs_trl_at_least"] == pytest.approx(3.375) and out["speedup_vs_trl_floor_seeds"] == ["1"]
+    # A seed jaxflow itself missed has no speed-up, and is named.
+    runs += [run("jaxflow", 2, [0.30, 0.30], 1.0), run("trl", 2, [0.40], 3.0)]
+    out = vs_incumbents.summarise(runs, window=1)
+    assert out["jaxflow_missed_seeds"] == [2] and "2" not in out["speedup_vs_trl_per_seed"]
+    # One that never reached it in its time: only a floor, its training time over jaxflow's.
     out = vs_incumbents.summarise([runs[0], run("trl", 0, [0.30, 0.32, 0.33, 0.34], 3.0)], window=1)
     assert runs[0]["steps_to_target"] == 2 and "speedup_vs_trl" not in out
     assert out["speedup_vs_trl_at_least"] == pytest.approx(12.0 / 4.0)
@@ -121,3 +129,37 @@ def test_a_time_budget_that_is_not_a_positive_number_is_refused_by_name(flag, va
     with pytest.raises(SystemExit):
         vs_incumbents.main()
     assert f"{flag} must be a positive number of minutes" in capsys.readouterr().err
+
+
+def test_the_report_names_floors_per_seed_and_the_json_holds_them(tmp_path, monkeypatch, capsys):
+    """main() with stand-ins for the runs: TRL reaches the target on seed 0 and not on seed 1, in its own
+    (longer) time budget; the report says which speed-ups are floors."""
+    from jaxflow.jobs import warm_start
+
+    def curve(rewards, step_s):
+        return [((i + 1) * step_s, r) for i, r in enumerate(rewards)]
+    jaxflow_curves = {0: [0.3, 0.4, 0.4], 1: [0.4]}
+    trl_curves = {0: [0.4] * 5, 1: [0.3, 0.3]}
+    budgets = []
+    monkeypatch.setattr(warm_start, "ensure_base_model", lambda config: tmp_path / "base")
+    monkeypatch.setattr(vs_incumbents, "write_setup",
+                        lambda directory, seed, minutes, base: budgets.append(minutes) or directory)
+    monkeypatch.setattr(vs_incumbents, "run_jaxflow", lambda seed, minutes, workdir, base: {
+        "system": "jaxflow", "seed": seed, "compile_s": 0.0, "curve": curve(jaxflow_curves[seed], 1.0),
+        "eval_accuracy": 0.5, "first_step_s": 1.0})
+    monkeypatch.setattr(vs_incumbents, "run_incumbent", lambda name, python, setup, seed, workdir: {
+        "system": name, "seed": seed, "curve": curve(trl_curves[seed], 3.0), "eval_accuracy": 0.5,
+        "first_step_s": 3.0})
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["vs_incumbents.py", "--seeds", "0,1", "--minutes", "2", "--incumbent-minutes",
+                                      "5", "--window", "1", "--systems", "jaxflow,trl", "--trl-python",
+                                      sys.executable, "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    vs_incumbents.main()
+    printed = capsys.readouterr().out
+    assert budgets == [5, 5]  # the incumbents' setup carries their own budget
+    assert "2 seed(s), 2 min (TRL, Tunix: 5 min) of training each" in printed
+    # Base 0.35, target 0.40: seed 0 jaxflow at 2 s, TRL at 3 s; seed 1 jaxflow at 1 s, TRL never (6 s).
+    assert "at least 3.75x sooner than trl" in printed and "seed 0: 1.50x, seed 1: >= 6.00x" in printed
+    figures = json.loads(out.read_text())
+    assert figures["speedup_vs_trl_at_least"] == pytest.approx(3.75) and figures["incumbent_minutes"] == 5
+    assert len(figures["runs"]) == 4 and len((tmp_path / "w" / "runs.jsonl").read_text().splitlines()) == 4
