@@ -132,7 +132,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (less activation memory, same update); a multiple of the trainer mesh's data x fsdp shards. The step
     # is compiled once, at start-up, for room for every sequence of a batch; the micro-batches a batch
     # leaves empty are skipped, so smaller ones waste less compute on padding, and rows cut into the same
-    # parts attend together. Here 4 rows: this task's update takes 0.66-0.72x the time of 16 rows (2-core
+    # parts attend together. Here 4 rows: this task's update takes 0.66-0.68x the time of 16 rows (2-core
     # CPU). 0 = the whole minibatch in one micro-batch, padding included.
     config.trainer.micro_batch_rows = 4
     # pi_prox, decoupled PPO's proximal policy: "recompute" (the step's starting weights; an extra forward
