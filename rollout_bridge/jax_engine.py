@@ -144,8 +144,8 @@ class JaxEngine(Engine):
                                             self._cache_sharding)
         # Decoding only the active rows gathers them from the cache: with slots sharded over devices that
         # would move cache rows between devices at every step, so a slot-sharded engine runs all slots.
-        cache_shape = self._cache.k_lbgsk.shape
-        slots_sharded = self._cache_sharding.shard_shape(cache_shape)[1] != max_slots
+        v_shape = self._cache.v_lbgsk.shape
+        slots_sharded = self._cache_sharding.v_lbgsk.shard_shape(v_shape)[1] != max_slots
         self._windows = jax_slots.attention_windows(self._buckets[0], max_len)
         self._slots = jax_slots.SlotTable(max_slots, max_stop_ids, self._windows,
                                           select_rows=not slots_sharded)

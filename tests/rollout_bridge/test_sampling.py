@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollout_bridge.jax_decode import SlotState, sample_tokens
+from rollout_bridge.jax_decode import SlotState, _inverse_cdf, sample_tokens
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -30.0], np.float32)
 
@@ -58,3 +58,23 @@ def test_draws_depend_on_seed_and_position_only():
     assert (a == b).all() and (a != c).any()
     greedy, _ = draw(16, temperature=0.0)
     assert (greedy == 0).all()
+
+
+@pytest.mark.parametrize("vocab", [8, 33, 1000])
+def test_inverse_cdf_finds_the_first_token_reaching_the_target(vocab):
+    """The two-level search (blocks, then tokens) against a float64 search over the whole vocabulary:
+    the same token wherever the target is not within rounding of a boundary, and never a token without
+    probability, however the zeros fall against the blocks."""
+    rng = np.random.default_rng(vocab)
+    rows = 64
+    probs = rng.random((rows, vocab)) * (rng.random((rows, vocab)) < 0.3)  # most tokens filtered
+    probs[:, -1] = np.where(probs.sum(-1) == 0, 1.0, probs[:, -1])
+    probs /= probs.sum(-1, keepdims=True)
+    u = np.concatenate([rng.random(rows - 2), [1.0, 1e-9]]).astype(np.float32)
+    tokens = np.asarray(_inverse_cdf(jnp.asarray(probs, jnp.float32), jnp.asarray(u)))
+    assert (probs[np.arange(rows), tokens] > 0).all()
+    cdf = np.cumsum(probs, axis=-1)
+    expected = (cdf < u[:, None] * cdf[:, -1:]).sum(-1)
+    near = np.abs(cdf - u[:, None]).min(-1) < 1e-5
+    assert (tokens == np.minimum(expected, vocab - 1))[~near].all()
+    assert (~near).sum() > rows // 2
