@@ -52,7 +52,7 @@ def num_groups(rows: int) -> int:
     """Window groups in a call of `rows` rows: groups of 4 rows (of 2 or 1 where 4 does not divide).
 
     Smaller groups fit each window closer to their sequences but cost a loop iteration each; groups of
-    4 rows also keep the keys/values a group gathers in cache for its dot products (measured on CPU,
+    4 rows also keep the keys/values a group gathers in cache for its attention (measured on CPU,
     long-tailed and uniform lengths: faster than groups of 2, 8 or 16 rows)."""
     return rows // next(size for size in (4, 2, 1) if rows % size == 0)
 

@@ -340,10 +340,17 @@ class Transformer(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
-        """LM-head logits [B, T, V] in float32 from hidden states."""
+        """LM-head logits [B, T, V] in float32 from hidden states.
+
+        One [B*T, D] x [D, V] matmul, as in `_project`: the weight's gradient is then one matmul of the
+        activations with the logits' gradient (0.97x the tiny model's train step, measured against a
+        3-D einsum, which went through transposed copies)."""
+        h_nd = h_btd.reshape(-1, h_btd.shape[-1])
         if self.config.tie_word_embeddings:
-            return jnp.einsum("btd,vd->btv", h_btd, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", h_btd, self.lm_head[...], preferred_element_type=jnp.float32)
+            out = jnp.einsum("nd,vd->nv", h_nd, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            out = jnp.einsum("nd,dv->nv", h_nd, self.lm_head[...], preferred_element_type=jnp.float32)
+        return out.reshape(*h_btd.shape[:-1], out.shape[-1])
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, *, remat=False):
         """Logits [B, T, V] float32; arguments as in `hidden_states`."""

