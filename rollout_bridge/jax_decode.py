@@ -178,8 +178,8 @@ def _cached_attention(q_bgrk: jax.Array, keys_bgks: jax.Array, values_bgsk: jax.
     The same math as `transformer.attention` (float32 scores and softmax, probabilities cast to the
     value dtype), written as products and sums rather than dot products: scores sum over K, outputs
     over S, each a non-minor axis of the cache block, which XLA's CPU backend vectorises along the
-    contiguous axis (S for keys, K for values). As batched dots, each
-    (slot, head) is a separate [S, K] matrix product, slower on these shapes (see `KVCache`).
+    contiguous axis (S for keys, K for values). As batched dots, each (slot, head) is a separate small
+    matrix product, slower on these shapes (see `KVCache`).
     """
     scale = 1.0 / math.sqrt(q_bgrk.shape[-1])
     f32 = jnp.float32
