@@ -212,7 +212,10 @@ def test_an_environment_process_that_dies_fails_its_episodes_and_is_replaced(mon
     from jaxflow.envs.isolated import isolated
 
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
-    make_env = isolated("crashing_env:CrashOn", {"crash_q": 1, "latency_s": 0.5})
+    # Episodes 0 and 2 are still waiting on their tool when episode 1's kills the process: their wait is
+    # far longer than any scheduling delay between the three calls (0.5 s was not, on a loaded machine),
+    # and never served, since the process dies first. Episode 3, on the new process, has no wait.
+    make_env = isolated("crashing_env:CrashOn", {"crash_q": 1, "latency_s": 30.0, "slow_qs": [0, 2]})
 
     async def episode(q):
         env = make_env({"q": q})
@@ -226,7 +229,7 @@ def test_an_environment_process_that_dies_fails_its_episodes_and_is_replaced(mon
     # Episode 1's tool killed the process: its call and those waiting beside it fail, named, as errors.
     assert all(isinstance(r, EnvironmentFailed) and r.kind == "error" and "environment process exited"
                in str(r) for r in first)
-    later = run(episode(0))  # a new process serves the next episodes
+    later = run(episode(3))  # a new process serves the next episodes
     assert later.reward == 1.0 and make_env.restarts == 1
     assert later.info["pid"] != __import__("os").getpid()
 
