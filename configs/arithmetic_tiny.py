@@ -166,6 +166,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.lora = ml_collections.ConfigDict({"rank": 0, "alpha": 32.0, "targets": LORA_TARGETS})
     # Pack several sequences per row (segment ids keep them apart) instead of one padded row each.
     config.trainer.pack = True
+    # With pack: the samples of a GRPO group share one copy of their prompt in a row (jaxflow.trainer.batch),
+    # so the update runs the prompt's tokens once per copy instead of once per sample, for the same
+    # log-probabilities and gradients. False lays every sample out with its own prompt.
+    config.trainer.share_prompts = True
 
     # The policy loss (jaxflow.trainer.losses.LossConfig); u = pi_theta/pi_prox, w = pi_prox/mu, A = advantage.
     config.trainer.loss = ml_collections.ConfigDict()

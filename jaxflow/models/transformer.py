@@ -56,7 +56,14 @@ def apply_rope(x_btnk: jax.Array, positions_bt: jax.Array, inv_freq_k: jax.Array
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
     x = x_btnk.astype(jnp.float32)
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    if ROPE_MATMUL:
+        k = x.shape[-1]
+        rot = np.zeros((k, k), np.float32)
+        rot[np.arange(half) + half, np.arange(half)] = -1
+        rot[np.arange(half), np.arange(half) + half] = 1
+        rotated = jnp.dot(x, jnp.asarray(rot))
+    else:
+        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
     return (x * cos + rotated * sin).astype(x_btnk.dtype)
 
 
@@ -68,15 +75,20 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def attention_mask(segment_ids_bt: jax.Array, kv_segment_ids_bs: jax.Array | None = None,
-                   q_offset: int | jax.Array = 0) -> jax.Array:
+                   q_offset: int | jax.Array = 0, context_ids_bt: jax.Array | None = None) -> jax.Array:
     """[B, 1, 1, T, S] bool: causal, same segment, and neither side padding (segment id 0).
 
     `q_offset` is the absolute index of the first query among the keys (non-zero when decoding).
+    `context_ids_bt`: per query, the segment id of a shared prompt it also sees (0: none), as the
+    trainer's batch lays a GRPO group's prompt out once for several completions
+    (`jaxflow.trainer.batch.make_batch(share_prompts=True)`).
     """
     kv = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
     t, s = segment_ids_bt.shape[1], kv.shape[1]
     causal = (jnp.arange(t)[:, None] + q_offset) >= jnp.arange(s)[None, :]
     same = segment_ids_bt[:, :, None] == kv[:, None, :]
+    if context_ids_bt is not None:
+        same = same | (context_ids_bt[:, :, None] == kv[:, None, :])
     real = (segment_ids_bt[:, :, None] != 0) & (kv[:, None, :] != 0)
     return (causal[None] & same & real)[:, None, None]
 
@@ -89,6 +101,10 @@ def attention(q_btgrk, k_bsgk, v_bsgk, mask_b11ts) -> jax.Array:
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bsgk.dtype)
     return jnp.einsum("bgrts,bsgk->btgrk", probs, v_bsgk)
 
+
+# Models with at most this many layers run them unrolled in `Transformer.hidden_states`.
+UNROLL_LAYERS = 4
+ROPE_MATMUL = False
 
 # Packed rows: how many equal parts the trainer's attention may cut a row into (`split_attention`), and
 # the shortest part worth cutting to. Sixths give rows of 192 tokens parts of 32: the single-turn
@@ -103,63 +119,83 @@ def row_splits(t: int) -> tuple[int, ...]:
     return tuple(n for n in ROW_SPLITS if t % n == 0 and (n == 1 or t // n >= MIN_SPLIT_LEN))
 
 
-def split_index(segment_ids_bt: jax.Array, splits: tuple[int, ...]) -> jax.Array:
-    """Index into `splits` of the most parts every row of the batch can be cut into without cutting a
-    segment (a cut at position c is clean when c starts a segment or is padding). int32 scalar."""
-    t = segment_ids_bt.shape[1]
-    previous = jnp.pad(segment_ids_bt[:, :-1], ((0, 0), (1, 0)))
-    clean_t = jnp.all((segment_ids_bt == 0) | (segment_ids_bt != previous), axis=0)
+def attention_units(segment_ids_bt: jax.Array, context_ids_bt: jax.Array) -> jax.Array:
+    """[B, T] int32: the id of the set of tokens each token attends within: its shared prompt's segment
+    (`context_ids_bt` > 0) or else its own. A shared prompt and the completions that see it are one unit."""
+    return jnp.where(context_ids_bt > 0, context_ids_bt, segment_ids_bt)
+
+
+def split_index(units_bt: jax.Array, splits: tuple[int, ...]) -> jax.Array:
+    """Index into `splits` of the most parts every row of the batch can be cut into without cutting an
+    attention unit (`attention_units`; a cut at position c is clean when c starts a unit or is padding).
+    int32 scalar."""
+    t = units_bt.shape[1]
+    previous = jnp.pad(units_bt[:, :-1], ((0, 0), (1, 0)))
+    clean_t = jnp.all((units_bt == 0) | (units_bt != previous), axis=0)
     # The most parts among the clean cuts (n = 1 always is): where one n divides the next, the clean
     # ones are a prefix of `splits`; 4 and 6 parts of 192 tokens are not, and either may be the one.
     parts = jnp.asarray([n * jnp.all(clean_t[::t // n]) for n in splits], jnp.int32)
     return jnp.argmax(parts).astype(jnp.int32)
 
 
-def _attention_in_parts(n: int, q_btgrk, k_bsgk, v_bsgk, segment_ids_bt) -> jax.Array:
+def _attention_in_parts(n: int, q_btgrk, k_bsgk, v_bsgk, segment_ids_bt, context_ids_bt) -> jax.Array:
     """`attention` with each row cut into n equal parts that attend within themselves."""
     b, t = q_btgrk.shape[:2]
 
     def cut(x):
         return x.reshape(b * n, t // n, *x.shape[2:])
 
-    out = attention(cut(q_btgrk), cut(k_bsgk), cut(v_bsgk), attention_mask(cut(segment_ids_bt)))
+    mask = attention_mask(cut(segment_ids_bt), context_ids_bt=cut(context_ids_bt))
+    out = attention(cut(q_btgrk), cut(k_bsgk), cut(v_bsgk), mask)
     return out.reshape(q_btgrk.shape)
 
 
-@jax.custom_vjp
-def split_attention(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt) -> jax.Array:
-    """`attention` over packed rows, each cut into the most equal parts that no segment straddles: a
-    token only sees its own segment, so attending within parts of T/n tokens computes the same output
-    for n times less work. The batch packer (`jaxflow.trainer.batch`) keeps short sequences inside such
-    parts; the cut is chosen on device for the whole batch (one branch of a switch runs).
+def split_attention(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt, context_ids_bt=None) -> jax.Array:
+    """`attention` over packed rows, each cut into the most equal parts that no attention unit straddles:
+    a token only sees its own segment (and its shared prompt's, `context_ids_bt`; default none), so
+    attending within parts of T/n tokens computes the same output for n times less work. The batch
+    packer (`jaxflow.trainer.batch`) keeps short sequences inside such parts; the cut is chosen on
+    device for the whole batch (one branch of a switch runs).
 
     The backward pass recomputes the attention of the chosen cut instead of keeping its probabilities
     (a switch's own gradient would keep every branch's, the uncut [B, G, R, T, T] among them)."""
+    if context_ids_bt is None:
+        context_ids_bt = jnp.zeros_like(segment_ids_bt)
+    return _split_attention(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt, context_ids_bt)
+
+
+def _switch_index(q_btgrk, segment_ids_bt, context_ids_bt):
     splits = row_splits(q_btgrk.shape[1])
+    return splits, split_index(attention_units(segment_ids_bt, context_ids_bt), splits)
+
+
+@jax.custom_vjp
+def _split_attention(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt, context_ids_bt) -> jax.Array:
+    splits, index = _switch_index(q_btgrk, segment_ids_bt, context_ids_bt)
     branches = [functools.partial(_attention_in_parts, n) for n in splits]
-    return jax.lax.switch(split_index(segment_ids_bt, splits), branches, q_btgrk, k_bsgk, v_bsgk,
-                          segment_ids_bt)
+    return jax.lax.switch(index, branches, q_btgrk, k_bsgk, v_bsgk, segment_ids_bt, context_ids_bt)
 
 
-def _split_attention_fwd(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt):
-    return split_attention(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt), (q_btgrk, k_bsgk, v_bsgk, segment_ids_bt)
+def _split_attention_fwd(q_btgrk, k_bsgk, v_bsgk, segment_ids_bt, context_ids_bt):
+    residuals = (q_btgrk, k_bsgk, v_bsgk, segment_ids_bt, context_ids_bt)
+    return _split_attention(*residuals), residuals
 
 
 def _split_attention_bwd(residuals, d_out):
-    q_btgrk, k_bsgk, v_bsgk, segment_ids_bt = residuals
-    splits = row_splits(q_btgrk.shape[1])
+    q_btgrk, k_bsgk, v_bsgk, segment_ids_bt, context_ids_bt = residuals
+    splits, index = _switch_index(q_btgrk, segment_ids_bt, context_ids_bt)
 
     def backward(n):
         def run(q, k, v, d):
-            return jax.vjp(lambda q, k, v: _attention_in_parts(n, q, k, v, segment_ids_bt), q, k, v)[1](d)
+            attend = lambda q, k, v: _attention_in_parts(n, q, k, v, segment_ids_bt, context_ids_bt)  # noqa: E731
+            return jax.vjp(attend, q, k, v)[1](d)
         return run
 
-    grads = jax.lax.switch(split_index(segment_ids_bt, splits), [backward(n) for n in splits], q_btgrk,
-                           k_bsgk, v_bsgk, d_out)
-    return (*grads, None)
+    grads = jax.lax.switch(index, [backward(n) for n in splits], q_btgrk, k_bsgk, v_bsgk, d_out)
+    return (*grads, None, None)
 
 
-split_attention.defvjp(_split_attention_fwd, _split_attention_bwd)
+_split_attention.defvjp(_split_attention_fwd, _split_attention_bwd)
 
 
 # Layer parameter name -> (logical axes without the leading `layers` axis, shape function, init kind).
@@ -312,13 +348,15 @@ class Transformer(nnx.Module):
                                      logical_axes=("embed", "vocab"))
 
     def hidden_states(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
-                      segment_ids_bt: jax.Array | None = None, *, remat: bool = False) -> jax.Array:
+                      segment_ids_bt: jax.Array | None = None, context_ids_bt: jax.Array | None = None, *,
+                      remat: bool = False) -> jax.Array:
         """Final-norm hidden states [B, T, D].
 
         tokens_bt: int32 token ids. positions_bt: rotary positions (default 0..T-1; for left padding
         pass `positions_from_mask`). segment_ids_bt: int32, 0 marks padding, equal non-zero ids attend
         to each other (packing; rows whose segments allow it attend in parts, `split_attention`);
-        default all ones. remat recomputes each block in the backward pass.
+        default all ones. context_ids_bt: per token, the segment id of a shared prompt it also attends
+        to (0 or None: none). remat recomputes each block in the backward pass.
         """
         cfg = self.config
         if segment_ids_bt is None:
@@ -329,14 +367,18 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens_bt, axis=0)
 
         def attend(q, k, v):
-            return split_attention(q, k, v, segment_ids_bt), None
+            return split_attention(q, k, v, segment_ids_bt, context_ids_bt), None
 
         def body(x, p):
             return decoder_layer(cfg, p, x, positions_bt, inv_freq, None, attend)[0], None
 
         if remat:
             body = jax.checkpoint(body)
-        x, _ = jax.lax.scan(body, x, self.layers.stacked())
+        # A shallow model's layers are unrolled: the loop would slice each layer's weights out of the stack
+        # and stack each layer's saved activations for the backward pass, copies that took 8% of the
+        # 2-layer tiny model's train step. Deeper models keep the loop, whose compile time does not grow.
+        unroll = cfg.num_layers if cfg.num_layers <= UNROLL_LAYERS else 1
+        x, _ = jax.lax.scan(body, x, self.layers.stacked(), unroll=unroll)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
@@ -351,9 +393,10 @@ class Transformer(nnx.Module):
             out = jnp.einsum("nd,dv->nv", h_nd, self.lm_head[...], preferred_element_type=jnp.float32)
         return out.reshape(*h_btd.shape[:-1], out.shape[-1])
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, *, remat=False):
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, context_ids_bt=None, *, remat=False):
         """Logits [B, T, V] float32; arguments as in `hidden_states`."""
-        return self.logits(self.hidden_states(tokens_bt, positions_bt, segment_ids_bt, remat=remat))
+        return self.logits(self.hidden_states(tokens_bt, positions_bt, segment_ids_bt, context_ids_bt,
+                                              remat=remat))
 
 
 def positions_from_mask(mask_bt: jax.Array) -> jax.Array:

@@ -1,9 +1,16 @@
 """The trainer's input: finished trajectories laid out as token rows, padded or packed.
 
 Every per-token array is aligned with `tokens`: entry t describes token t, whose log-probability the
-model computes from positions < t. A row holds one sequence (padded) or several (packed: segment ids
-1, 2, ... with positions restarting at 0, short sequences kept inside equal parts of the row so that
-attention runs per part); segment id 0 is padding.
+model computes from position t - 1 of the same segment. A row holds one sequence (padded) or several
+(packed: segment ids 1, 2, ... with positions restarting at 0, short sequences kept inside equal parts
+of the row so that attention runs per part); segment id 0 is padding.
+
+Shared prompts (`make_batch(share_prompts=True)`): the samples of one GRPO group have the same prompt,
+so a packed row may hold it once for several of them. The prompt but its last token is a segment of its
+own (h); each sample follows as a segment that starts with the prompt's last token, then its completion,
+positions continuing from the prompt's, and `context_ids` h on each of its tokens: its tokens attend to
+h and to their own segment, so every log-probability is the one of the sample laid out alone, while the
+prompt's tokens go through the model once instead of once per sample.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ class TrajectoryBatch:
     (1 = generated token that is trained); behav_logp float32 log μ of the token (0 where not trained);
     versions int32 policy version that generated the token (-1 on prompt and padding); advantages
     float32 advantage of the token's sequence (0 where not trained); rewards float32 raw reward of the
-    token's sequence (0 where not trained), for losses that look at the reward itself (TOPR's split).
+    token's sequence (0 where not trained), for losses that look at the reward itself (TOPR's split);
+    context_ids int32 the segment id of a shared prompt the token also attends to (0: none).
     """
 
     tokens: jax.Array
@@ -59,6 +67,7 @@ class TrajectoryBatch:
     versions: jax.Array
     advantages: jax.Array
     rewards: jax.Array
+    context_ids: jax.Array
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +77,7 @@ class TrajectoryBatch:
 # The batch's fields and their dtypes.
 FIELD_DTYPES = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32, "loss_mask": np.float32,
                 "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32,
-                "rewards": np.float32}
+                "rewards": np.float32, "context_ids": np.int32}
 
 
 def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
@@ -88,9 +97,10 @@ def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
     segments = np.asarray(batch.segment_ids)
     if (mask & (segments == 0)).any():
         raise ValueError("batch.loss_mask marks padding tokens (segment id 0) for training")
-    starts = np.asarray(batch.positions) == 0
-    if (mask & starts).any():
+    previous = np.pad(segments[..., :-1], ((0, 0), (0, 0), (1, 0)))
+    if (mask & (segments != previous)).any():
         raise ValueError("batch.loss_mask marks a sequence's first token, which has no prediction")
+    _validate_context(segments, np.asarray(batch.context_ids))
     versions = np.asarray(batch.versions)[mask]
     if versions.max() > train_version:
         raise ValueError(f"batch holds tokens of policy version {versions.max()}, newer than the "
@@ -99,6 +109,27 @@ def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
         raise ValueError("batch.versions is negative on a trained token")
     if not np.isfinite(np.asarray(batch.behav_logp)[mask]).all():
         raise ValueError("batch.behav_logp is not finite on a trained token")
+
+
+def _validate_context(segments: np.ndarray, context: np.ndarray) -> None:
+    """A non-zero context id must name a segment of the same row that ends before the token."""
+    shared = context != 0
+    if not shared.any():
+        return
+    if (shared & (segments == 0)).any():
+        raise ValueError("batch.context_ids is set on padding tokens (segment id 0)")
+    if (shared & (context == segments)).any():
+        raise ValueError("batch.context_ids names a token's own segment")
+    if context.min() < 0 or context.max() > segments.max():
+        raise ValueError("batch.context_ids names a segment id that no row holds")
+    rows = segments.reshape(-1, segments.shape[-1])
+    last = np.full((rows.shape[0], rows.shape[1] + 1), -1)
+    where = np.broadcast_to(np.arange(rows.shape[1]), rows.shape)
+    np.maximum.at(last, (np.arange(rows.shape[0])[:, None].repeat(rows.shape[1], 1), rows), where)
+    ctx = context.reshape(rows.shape)
+    end = np.take_along_axis(last, ctx, axis=1)
+    if ((ctx != 0) & ((end < 0) | (end >= where))).any():
+        raise ValueError("batch.context_ids names a segment that is not earlier in the token's row")
 
 
 def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std: bool, std_ddof: int):
@@ -115,22 +146,22 @@ def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std
     return np.asarray(adv), {k: float(v) for k, v in stats.items()}
 
 
-def _place(rows: list[list[int]], num_rows: int, seq_len: int, pack: bool) -> list[tuple[int, int]]:
-    """(row, offset) for each sequence.
+def _place(lengths: list[int], num_rows: int, seq_len: int, pack: bool,
+           what: str) -> list[tuple[int, int]]:
+    """(row, offset) for each item of `lengths` tokens (a sequence, or a shared prompt and its samples).
 
     Packing is first-fit over sequences sorted by length, into parts of rows: a row opened for a
     sequence is cut into the most equal parts (`row_splits`) that still hold it, and no sequence
     straddles a part, so the step attends within parts (`split_attention`: n parts, n times less
     attention work). If that leaves too few rows, plain first-fit over whole rows."""
-    lengths = [len(r) for r in rows]
     if not pack:
-        if len(rows) > num_rows:
-            raise ValueError(f"{len(rows)} trajectories do not fit in {num_rows} padded rows")
-        return [(i, 0) for i in range(len(rows))]
-    order = sorted(range(len(rows)), key=lambda i: -lengths[i])
+        if len(lengths) > num_rows:
+            raise ValueError(f"{what} do not fit in {num_rows} padded rows")
+        return [(i, 0) for i in range(len(lengths))]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     for splits in (row_splits(seq_len), (1,)):
         parts: list[list[int]] = []  # per open row: the free tokens of each of its parts
-        placement: list[tuple[int, int] | None] = [None] * len(rows)
+        placement: list[tuple[int, int] | None] = [None] * len(lengths)
         for i in order:
             spot = next(((r, j) for r, free in enumerate(parts) for j, f in enumerate(free) if f >= lengths[i]),
                         None)
@@ -146,14 +177,62 @@ def _place(rows: list[list[int]], num_rows: int, seq_len: int, pack: bool) -> li
             parts[r][j] -= lengths[i]
         else:
             return placement
-    raise ValueError(f"{len(rows)} trajectories ({sum(lengths)} tokens) do not fit in "
+    raise ValueError(f"{what} ({sum(lengths)} tokens) do not fit in "
                      f"{num_rows} packed rows of {seq_len} tokens")
+
+
+# Cost of a token in a part of S tokens, relative to its cost in a part of 0: 1 + S / ATTENTION_TOKENS (the
+# projections and MLP per token, plus attention over the part). Used to choose how many samples share one
+# copy of their prompt: more per copy saves prompt tokens but needs larger parts.
+ATTENTION_TOKENS = 128
+
+
+def _item_cost(length: int, parts: list[int]) -> float:
+    """What a packed item of `length` tokens costs: the tokens of the smallest part that holds it."""
+    size = next((p for p in parts if p >= length), parts[-1])
+    return size * (1 + size / ATTENTION_TOKENS)
+
+
+def _share(trajectories: Sequence[Trajectory], seq_len: int) -> list[list[int]]:
+    """The packed items: [i] for a trajectory laid out alone, [i, j, ...] for trajectories of one group with
+    the same prompt laid out behind one copy of it (see the module docstring). For each group this picks
+    the part size (a `row_splits` part of seq_len) to fill with copies of the prompt and as many samples as
+    fit, largest first, by `_item_cost` (or none: every sample alone)."""
+    parts = sorted({seq_len // n for n in row_splits(seq_len)})
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(trajectories):
+        groups.setdefault((t.group_id, tuple(t.prompt)), []).append(i)
+    items = []
+    for (_, prompt), members in groups.items():
+        head = len(prompt) - 1
+        pieces = sorted(members, key=lambda i: -len(trajectories[i].completion))
+        sizes = {i: 1 + len(trajectories[i].completion) for i in members}
+        best = [[i] for i in members]
+        best_cost = sum(_item_cost(head + sizes[i], parts) for i in members)
+        for part in parts if head >= 1 and len(members) > 1 else ():
+            if head + sizes[pieces[0]] + sizes[pieces[1]] > part:
+                continue
+            units: list[list[int]] = []
+            free: list[int] = []
+            for i in pieces:  # first fit, largest first
+                k = next((k for k, f in enumerate(free) if f >= sizes[i]), None)
+                if k is None:
+                    units.append([])
+                    free.append(part - head)
+                    k = len(units) - 1
+                units[k].append(i)
+                free[k] -= sizes[i]
+            cost = sum(_item_cost(part - f, parts) for f in free)
+            if cost < best_cost:
+                best, best_cost = units, cost
+        items += best
+    return items
 
 
 def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: int,
                micro_batches: int = 1, pack: bool = False, advantage_estimator: str = "grpo",
-               scale_by_std: bool = True, std_ddof: int = 0,
-               minibatches: int = 1) -> tuple[TrajectoryBatch, dict[str, float]]:
+               scale_by_std: bool = True, std_ddof: int = 0, minibatches: int = 1,
+               share_prompts: bool = False) -> tuple[TrajectoryBatch, dict[str, float]]:
     """Lays trajectories out as a [micro_batches, num_rows // micro_batches, seq_len] batch.
 
     Advantages come from the trajectories' rewards and group ids (or their own `advantage`), by
@@ -161,14 +240,16 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
     `minibatches` (row r to minibatch r % K, the step's K consecutive groups of micro-batches), and
     inside a minibatch they fill its micro-batches in order: rows beyond the trajectories leave whole
     micro-batches empty at the end of each minibatch, which the step skips. A batch padded to a fixed
-    shape therefore costs compute for its trajectories only.
+    shape therefore costs compute for its trajectories only. share_prompts (packed rows only): samples
+    of one group with the same prompt may share one copy of it (module docstring).
     Returns the batch (numpy arrays) and advantage statistics.
     """
     if num_rows % micro_batches:
         raise ValueError(f"num_rows={num_rows} is not a multiple of micro_batches={micro_batches}")
     if minibatches < 1 or micro_batches % minibatches:
         raise ValueError(f"micro_batches={micro_batches} is not a multiple of minibatches={minibatches}")
-    seqs = []
+    if share_prompts and not pack:
+        raise ValueError("share_prompts needs packed rows (pack=True)")
     for i, t in enumerate(trajectories):
         n = len(t.completion)
         if len(t.behav_logp) != n or len(t.versions) != n:
@@ -181,28 +262,54 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
                              f"its {n} completion tokens")
         if len(t.prompt) + n > seq_len:
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
-        seqs.append(list(t.prompt) + list(t.completion))
     advantages, stats = _advantages(trajectories, advantage_estimator, scale_by_std, std_ddof)
+    items = _share(trajectories, seq_len) if share_prompts else [[i] for i in range(len(trajectories))]
+    lengths = [len(trajectories[i].prompt) + len(trajectories[i].completion) if len(item) == 1 else
+               len(trajectories[i].prompt) - 1 + sum(1 + len(trajectories[j].completion) for j in item)
+               for item in items for i in item[:1]]
+    what = f"{len(trajectories)} trajectories" + (f" ({len(items)} packed items)" if len(items) < len(trajectories) else "")
     out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in FIELD_DTYPES.items()}
     out["versions"][:] = -1
     next_segment = np.ones(num_rows, np.int32)
-    for i, (row, start) in enumerate(_place(seqs, num_rows, seq_len, pack)):
-        t, n_prompt, end = trajectories[i], len(trajectories[i].prompt), start + len(seqs[i])
-        gen = slice(start + n_prompt, end)
-        out["tokens"][row, start:end] = seqs[i]
-        out["positions"][row, start:end] = np.arange(len(seqs[i]))
-        out["segment_ids"][row, start:end] = next_segment[row]
+
+    def write(row: int, start: int, tokens: Sequence[int], first_position: int, context: int) -> int:
+        """Writes one segment's tokens; returns its segment id."""
+        segment, end = next_segment[row], start + len(tokens)
         next_segment[row] += 1
+        out["tokens"][row, start:end] = tokens
+        out["positions"][row, start:end] = np.arange(first_position, first_position + len(tokens))
+        out["segment_ids"][row, start:end] = segment
+        out["context_ids"][row, start:end] = context
+        return segment
+
+    def train(row: int, start: int, i: int) -> None:
+        """Marks trajectory i's completion, from `start`, for training (its environment spans not)."""
+        t = trajectories[i]
+        gen = slice(start, start + len(t.completion))
         out["loss_mask"][row, gen] = 1.0
         out["behav_logp"][row, gen] = t.behav_logp
         out["versions"][row, gen] = t.versions
         out["advantages"][row, gen] = advantages[i]
         out["rewards"][row, gen] = t.reward
         for span_start, span_end in t.env_spans:  # the environment's tokens: context only
-            env = slice(start + n_prompt + span_start, start + n_prompt + span_end)
+            env = slice(start + span_start, start + span_end)
             for name in ("loss_mask", "behav_logp", "advantages", "rewards"):
                 out[name][row, env] = 0
             out["versions"][row, env] = -1
+
+    for item, (row, start) in zip(items, _place(lengths, num_rows, seq_len, pack, what)):
+        prompt = list(trajectories[item[0]].prompt)
+        if len(item) == 1:
+            write(row, start, prompt + list(trajectories[item[0]].completion), 0, 0)
+            train(row, start + len(prompt), item[0])
+            continue
+        head = write(row, start, prompt[:-1], 0, 0)
+        start += len(prompt) - 1
+        for i in item:  # each sample: the prompt's last token, then its completion
+            completion = list(trajectories[i].completion)
+            write(row, start, prompt[-1:] + completion, len(prompt) - 1, head)
+            train(row, start + 1, i)
+            start += 1 + len(completion)
     # Row r goes to minibatch r % K, position r // K of that minibatch's rows, in micro-batch order.
     k, rows = minibatches, num_rows // micro_batches
     split = {name: v.reshape(num_rows // k, k, seq_len).swapaxes(0, 1).reshape(micro_batches, rows, seq_len)

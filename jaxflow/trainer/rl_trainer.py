@@ -138,6 +138,12 @@ def _check_batch_fields(trainer: ml_collections.ConfigDict) -> None:
         raise _bad("adv_scale_by_std", trainer.adv_scale_by_std, "True or False")
     if trainer.micro_batch_rows < 0:
         raise _bad("micro_batch_rows", trainer.micro_batch_rows, ">= 0 (0: one micro-batch per minibatch)")
+    for key in ("pack", "share_prompts"):
+        if not isinstance(trainer[key], bool):
+            raise _bad(key, trainer[key], "True or False")
+    if trainer.share_prompts and not trainer.pack:
+        raise _bad("share_prompts", trainer.share_prompts, "False when trainer.pack is False (prompts are shared "
+                   "within packed rows)")
 
 
 def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
@@ -286,7 +292,8 @@ class RLTrainer:
         while True:
             try:
                 batch, adv_stats = make_batch(trajs, num_rows=micro * rows, seq_len=self.seq_len,
-                                              pack=self.cfg.pack, micro_batches=micro,
+                                              pack=self.cfg.pack, share_prompts=self.cfg.share_prompts,
+                                              micro_batches=micro,
                                               minibatches=self.minibatches, advantage_estimator=self.cfg.advantage,
                                               scale_by_std=self.cfg.adv_scale_by_std,
                                               std_ddof=self.cfg.adv_std_ddof)

@@ -97,7 +97,7 @@ def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False):
 
     The entropy carries no gradient: it is a diagnostic.
     """
-    logits = model(mb.tokens, mb.positions, mb.segment_ids, remat=remat)[:, :-1]
+    logits = model(mb.tokens, mb.positions, mb.segment_ids, mb.context_ids, remat=remat)[:, :-1]
     # logit - logsumexp rather than a gathered log_softmax: no [b, T, V] log-probabilities to store for
     # the backward pass (0.96x the tiny model's train step).
     lse = jax.nn.logsumexp(logits, axis=-1)

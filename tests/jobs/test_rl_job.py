@@ -147,7 +147,8 @@ def test_batches_beyond_max_sequences_get_one_deeper_shape(tmp_path, base_dir, c
     from jaxflow.data.records import ConsumedBatch, FinishedGroup, Sample
     from jaxflow.trainer.rl_trainer import RLTrainer
 
-    config = small_config(tmp_path, base_dir, **{"trainer.pack": "False", "trainer.micro_batch_rows": "4"})
+    config = small_config(tmp_path, base_dir, **{"trainer.pack": "False", "trainer.share_prompts": "False",
+                                                 "trainer.micro_batch_rows": "4"})
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     trainer = RLTrainer(load_model(base_dir, mesh=mesh), config.trainer, mesh, seq_len=64, max_sequences=4)
     assert trainer.batch_shape[0] * trainer.batch_shape[1] < 12

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow.models.transformer import attention, attention_mask, row_splits, split_attention, split_index
+from jaxflow.models.transformer import (attention, attention_mask, attention_units, row_splits, split_attention,
+                                        split_index)
 from jaxflow.trainer.batch import Trajectory, make_batch
 
 
@@ -71,6 +72,27 @@ def test_split_attention_equals_masked_attention(t, rows):
     d_out = jnp.where(real, d_out, 0)
     for a, b in zip(vjp_split(d_out), vjp_full(d_out)):
         np.testing.assert_allclose(a, b, atol=1e-5 * np.sqrt(t))
+
+
+def test_a_shared_prompt_and_its_samples_are_never_cut_apart():
+    # Row 0: a prompt (segment 1) and two samples that see it (segments 2, 3: context 1) over [0, 64), then two
+    # sequences of 32; row 1 in quarters. Segment ids alone would allow quarters (every quarter starts a
+    # segment) and cut the sample at 32 off its prompt: the unit ends at 64, so halves.
+    seg = jnp.asarray(packed_segments([[20, 12, 32, 32, 32], [32] * 4], 128))
+    ctx = jnp.zeros_like(seg).at[0, 20:64].set(1)
+    assert int(split_index(seg, row_splits(128))) == 2
+    assert int(split_index(attention_units(seg, ctx), row_splits(128))) == 1
+    kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
+    q, d_out = jax.random.normal(kq, (2, 128, 2, 2, 16)), jax.random.normal(kd, (2, 128, 2, 2, 16))
+    k, v = jax.random.normal(kk, (2, 128, 2, 16)), jax.random.normal(kv, (2, 128, 2, 16))
+    out_full, vjp_full = jax.vjp(lambda q, k, v: attention(q, k, v, attention_mask(seg, context_ids_bt=ctx)), q, k, v)
+    out_split, vjp_split = jax.vjp(lambda q, k, v: split_attention(q, k, v, seg, ctx), q, k, v)
+    np.testing.assert_allclose(out_split, out_full, atol=1e-5)
+    for a, b in zip(vjp_split(d_out), vjp_full(d_out)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * np.sqrt(128))
+    # The samples see the prompt: their output differs from attending within their own segment alone.
+    alone = attention(q, k, v, attention_mask(seg))
+    assert np.abs(np.asarray(alone - out_full)[0, 32:64]).max() > 1e-2
 
 
 def trajectory(n_prompt, n_completion, group):

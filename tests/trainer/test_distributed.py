@@ -43,7 +43,7 @@ def trainer_section():
     # lr * sign(g), and summation-order noise on a near-zero gradient element would flip it whole.
     trainer.adam_eps = 1e-3
     # One trajectory per row, so that both processes' halves of the batch hold (different) data.
-    trainer.pack = False
+    trainer.pack = trainer.share_prompts = False
     return trainer
 
 
