@@ -183,7 +183,8 @@ def _place(lengths: list[int], num_rows: int, seq_len: int, pack: bool,
 
 # Cost of a token in a part of S tokens, relative to its cost in a part of 0: 1 + S / ATTENTION_TOKENS (the
 # projections and MLP per token, plus attention over the part). Used to choose how many samples share one
-# copy of their prompt: more per copy saves prompt tokens but needs larger parts.
+# copy of their prompt: more per copy saves prompt tokens but needs larger parts. A rough weight: on the
+# single-turn task's batches 64, 128, 512 and 4096 gave the same update time within noise.
 ATTENTION_TOKENS = 128
 
 
