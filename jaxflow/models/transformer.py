@@ -56,14 +56,7 @@ def apply_rope(x_btnk: jax.Array, positions_bt: jax.Array, inv_freq_k: jax.Array
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
     x = x_btnk.astype(jnp.float32)
     half = x.shape[-1] // 2
-    if ROPE_MATMUL:
-        k = x.shape[-1]
-        rot = np.zeros((k, k), np.float32)
-        rot[np.arange(half) + half, np.arange(half)] = -1
-        rot[np.arange(half), np.arange(half) + half] = 1
-        rotated = jnp.dot(x, jnp.asarray(rot))
-    else:
-        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
     return (x * cos + rotated * sin).astype(x_btnk.dtype)
 
 
@@ -104,7 +97,6 @@ def attention(q_btgrk, k_bsgk, v_bsgk, mask_b11ts) -> jax.Array:
 
 # Models with at most this many layers run them unrolled in `Transformer.hidden_states`.
 UNROLL_LAYERS = 4
-ROPE_MATMUL = False
 
 # Packed rows: how many equal parts the trainer's attention may cut a row into (`split_attention`), and
 # the shortest part worth cutting to. Sixths give rows of 192 tokens parts of 32: the single-turn
