@@ -265,10 +265,13 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
     advantages, stats = _advantages(trajectories, advantage_estimator, scale_by_std, std_ddof)
     items = _share(trajectories, seq_len) if share_prompts else [[i] for i in range(len(trajectories))]
-    lengths = [len(trajectories[i].prompt) + len(trajectories[i].completion) if len(item) == 1 else
-               len(trajectories[i].prompt) - 1 + sum(1 + len(trajectories[j].completion) for j in item)
-               for item in items for i in item[:1]]
-    what = f"{len(trajectories)} trajectories" + (f" ({len(items)} packed items)" if len(items) < len(trajectories) else "")
+    # An item's tokens: its prompt but the last, then each sample's last prompt token and completion (for an
+    # item of one sample, that is just its prompt and completion).
+    lengths = [len(trajectories[item[0]].prompt) - 1 + sum(1 + len(trajectories[i].completion) for i in item)
+               for item in items]
+    what = f"{len(trajectories)} trajectories"
+    if len(items) < len(trajectories):
+        what += f" ({len(items)} packed items)"
     out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in FIELD_DTYPES.items()}
     out["versions"][:] = -1
     next_segment = np.ones(num_rows, np.int32)
