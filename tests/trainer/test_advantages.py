@@ -128,3 +128,29 @@ def test_broadcast_to_tokens():
     with pytest.raises(ValueError, match="adv_b"):
         A.broadcast_to_tokens(adv[:2], mask)
     assert jnp.asarray(out).dtype == jnp.float32
+
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_make_batch_compiles_once_per_shape_whatever_the_trajectory_count(estimator):
+    """make_batch pads the advantage computation to its row count: batches of 3 to 40 trajectories share one
+    compiled program, and their advantages and statistics are those of the unpadded computation."""
+    from jaxflow.trainer.batch import Trajectory, make_batch
+    rng = np.random.default_rng(3)
+    compiled = None
+    for num_groups in (1, 6, 13):
+        rewards, ids = random_batch(rng, num_groups=num_groups, max_size=3)
+        trajs = [Trajectory([1, 2], [3, 4, 5], [-1.0] * 3, [0] * 3, reward=float(r), group_id=int(g) * 7)
+                 for r, g in zip(rewards, ids)]
+        batch, stats = make_batch(trajs, num_rows=64, seq_len=16, pack=True, advantage_estimator=estimator)
+        compiled = compiled or A._compute._cache_size()  # the first batch compiles; the others reuse it
+        want, zero_var, groups = np_advantages(rewards, ids, estimator)
+        # Each trajectory's advantage, found by its reward (equal rewards in a group get equal advantages).
+        got = np.asarray(batch.advantages)[np.asarray(batch.loss_mask) > 0].reshape(len(trajs), 3)[:, 0]
+        adv_atol = 4 * sum_atol(3, np.abs(rewards).max())
+        np.testing.assert_allclose(np.sort(got), np.sort(want), rtol=1e-5, atol=adv_atol)
+        assert stats["num_groups"] == groups and stats["zero_variance_groups"] == zero_var
+        np.testing.assert_allclose(stats["adv_mean"], want.mean(),
+                                   atol=adv_atol + sum_atol(len(want), np.abs(want).max()))
+        np.testing.assert_allclose(stats["adv_abs_max"], np.abs(want).max(), rtol=1e-5, atol=adv_atol)
+    assert A._compute._cache_size() == compiled
