@@ -199,6 +199,11 @@ class Engine(abc.ABC):
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Stops the given requests; returns their partial samples (finish_reason "abort")."""
 
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Says that these finished requests will not continue (their episodes ended), so an engine that
+        keeps a finished turn's cache for the same request's next turn (the JAX engine) frees it now
+        instead of holding it until the room is needed. Unknown ids are ignored; by default a no-op."""
+
     @abc.abstractmethod
     def progress(self, request_ids: Iterable[str]) -> list[Completion]:
         """Copies of the samples so far (finish_reason None: in flight) of those `request_ids` still waiting

@@ -349,6 +349,7 @@ class EpisodeEngine(Engine):
                 ep.sample.reward = 0.0 if failed else float(sum(ep.rewards))
             self._hand_out(Completion(ep.request.request_id, ep.sample, error,
                                       info={"turns": ep.turns, **(info or {})}))
+        self.inner.release([ep.request.request_id])  # its last turn's cache is not needed again
         self._close_env(ep)
 
     def _close_env(self, ep: _Episode):

@@ -159,6 +159,7 @@ class JaxEngine(Engine):
         self._waiting: collections.deque[_Running] = collections.deque()
         self._commands: list[tuple] = []
         self._active_ids: set[str] = set()
+        self._released: set[str] = set()  # requests whose kept turn the loop forgets before it next admits
         self._snapshot = EngineLoad(0, 0, 0.0, 0.0, version)
         self._paused = False
         if warmup:
@@ -385,10 +386,17 @@ class JaxEngine(Engine):
             in_flight = set(self._active_ids)
         return self._abort(in_flight) if arg == "abort" else []
 
+    def release(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._released.update(request_ids)
+
     def _admit(self) -> None:
         """Moves waiting requests into free slots and computes their caches."""
         admitted, extended = [], []
         with self._lock:
+            released, self._released = self._released, set()
+            for request_id in released:
+                self._kept.drop(request_id)
             while self._waiting and len(self._running) < self.max_slots:
                 run = self._waiting.popleft()
                 slot, start = self._take_slot(run)

@@ -193,6 +193,12 @@ class KeptTurns:
         n = len(cached)
         return slot, n if n < len(sequence) and tuple(sequence[:n]) == cached else 0
 
+    def drop(self, request_id: str) -> None:
+        """Forgets the turn `request_id` kept, if any (its slot is free again)."""
+        kept = self._by_id.pop(request_id, None)
+        if kept is not None:
+            self._slots.discard(kept[0])
+
     def evict(self) -> int:
         """Frees the least recently kept slot and returns it."""
         request_id = next(iter(self._by_id))

@@ -106,10 +106,15 @@ def test_episodes_alternate_model_and_environment_and_keep_the_model_tokens(mode
         return envs[-1]
 
     engine = episode_engine(model_dir, tokenizer, make_env, turn_stops)
+    released = []
+    release = engine.inner.release
+    engine.inner.release = lambda ids: (released.extend(ids), release(ids))
     try:
         done = {c.request_id: c for c in engine.generate(requests(4), timeout=300)}
     finally:
         engine.close()
+    # Each finished episode lets the inner engine forget its last turn's cache (no turn follows it).
+    assert sorted(released) == sorted(done)
     for i in range(4):
         c = done[f"e{i}"]
         s = c.sample

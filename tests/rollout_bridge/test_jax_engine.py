@@ -211,6 +211,11 @@ def test_a_next_turn_computes_only_its_new_tokens(engine, greedy_reference, qwen
     engine.update_weights(engine.version, dict(iter_hf_tensors(qwen3_model)))  # the same weights
     engine.generate([Request("ep2", p + turn + answer, params)])
     assert calls["prefill"] == 4 and len(calls["extend"]) == 1  # ep2's first turn, then its whole context
+    # So does releasing the request (its episode ended): its slot is free, and a next turn prefills.
+    engine.generate([Request("ep3", p, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,)))])
+    engine.release(["ep3", "never-seen"])  # an unknown id is ignored
+    engine.generate([Request("ep3", p + turn + answer, params)])
+    assert calls["prefill"] == 6 and len(calls["extend"]) == 1
 
 
 def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
