@@ -9,7 +9,7 @@ A background thread runs the loop:
    (once per distinct context: a GRPO group's samples share their prompt, and the row is written to all
    their slots); a request that extends what its own earlier request left in a slot (an episode's next
    turn: same request id, the finished turn plus the environment's answer) computes only its new tokens
-   (`reuse_turns`);
+   (`reuse_turns`; `release` forgets the turns of requests that will not continue);
 3. run `decode_chunk` decode steps for the active slots in one jitted call;
 4. hand finished samples to `poll`, freeing their slots for the next admission.
 
