@@ -156,7 +156,7 @@ def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std
     adv = np.asarray(adv)[:n]
     return adv, {"zero_variance_groups": float(stats["zero_variance_groups"]) - 1,
                  "num_groups": float(stats["num_groups"]) - 1,
-                 "adv_mean": float(adv.mean()) if n else 0.0,
+                 "adv_mean": float(adv.mean()),
                  "adv_abs_max": float(np.abs(adv).max(initial=0.0))}
 
 

@@ -130,11 +130,11 @@ def test_broadcast_to_tokens():
     assert jnp.asarray(out).dtype == jnp.float32
 
 
-
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 def test_make_batch_compiles_once_per_shape_whatever_the_trajectory_count(estimator):
-    """make_batch pads the advantage computation to its row count: batches of 3 to 40 trajectories share one
-    compiled program, and their advantages and statistics are those of the unpadded computation."""
+    """make_batch pads the advantage computation to its row count: batches of 1, 6 and 13 groups (1-3 samples
+    each) share one compiled program, and their advantages and statistics are those of the unpadded
+    computation."""
     from jaxflow.trainer.batch import Trajectory, make_batch
     rng = np.random.default_rng(3)
     compiled = None
