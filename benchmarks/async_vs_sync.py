@@ -9,10 +9,14 @@ result.json it reports: effective throughput (trained tokens per second of the t
 time the loop spent on held-out evals, which every eta pays alike and which is not training), time
 to a reward target (the first step where the train reward, averaged over the last `--window` steps,
 reaches it: the first batches of an async run lean to the short problems that finish first, so a
-short window fires early), final held-out accuracy, the idle fractions of trainer and rollout, and
-the staleness histogram of trained tokens. It prints one table, writes one plot (reward vs time per
+short window fires early), final held-out accuracy, the idle fractions of trainer and rollout, the
+cores the job's process kept busy (its CPU time over the loop, evals excluded, per second of the loop),
+and the staleness histogram of trained tokens. It prints one table, writes one plot (reward vs time per
 eta, and the staleness histograms) and, with --json, the figures including
-`throughput_ratio_eta4_vs_eta0` and `final_accuracy_gap_points`.
+`throughput_ratio_eta4_vs_eta0`, `final_accuracy_gap_points` and `throughput_ratio_cpu_bound_eta4_vs_eta0`:
+eta = 4's trained tokens over its CPU time spread on every core, against eta = 0's throughput, i.e. the
+most that overlapping eta = 4's work better could give on this machine. CPU time is this process's only
+(embedded JAX engines and trainer; a vLLM server's or a reward worker's is not in it).
 
 --quick uses a shorter warm start, fewer steps and fewer eval prompts (under 5 minutes here); its
 accuracies are not meaningful, its throughput ratio is. --config picks any config file (default
@@ -53,9 +57,14 @@ def run_one(eta: int, steps: int, workdir: pathlib.Path, overrides: dict, config
             staleness[k] = staleness.get(k, 0) + n
     tokens = sum(r["trained_tokens"] for r in steps_)
     train_s = result["wall_s"] - result.get("eval_s", 0.0)
+    # The job's own CPU time over the loop, evals excluded: how many cores the training kept busy, and the
+    # throughput it would reach if that CPU work kept every core busy all the time (its floor).
+    cpu_s, cores = result["cpu_s"] - result["eval_cpu_s"], result["cores"]
     return {"eta": eta, "steps": len(steps_), "wall_s": result["wall_s"], "eval_s": result.get("eval_s", 0.0),
             "train_s": train_s, "process_s": time.monotonic() - start,
             "trained_tokens": tokens, "trained_tokens_per_s": tokens / train_s,
+            "cpu_s": cpu_s, "cores": cores, "cores_busy": cpu_s / train_s,
+            "cpu_bound_tokens_per_s": tokens / (cpu_s / cores),
             "final_accuracy": result["final_accuracy"], "base_accuracy": result["base_accuracy"],
             "trainer_idle_frac": steps_[-1]["trainer_idle_frac"],
             "rollout_idle_frac": steps_[-1]["rollout_idle_frac"],
@@ -120,14 +129,15 @@ def main() -> None:
     print(f"\nasync vs sync, {steps} steps each ({'quick' if args.quick else 'full'}), reward target "
           f"{args.reward_target} ({window}-step mean)")
     print(f"{'eta':>4} {'tok/s':>9} {'loop s':>8} {'evals s':>8} {'to target s':>12} {'final acc':>10} {'idle train':>11} "
-          f"{'idle roll':>10}  staleness (fraction of tokens)")
+          f"{'idle roll':>10} {'cores busy':>11}  staleness (fraction of tokens)")
     for r in runs:
         hist = r["staleness_histogram"]
         total = max(sum(hist.values()), 1)
         target = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
         acc = "-" if r["final_accuracy"] is None else f"{r['final_accuracy']:.1%}"
         print(f"{r['eta']:>4} {r['trained_tokens_per_s']:>9.0f} {r['wall_s']:>8.0f} {r['eval_s']:>8.0f} {target:>12} {acc:>10} "
-              f"{r['trainer_idle_frac']:>11.0%} {r['rollout_idle_frac']:>10.0%}  "
+              f"{r['trainer_idle_frac']:>11.0%} {r['rollout_idle_frac']:>10.0%} "
+              f"{r['cores_busy']:>6.2f} of {r['cores']:<2}  "
               + " ".join(f"{k}:{n / total:.0%}" for k, n in hist.items()))
     by_eta = {r["eta"]: r for r in runs}
     out = {"config": args.config, "overrides": overrides, "steps": steps, "quick": args.quick,
@@ -136,8 +146,12 @@ def main() -> None:
         out["throughput_ratio_eta4_vs_eta0"] = (by_eta[4]["trained_tokens_per_s"]
                                                 / by_eta[0]["trained_tokens_per_s"])
         out["final_accuracy_gap_points"] = abs(by_eta[4]["final_accuracy"] - by_eta[0]["final_accuracy"]) * 100
+        out["throughput_ratio_cpu_bound_eta4_vs_eta0"] = (by_eta[4]["cpu_bound_tokens_per_s"]
+                                                          / by_eta[0]["trained_tokens_per_s"])
         print(f"\nthroughput eta=4 / eta=0: {out['throughput_ratio_eta4_vs_eta0']:.2f}x (goal >= 2); final "
               f"accuracy gap {out['final_accuracy_gap_points']:.1f} points (goal <= 3)")
+        print(f"eta=4's CPU work on all {by_eta[4]['cores']} cores all the time: at most "
+              f"{out['throughput_ratio_cpu_bound_eta4_vs_eta0']:.2f}x (more overlap cannot pass it; less work can)")
     args.workdir.mkdir(parents=True, exist_ok=True)
     plot(runs, args.workdir / "async_vs_sync.png")
     print(f"plot: {args.workdir / 'async_vs_sync.png'}")

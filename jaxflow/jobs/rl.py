@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import pathlib
 import sys
 import tempfile
@@ -249,7 +250,15 @@ def phase_line(result: dict[str, Any]) -> str:
     parts = ", ".join(f"{k.replace('_', ' ')} {x:.1f}s ({x / wall:.0%})" for k, x in phases.items())
     idle = result.get("rollout_idle_frac")
     busy = "" if idle is None else f"; rollout engines busy {1.0 - idle:.0%} of it"
-    return f"jaxflow: train loop {wall:.1f}s: {parts}{busy}\n"
+    cpu = ""
+    if result.get("cpu_s") is not None and result.get("cores"):
+        cpu = f"; this process used {result['cpu_s'] / wall:.2f} of {result['cores']} cores"
+    return f"jaxflow: train loop {wall:.1f}s: {parts}{busy}{cpu}\n"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def train_records(config: ml_collections.ConfigDict, task, tokenizer) -> list[dict]:
@@ -496,6 +505,9 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
     coordinator.start()
     out: dict[str, Any] = {}
     loop_start, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0
+    # CPU time of every thread of this process (the trainer, embedded JAX engines, XLA's thread pools);
+    # other processes (the reward pool's workers, vLLM servers, Ray actors) are not in it.
+    cpu_start, eval_cpu = time.process_time(), 0.0
     # The train loop's wall time by what it was doing (the rollout runs beside it): `phase_line` prints it.
     phases = dict.fromkeys(PHASES, 0.0)
     accuracy = rollout_idle = None
@@ -549,11 +561,12 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
             # A time limit ends the run like its last step: a held-out eval, a checkpoint, the export.
             done = step + 1 == t.steps or 0 < t.time_limit_s <= elapsed
             if (step + 1) % config.eval.every == 0 or done:
-                eval_from = time.monotonic()
+                eval_from, eval_cpu_from = time.monotonic(), time.process_time()
                 accuracy = evaluator()
                 metrics["eval_accuracy"] = accuracy
                 metrics.update(evaluator.extra())
                 metrics["eval_s"] = time.monotonic() - eval_from
+                eval_cpu += time.process_time() - eval_cpu_from
                 phases["eval"] += metrics["eval_s"]
             run_log.log_step(step, metrics, staleness=staleness)
             if step_done is not None:  # the cluster driver times its recoveries by it
@@ -568,6 +581,8 @@ def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordi
     out["final_accuracy"] = accuracy
     out["wall_s"] = time.monotonic() - loop_start
     out["eval_s"] = phases["eval"]
+    out["cpu_s"], out["eval_cpu_s"] = time.process_time() - cpu_start, eval_cpu
+    out["cores"] = usable_cores()
     phases["other"] = max(out["wall_s"] - sum(phases.values()), 0.0)  # metrics, logging, the ledger
     out["phases_s"] = {k: round(x, 3) for k, x in phases.items()}
     out["rollout_idle_frac"] = rollout_idle
