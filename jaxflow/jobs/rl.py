@@ -242,8 +242,8 @@ PHASES = ("wait_rollout", "batch", "update", "publish", "eval", "checkpoint")
 
 
 def phase_line(result: dict[str, Any]) -> str:
-    """One line: the train loop's wall time split by phase (`result["phases_s"]`), and how busy the rollout
-    engines were meanwhile."""
+    """One line: the train loop's wall time split by phase (`result["phases_s"]`), how busy the rollout
+    engines were meanwhile, and how many cores this process kept busy (`result["cpu_s"]` per second)."""
     phases, wall = result.get("phases_s"), result.get("wall_s")
     if not phases or not wall:
         return ""
