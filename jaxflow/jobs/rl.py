@@ -250,9 +250,7 @@ def phase_line(result: dict[str, Any]) -> str:
     parts = ", ".join(f"{k.replace('_', ' ')} {x:.1f}s ({x / wall:.0%})" for k, x in phases.items())
     idle = result.get("rollout_idle_frac")
     busy = "" if idle is None else f"; rollout engines busy {1.0 - idle:.0%} of it"
-    cpu = ""
-    if result.get("cpu_s") is not None and result.get("cores"):
-        cpu = f"; this process used {result['cpu_s'] / wall:.2f} of {result['cores']} cores"
+    cpu = f"; this process used {result['cpu_s'] / wall:.2f} of {result['cores']} cores"
     return f"jaxflow: train loop {wall:.1f}s: {parts}{busy}{cpu}\n"
 
 
