@@ -133,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     tok = {name: statistics.median(r["trained_tokens_per_s"] for r in rs) for name, rs in runs.items()}
     print(f"\n{args.config}, {args.steps} steps, medians over steps {args.skip}-{args.steps - 1}, "
           f"{args.runs} run(s) each, alternated")
-    print(f"{'tree':<22}{'step s':>16}{'update s':>16}{'trained tok/step':>18}{'response':>14}{'trained tok/s':>16}")
-    for name, rs, label in (("baseline", runs["baseline"], f"{args.baseline} (baseline)"),
-                            ("current", runs["current"], "this tree")):
-        cell = lambda key, fmt: ", ".join(format(r[key], fmt) for r in rs)  # noqa: E731
-        print(f"{label:<22}{cell('median_step_s', '.3f'):>16}{cell('median_update_s', '.3f'):>16}"
-              f"{cell('trained_tokens_per_step', '.0f'):>18}{cell('response_tokens_mean', '.1f'):>14}"
-              f"{cell('trained_tokens_per_s', '.0f'):>16}")
+    print(f"{'tree':<22}{'run':>4}{'step s':>9}{'update s':>10}{'trained tok/step':>18}{'response':>10}"
+          f"{'trained tok/s':>15}")
+    for name, label in (("baseline", f"{args.baseline} (baseline)"), ("current", "this tree")):
+        for i, r in enumerate(runs[name]):
+            print(f"{label:<22}{i + 1:>4}{r['median_step_s']:>9.3f}{r['median_update_s']:>10.3f}"
+                  f"{r['trained_tokens_per_step']:>18.0f}{r['response_tokens_mean']:>10.1f}"
+                  f"{r['trained_tokens_per_s']:>15.0f}")
     print(f"step: this tree {ratio:.2f}x faster (medians {med['baseline']:.3f} / {med['current']:.3f} s; "
           f"per pair {', '.join(f'{x:.2f}x' for x in pair_ratios)}); "
           f"trained tokens/s {tok['current'] / tok['baseline']:.2f}x")
