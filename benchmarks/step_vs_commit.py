@@ -53,7 +53,10 @@ def baseline_tree(commit: str, where: pathlib.Path) -> pathlib.Path:
     marker = where / ".commit"
     if marker.exists() and marker.read_text().strip() == full.stdout.strip():
         return where
-    if where.exists():
+    if where.exists() and not marker.exists() and any(where.iterdir()):
+        raise SystemExit(f"--baseline-dir {where} holds files this script did not extract (no .commit in it); "
+                         "give a new or empty directory")
+    if where.exists():  # empty, or a tree of another commit that this script extracted
         shutil.rmtree(where)
     where.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", full.stdout.strip()], cwd=ROOT, capture_output=True, check=True)

@@ -56,3 +56,11 @@ def test_unknown_baseline_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="'no-such-commit' is not a commit"):
         step_vs_commit.baseline_tree("no-such-commit", tmp_path / "base")
     assert not (tmp_path / "base").exists()
+
+
+def test_a_directory_it_did_not_extract_is_never_emptied(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    with pytest.raises(SystemExit, match="holds files this script did not extract"):
+        step_vs_commit.baseline_tree("HEAD", tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "kept"
