@@ -71,18 +71,18 @@ def step_stats(metrics_path: pathlib.Path, skip: int) -> dict:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = {r["step"]: r for r in rows if "loss" in r}
     steps = sorted(s for s in train if s >= skip)
-    gaps = [train[s]["time_s"] - train[s - 1]["time_s"] for s in steps if s - 1 in train]
+    timed = [s for s in steps if s - 1 in train]  # steps whose loop time is known (the one before is logged)
+    gaps = [train[s]["time_s"] - train[s - 1]["time_s"] for s in timed]
     if len(gaps) < 5:
         raise SystemExit(f"{metrics_path}: only {len(gaps)} steps after step {skip}; use more --steps")
     kept = [train[s] for s in steps]
-    loop_s = train[steps[-1]]["time_s"] - train[steps[0] - 1]["time_s"] if steps[0] - 1 in train else None
     tokens = [r["trained_tokens"] for r in kept]
     return {"median_step_s": statistics.median(gaps), "mean_step_s": statistics.fmean(gaps),
             "median_update_s": statistics.median(r["step_s"] for r in kept),
             "trained_tokens_per_step": statistics.median(tokens),
             "consumed_tokens_per_step": statistics.median(r["consumed_tokens"] for r in kept),
             "response_tokens_mean": statistics.fmean(r["response_tokens_mean"] for r in kept),
-            "trained_tokens_per_s": sum(tokens) / loop_s if loop_s else None,
+            "trained_tokens_per_s": sum(train[s]["trained_tokens"] for s in timed) / sum(gaps),
             "steps_measured": len(gaps)}
 
 

@@ -13,11 +13,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import step_vs_commit  # noqa: E402
 
 
-def _metrics(path, step_times, skip_eval=True):
-    rows = [{"step": 0, "time_s": 0.5, "eval_accuracy": 0.3, "eval_s": 0.5}] if skip_eval else []
+def _metrics(path, step_times):
+    """A run's records: the base eval, then one train record a step, with a held-out eval logged after step 5
+    (same step number, a later time): evals are not steps."""
+    rows = [{"step": 0, "time_s": 0.5, "eval_accuracy": 0.3, "eval_s": 0.5}]
     for step, t in enumerate(step_times):
         rows.append({"step": step, "time_s": t, "loss": 0.1, "step_s": 0.4 + step / 100,
                      "trained_tokens": 100 + step, "consumed_tokens": 200, "response_tokens_mean": 20.0})
+        if step == 5:
+            rows.append({"step": 5, "time_s": t + 50.0, "eval_accuracy": 0.4, "eval_s": 0.5})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -33,6 +37,9 @@ def test_step_medians_leave_out_the_first_steps_and_the_evals(tmp_path):
     assert stats["trained_tokens_per_step"] == 106
     # tokens of steps 3..9 over the loop's time from the end of step 2 to the end of step 9
     assert stats["trained_tokens_per_s"] == pytest.approx(sum(range(103, 110)) / 9.0)
+    # --skip 0: step 0 has no step before it, so the loop time and the tokens/s start at step 1
+    stats = step_vs_commit.step_stats(_metrics(tmp_path / "m0.jsonl", times), skip=0)
+    assert stats["steps_measured"] == 9 and stats["trained_tokens_per_s"] == pytest.approx(sum(range(101, 110)) / 29.0)
 
 
 def test_too_few_steps_is_refused_by_name(tmp_path):
