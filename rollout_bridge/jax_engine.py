@@ -20,8 +20,7 @@ and a mix of short and long sequences stay cheap.
 
 Shapes never depend on the requests: the cache is [layers, max_slots, kv_heads, max_len, head_dim],
 windows are traced indices into a static list, and prefill lengths are rounded up to `prefill_buckets`,
-so the engine compiles one decode program per slot bucket (all at construction, see `warmup`) and a few
-prefill ones.
+so the engine compiles one decode program per slot bucket (see `warmup`) and a few prefill ones.
 
 Log-probabilities: by default each token's log-probability under the model's unmodified distribution
 (temperature 1, no top-k/top-p) — the quantity the trainer recomputes for the behaviour policy, so
@@ -40,6 +39,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -54,7 +54,7 @@ from jaxflow.models import hf_io, lora
 from jaxflow.models.transformer import Transformer
 from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
-from rollout_bridge import jax_decode, jax_slots
+from rollout_bridge import jax_decode, jax_slots, jax_warmup
 from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
                                    WeightsRejected, check_pause_mode, in_flight_copy, request_error)
 
@@ -94,9 +94,9 @@ class JaxEngine(Engine):
     logprobs_mode: "raw" or "processed" (module docstring). prefill_batch: most sequences per prefill
     call (calls are padded to a power of two). prefill_fanout: most slots one prefill row is written to
     (sequences sharing a context beyond that take another row). max_stop_ids: most stop token ids per request.
-    warmup: compile at construction every decode program (one per slot bucket) and the prefill programs
-    of the shortest prefill bucket, so that no compile lands mid-run when the number of active
-    sequences first drops to a new bucket.
+    warmup: compile the largest decode program and the prefill programs of the shortest prefill bucket
+    at construction, and the other decode programs (one per slot bucket) on a background thread
+    (`jax_warmup`; `warmed` waits for them), so that no decode call waits for a compile.
     """
 
     def __init__(self, model: str | os.PathLike | Transformer, *, max_slots: int = 32,
@@ -149,6 +149,8 @@ class JaxEngine(Engine):
         self._windows = jax_slots.attention_windows(self._buckets[0], max_len)
         self._slots = jax_slots.SlotTable(max_slots, max_stop_ids, self._windows,
                                           select_rows=not slots_sharded)
+        self._decode_kw = dict(num_steps=decode_chunk, windows=self._windows, logprobs_mode=logprobs_mode,
+                               out_sharding=self._cache_sharding)
         self._running: dict[int, _Running] = {}  # slot -> request; the loop changes it, under _lock
         self._reuse_turns = reuse_turns
         self._kept = jax_slots.KeptTurns()  # finished turns kept for their next one; the loop's alone
@@ -162,6 +164,7 @@ class JaxEngine(Engine):
         self._released: set[str] = set()  # requests whose kept turn the loop forgets before it next admits
         self._snapshot = EngineLoad(0, 0, 0.0, 0.0, version)
         self._paused = False
+        self._background: jax_warmup.BackgroundCompiles | None = None
         if warmup:
             self._warmup()
         self._thread = threading.Thread(target=self._loop, name="jax-engine", daemon=True)
@@ -223,7 +226,9 @@ class JaxEngine(Engine):
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise WeightsRejected(f"version must be an int, got {version!r}")
         if isinstance(tensors, DeviceWeights):
-            params = self._device_params(int(version), tensors)
+            params = tensors.checked_placed(int(version), nnx.filter_state(self._params, self._synced),
+                                            self._param_shardings, cast=self._cast_weights,
+                                            error=WeightsRejected)
         elif self.lora is not None:
             params = self._adapters_from_hf(int(version), tensors)
         else:
@@ -236,34 +241,6 @@ class JaxEngine(Engine):
             self._commands.append(("weights", (int(version), params), future))
             self._wake.notify()
         future.result()
-
-    def _device_params(self, version: int, weights: DeviceWeights) -> nnx.State:
-        """`weights` placed on this engine's parameter shardings (device to device), after checking that
-        they are this model's parameters; a dtype other than the serving one is cast on device when
-        `cast_weights`, else refused."""
-        source = f"device weights of version {weights.version}"
-        if weights.version != version:
-            raise WeightsRejected(f"{source} handed over as version {version}")
-        current = nnx.filter_state(self._params, self._synced)
-        got, want = jax.tree.structure(weights.params), jax.tree.structure(current)
-        if got != want:
-            raise WeightsRejected(f"{source} have parameter tree {got}, this engine's model has {want}")
-        flat = jax.tree_util.tree_flatten_with_path(weights.params)[0]
-        cast = False
-        for (path, new), old in zip(flat, jax.tree.leaves(current)):
-            where = f"{source}: parameter {jax.tree_util.keystr(path)}"
-            if tuple(new.shape) != tuple(old.shape):
-                raise WeightsRejected(f"{where} has shape {tuple(new.shape)}, expected {tuple(old.shape)}")
-            if new.dtype != old.dtype:
-                if not self._cast_weights:
-                    raise WeightsRejected(f"{where} has dtype {new.dtype}, expected {old.dtype} (the "
-                                          f"serving dtype; casting was not asked for)")
-                cast = True
-        params = weights.placed(self._param_shardings)
-        if cast:  # a new array per parameter, relabelled with our shardings so no program recompiles
-            params = jax.device_put(jax.tree.map(lambda a, old: a.astype(old.dtype), params, current),
-                                    self._param_shardings)
-        return params
 
     def _adapters_from_hf(self, version: int, tensors: Mapping[str, np.ndarray]) -> nnx.State:
         """PEFT-named adapter tensors, checked against this engine's adapters and placed on its mesh."""
@@ -307,6 +284,8 @@ class JaxEngine(Engine):
             self._closing = True
             self._wake.notify()
         self._thread.join()
+        if self._background is not None:
+            self._background.close()
         with self._lock:
             in_flight = set(self._active_ids)
         aborted = self._abort(in_flight)
@@ -485,26 +464,41 @@ class JaxEngine(Engine):
             self._keep_cache(jax_decode.extend(self._graphdef, self._params, self._cache, tokens_pt, starts_p,
                                                slots_p, out_sharding=self._cache_sharding))
 
+    def warmed(self, timeout: float | None = None) -> bool:
+        """Waits until the programs `warmup` compiles in the background are compiled; False on timeout."""
+        return self._background is None or self._background.wait(timeout)
+
     def _warmup(self) -> None:
-        """Compiles the programs `warmup` promises by running them on free slots, which changes nothing:
-        a decode call whose rows are all inactive stops before its first step, and a prefill call of
-        padding rows only drops all its writes."""
-        for plan in self._slots.idle_plans():
-            self._decode_call(plan)
-        p, t = 1, self._buckets[0]
-        while p < 2 * min(self._prefill_batch, self.max_slots):
-            self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache,
-                                                np.zeros((p, t), np.int32), np.zeros(p, np.int32),
-                                                np.full((p, self._prefill_fanout), self.max_slots,
-                                                        np.int32), out_sharding=self._cache_sharding))
-            p *= 2
-        p = 1
-        while self._reuse_turns and p < 2 * min(self._prefill_batch, self.max_slots):
-            self._keep_cache(jax_decode.extend(self._graphdef, self._params, self._cache, np.zeros((p, t), np.int32),
-                                               np.zeros(p, np.int32), np.full(p, self.max_slots, np.int32),
-                                               out_sharding=self._cache_sharding))
-            p *= 2
+        """Compiles the programs `warmup` promises. Those of construction run on free slots, which changes
+        nothing: a decode call whose rows are all inactive stops before its first step, and a prefill call
+        of padding rows only drops all its writes. The others compile ahead of time from the shapes
+        alone (the loop keeps the cache meanwhile): the smaller decode buckets, largest first (a call
+        uses only ready ones), then the extend programs (a turn that needs one first compiles it)."""
+        *later, largest = self._slots.idle_plans()
+        self._decode_call(largest)
+        rows = [1 << i for i in range((min(self._prefill_batch, self.max_slots) - 1).bit_length() + 1)]
+        t, drop = self._buckets[0], self.max_slots  # an out-of-range slot: the row's writes are dropped
+        for p in rows:
+            self._keep_cache(jax_decode.prefill(
+                self._graphdef, self._params, self._cache, np.zeros((p, t), np.int32), np.zeros(p, np.int32),
+                np.full((p, self._prefill_fanout), drop, np.int32), out_sharding=self._cache_sharding))
         jax.block_until_ready(self._cache)
+        params, cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                     (self._params, self._cache))
+        # What makes a program this engine's and no other's: equal for engines of the same shapes.
+        leaves, tree = jax.tree.flatten((params, cache))
+        shapes = (self._graphdef, tree, tuple(leaves), tuple(sorted(self._decode_kw.items())))
+        jobs = [(("decode", len(plan.rows_b), shapes), functools.partial(
+            jax_decode.decode.lower, self._graphdef, params, cache, self._slots.state(plan), plan.rows_b,
+            plan.window_g, **self._decode_kw)) for plan in reversed(later)]
+        jobs += [(("extend", p, shapes), functools.partial(
+            jax_decode.extend.lower, self._graphdef, params, cache, np.zeros((p, t), np.int32), np.zeros(p, np.int32),
+            np.full(p, drop, np.int32), out_sharding=self._cache_sharding)) for p in rows if self._reuse_turns]
+        if later:
+            self._slots.ready = {len(largest.rows_b)}
+        if jobs:
+            self._background = jax_warmup.BackgroundCompiles(
+                jobs, lambda key: key[0] == "decode" and self._slots.ready.add(key[1]), name="jax-engine-warmup")
 
     def _keep_cache(self, cache: jax_decode.KVCache) -> None:
         """Takes the cache a program returned. Programs label its sharding with an equivalent but
@@ -517,8 +511,7 @@ class JaxEngine(Engine):
         rows' (state, tokens_bc, logprobs_bc), still on device."""
         cache, state, tokens_bc, logprobs_bc = jax_decode.decode(
             self._graphdef, self._params, self._cache, self._slots.state(plan), plan.rows_b, plan.window_g,
-            num_steps=self.decode_chunk, windows=self._windows, logprobs_mode=self._logprobs_mode,
-            out_sharding=self._cache_sharding)
+            **self._decode_kw)
         self._keep_cache(cache)
         return state, tokens_bc, logprobs_bc
 

@@ -89,10 +89,10 @@ class SlotTable:
             temperature_b=np.zeros(b, np.float32), top_k_b=np.zeros(b, np.int32),
             top_p_b=np.ones(b, np.float32), seeds_b=np.zeros(b, np.uint32),
             stop_ids_bn=np.full((b, max_stop_ids), -1, np.int32), finish_b=np.zeros(b, np.int32))
-        if select_rows:
-            self.buckets = row_buckets(b)
-        else:
-            self.buckets = [b]
+        self.buckets = row_buckets(b) if select_rows else [b]
+        # The buckets whose decode program is compiled (the engine may compile the others in the
+        # background, `jax_warmup`): a call runs in the smallest ready bucket that holds its rows.
+        self.ready = set(self.buckets)
         self._select_rows = select_rows
 
     def fill(self, slot: int, sequence: list[int], generated: int, max_tokens: int, temperature: float,
@@ -131,7 +131,7 @@ class SlotTable:
             return DecodePlan(None, np.array([self._window(int(reach_a.max()))], np.int32))
         order = np.argsort(-reach_a, kind="stable")
         active, reach_a = active[order], reach_a[order]
-        n = next(b for b in self.buckets if b >= len(active))
+        n = next(b for b in self.buckets if b >= len(active) and b in self.ready)
         padding = np.flatnonzero(~a["active_b"])[:n - len(active)]
         # Rows are longest first, so a group's first row is its longest; all-padding groups get the
         # smallest window.

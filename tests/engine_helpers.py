@@ -1,6 +1,7 @@
 """Helpers shared by the engine tests (JAX engine, vLLM): prompts, runs, a model with lively weights, and
 jaxflow's own teacher-forced forward, the reference every engine's tokens and log-probs are checked on."""
 
+import contextlib
 import os
 import time
 
@@ -27,6 +28,22 @@ def require_vllm(what: str) -> None:
         pytest.skip(f"vLLM is not importable ({e}); install the rollout-cpu or rollout-gpu extra to run {what}",
                     allow_module_level=True)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@contextlib.contextmanager
+def counting_lowerings():
+    """A list that gets the name of each program JAX lowers (turns into an MLIR module, where every
+    compile starts: "jit_decode", ...) while the block runs, in any thread."""
+    seen = []
+
+    def listener(event, duration_s, fun_name="?", **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            seen.append(fun_name)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def prompts(seed=0, lens=PROMPT_LENS, vocab=500):

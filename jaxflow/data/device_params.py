@@ -209,6 +209,32 @@ class DeviceWeights:
         with self._lock:
             return self._placements.setdefault(key, moved)
 
+    def checked_placed(self, version: int, current, shardings, *, cast: bool, error: type[Exception]):
+        """`placed(shardings)`, once this is `version` with `current`'s parameter tree, shapes and dtypes
+        (a receiver's check before it swaps anything): else error(message naming the first mismatch).
+        A dtype other than current's is cast on device when `cast` (new arrays on `shardings`), else
+        refused."""
+        source = f"device weights of version {self.version}"
+        if self.version != version:
+            raise error(f"{source} handed over as version {version}")
+        got, want = jax.tree.structure(self.params), jax.tree.structure(current)
+        if got != want:
+            raise error(f"{source} have parameter tree {got}, this engine's model has {want}")
+        needs_cast = False
+        for (path, new), old in zip(jax.tree_util.tree_flatten_with_path(self.params)[0], jax.tree.leaves(current)):
+            where = f"{source}: parameter {jax.tree_util.keystr(path)}"
+            if tuple(new.shape) != tuple(old.shape):
+                raise error(f"{where} has shape {tuple(new.shape)}, expected {tuple(old.shape)}")
+            if new.dtype != old.dtype:
+                if not cast:
+                    raise error(f"{where} has dtype {new.dtype}, expected {old.dtype} (the serving dtype; "
+                                f"casting was not asked for)")
+                needs_cast = True
+        params = self.placed(shardings)
+        if needs_cast:  # relabelled with the receiver's shardings, so that none of its programs recompiles
+            params = jax.device_put(jax.tree.map(lambda a, old: a.astype(old.dtype), params, current), shardings)
+        return params
+
     def layouts(self) -> int:
         """How many placements this version holds (one per distinct target layout asked for)."""
         with self._lock:

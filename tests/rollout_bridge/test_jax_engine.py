@@ -1,6 +1,7 @@
 """The JAX rollout engine against transformers' greedy generate and jaxflow's own teacher-forced forward:
 continuous batching, log-probs, in-flight weight updates, abort/resume, sampling, bad input, sharding."""
 
+import dataclasses
 import threading
 import time
 
@@ -17,7 +18,7 @@ from rollout_bridge.engine import EngineError, Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
 
 import engine_helpers
-from engine_helpers import GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run
+from engine_helpers import GREEDY, counting_lowerings, lively_tiny_model, perturbed, poll_all, prompts, run
 
 # Small enough to compile fast, with more prompts than slots and prompts in several prefill buckets.
 ENGINE_KW = dict(max_slots=4, max_len=128, decode_chunk=8, prefill_buckets=(16, 32, 64))
@@ -395,9 +396,9 @@ def test_long_tail_mix_is_exact_in_every_bucket_and_window(qwen3_dir, qwen3_mode
     """16 slots: decode calls of 16 and then 8 rows as a long-tailed mix of requests drains, with short
     sequences in calls with long ones (grouped windows). Greedy tokens are the teacher-forced argmax and
     log-probs the teacher-forced ones, seeded samples equal the 4-slot engine's, and nothing compiles
-    after the engine's warm-up."""
+    after the engine's warm-up (its background compiles included)."""
     eng = JaxEngine(qwen3_dir, **{**ENGINE_KW, "max_slots": 16})
-    compiled = jax_decode.decode._cache_size()
+    assert eng.warmed(timeout=300)
     real, calls = jax_decode.decode, []
 
     def recording(*args, **kwargs):
@@ -413,9 +414,10 @@ def test_long_tail_mix_is_exact_in_every_bucket_and_window(qwen3_dir, qwen3_mode
                 for i, (p, n) in enumerate(zip(ps, lengths))]
 
     try:
-        greedy = eng.generate(requests("g", temperature=0.0))
-        seeded = eng.generate(requests("s", temperature=1.0, seed=5))
-        assert real._cache_size() == compiled
+        with counting_lowerings() as lowered:
+            greedy = eng.generate(requests("g", temperature=0.0))
+            seeded = eng.generate(requests("s", temperature=1.0, seed=5))
+        assert "jit_decode" not in lowered  # (prefills of longer buckets compile on first use)
     finally:
         eng.close()
     assert {rows for rows, _ in calls} == {8, 16}
@@ -427,6 +429,56 @@ def test_long_tail_mix_is_exact_in_every_bucket_and_window(qwen3_dir, qwen3_mode
     monkeypatch.undo()
     assert ([c.sample.tokens for c in engine.generate(requests("s4-", temperature=1.0, seed=5))]
             == [c.sample.tokens for c in seeded])
+
+
+def test_decode_calls_use_only_compiled_buckets_until_the_background_compiles_end(qwen3_dir, qwen3_model,
+                                                                                  monkeypatch):
+    """The engine serves before its smaller decode buckets are compiled: until then a call runs in the
+    largest one (padding rows), with the same greedy tokens; the background compiles are the programs
+    the loop then uses (nothing more compiles); an engine of the same shapes takes them without
+    compiling; closing stops them."""
+    from rollout_bridge import jax_warmup
+    monkeypatch.setattr(jax_warmup, "COMPILED", set())  # as in a process where no engine compiled yet
+    real, calls = jax_decode.decode, []
+
+    def recording(*args, **kwargs):
+        calls.append(len(args[4]))
+        return real(*args, **kwargs)
+
+    ps = prompts(11, lens=(3, 9, 30, 5))
+    requests = [Request(f"b{i}", p, SamplingParams(max_tokens=40 if i == 2 else 4, temperature=0.0))
+                for i, p in enumerate(ps)]
+    with jax_warmup.COMPILE_LOCK:  # holds the background compiles back: only the largest bucket is ready
+        eng = JaxEngine(qwen3_dir, **{**ENGINE_KW, "max_slots": 16})
+        monkeypatch.setattr(jax_decode, "decode", recording)
+        try:
+            assert eng._slots.ready == {16} and not eng.warmed(timeout=0.1)
+            held = eng.generate(requests)
+            assert set(calls) == {16}  # one long request drains alone: still in the largest bucket
+        finally:
+            monkeypatch.setattr(jax_decode, "decode", real)
+    try:
+        assert eng.warmed(timeout=300) and eng._slots.ready == {8, 12, 16}
+        monkeypatch.setattr(jax_decode, "decode", recording)
+        calls.clear()
+        with counting_lowerings() as lowered:
+            again = eng.generate([dataclasses.replace(r, request_id="a" + r.request_id) for r in requests])
+        assert 8 in calls and "jit_decode" not in lowered
+        monkeypatch.setattr(jax_decode, "decode", real)
+        with jax_warmup.COMPILE_LOCK:
+            twin = JaxEngine(qwen3_dir, **{**ENGINE_KW, "max_slots": 16})
+            assert twin.warmed(timeout=60) and twin._slots.ready == {8, 12, 16}
+            twin.close()
+    finally:
+        monkeypatch.setattr(jax_decode, "decode", real)
+        eng.close()
+    assert [c.sample.tokens for c in again] == [c.sample.tokens for c in held]
+    for p, c in zip(ps, held):
+        assert c.sample.tokens == teacher_forced(qwen3_model, p, c.sample.tokens)[1].tolist()
+    with jax_warmup.COMPILE_LOCK:  # closed while its compiles wait: they never run
+        waiting = JaxEngine(qwen3_dir, **{**ENGINE_KW, "max_slots": 24, "max_len": 96})
+        waiting.close()
+    assert waiting.warmed(timeout=0) and waiting._slots.ready == {24}
 
 
 def _token_counts(engine):
