@@ -24,7 +24,7 @@ from typing import Any
 from jaxflow.cluster import names, ray_actors
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.data.param_service import UnknownVersionError
-from jaxflow.jobs.rollout_worker import make_engine, with_episodes
+from jaxflow.jobs.rollout_worker import make_engine, runs_episodes, with_episodes
 from rollout_bridge.engine import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class RolloutActor:
         tokenizer = Tokenizer.from_dir(model)
         self.engine = with_episodes(env, tokenizer)(
             make_engine(engine, model, max_len, slots, seed=seed, decode_chunk=decode_chunk,
-                        kv_cache_gib=kv_cache_gib))
+                        kv_cache_gib=kv_cache_gib, episodes=runs_episodes(env)))
         reward_fn = None
         if reward_ref is not None:
             from jaxflow.rewards import group_reward_fn, resolve

@@ -67,7 +67,7 @@ from jaxflow.data.prompt_source import PromptSource
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
 from jaxflow.tasks import get_task
 from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
-from jaxflow.jobs.rollout_worker import make_engine, with_episodes
+from jaxflow.jobs.rollout_worker import make_engine, runs_episodes, with_episodes
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.state import abstract_train_state
@@ -179,7 +179,8 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
     engine = make_engine(r.engine, trainer.model() if jax_engine else base_dir, r.max_len, r.max_slots,
                          seed=config.seed, decode_chunk=r.decode_chunk, kv_cache_gib=r.kv_cache_gib,
                          version=trainer.version if jax_engine else 0,
-                         lora=None if jax_engine or not trainer.publish_adapters else trainer.lora)
+                         lora=None if jax_engine or not trainer.publish_adapters else trainer.lora,
+                         episodes=runs_episodes(r.get("env")))
     if not jax_engine and trainer.version != 0:
         engine.update_weights(trainer.version, trainer.publish_tensors())
     return engine
@@ -205,13 +206,14 @@ class _Evaluator:
         # step 4 s sooner on two cores, even with a warm persistent cache). Otherwise (vLLM,
         # rollout actors) its KV cache is kept to 64 slots.
         shared = r.engine == "jax" and not config.cluster.rollout_actors and model is None
+        self.episodes = runs_episodes(r.get("env"))
         self.engine = JaxEngine(trainer.model() if model is None else model,
                                 max_slots=r.max_slots if shared else min(r.max_slots, 64),
-                                max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version)
+                                max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version,
+                                reuse_turns=self.episodes)
         if isinstance(weights, DeviceParamSource):
             weights.add_target(self.engine.param_shardings)
         self.engine = episodes(config, tokenizer)(self.engine)  # evals run the task's episodes too
-        self.episodes = config.rollout.get("env") is not None and config.rollout.env.ref is not None
         self.trainer, self.weights, self.task, self.tokenizer, self.pool, self.max_tokens = \
             trainer, weights, task, tokenizer, pool, r.max_tokens
 

@@ -45,14 +45,15 @@ def _address(text: str) -> tuple[str, int]:
 
 
 def make_engine(kind: str, model, max_len: int, slots: int, *, seed: int = 0, decode_chunk: int = 16,
-                kv_cache_gib: float | None = 1.0, version: int = 0, lora=None):
+                kv_cache_gib: float | None = 1.0, version: int = 0, lora=None, episodes: bool = True):
     """The engine named by `kind` ("jax" or "vllm") serving `model` (an HF directory; a JAX engine also
     takes a `Transformer`) at policy `version`, with `slots` sequences of up to `max_len` tokens at once and
     sampling seeded by `seed`. jax: a `JaxEngine` decoding `decode_chunk` tokens a call. vllm: a
     `VllmEngine` with a KV cache of `kv_cache_gib` GiB (None: vLLM's own sizing) and CUDA graphs off
     (`enforce_eager`, as the RL job's engines: no graph capture at start, and on CPU no torch.compile).
     lora (a `LoRASpec`): either engine serves LoRA adapters over the base, and each version is the
-    adapters alone (PEFT-named tensors).
+    adapters alone (PEFT-named tensors). episodes: False when no request continues an earlier one (no
+    environment): a JAX engine then keeps no finished turns and compiles no extend programs.
     The one construction path of the RL job's engines, its rollout actors' and this CLI's."""
     if kind == "jax":
         from rollout_bridge.jax_engine import JaxEngine
@@ -61,7 +62,7 @@ def make_engine(kind: str, model, max_len: int, slots: int, *, seed: int = 0, de
             from jaxflow.models import hf_io
             model = hf_io.load_model(model, lora=lora)
         return JaxEngine(model, max_slots=slots, max_len=max_len, decode_chunk=decode_chunk, version=version,
-                         seed=seed)
+                         seed=seed, reuse_turns=episodes)
     if kind == "vllm":
         from rollout_bridge.vllm_engine import VllmEngine
 
@@ -70,15 +71,20 @@ def make_engine(kind: str, model, max_len: int, slots: int, *, seed: int = 0, de
     raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")
 
 
+def runs_episodes(env) -> bool:
+    """Whether the `rollout.env` section `env` (a ConfigDict, its dict, or None) names an environment."""
+    return env is not None and env.get("ref") is not None
+
+
 def with_episodes(env, tokenizer):
     """engine -> the engine itself, or (the `rollout.env` section `env` names an environment: a ConfigDict
     or its dict) an EpisodeEngine running that environment's episodes on it; the RL job's engines, its
     evaluator's and its rollout actors' all go through here. ConfigError when the section is bad (its
     turn_stop not one token of `tokenizer`, ...)."""
+    if not runs_episodes(env):
+        return lambda engine: engine
     if isinstance(env, dict):
         env = ml_collections.ConfigDict(env)
-    if env is None or env.get("ref") is None:
-        return lambda engine: engine
     problems = env_problems(env, tokenizer)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
