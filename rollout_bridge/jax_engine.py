@@ -95,8 +95,9 @@ class JaxEngine(Engine):
     call (calls are padded to a power of two). prefill_fanout: most slots one prefill row is written to
     (sequences sharing a context beyond that take another row). max_stop_ids: most stop token ids per request.
     warmup: compile the largest decode program and the prefill programs of the shortest prefill bucket
-    at construction, and the other decode programs (one per slot bucket) on a background thread
-    (`jax_warmup`; `warmed` waits for them), so that no decode call waits for a compile.
+    at construction, and the other decode programs (one per slot bucket; then, with reuse_turns, the
+    extend programs) on a background thread (`jax_warmup`; `warmed` waits for them), so that no decode
+    call waits for a compile. False: every program compiles when first used.
     """
 
     def __init__(self, model: str | os.PathLike | Transformer, *, max_slots: int = 32,
