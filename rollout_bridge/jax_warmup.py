@@ -1,10 +1,10 @@
 """Compiling a JAX engine's programs ahead of use, off the engine's critical path.
 
 A decode program exists per slot bucket (`jax_slots.row_buckets`): nine for 128 slots. On a warm
-persistent compilation cache each still costs about 0.8 s of tracing and lowering in Python (measured
-on two cores with the tiny model), so compiling them all at construction delayed an RL job's first step
-by ~8 s. The engine compiles its largest bucket (and the prefill programs) before it serves, and
-`BackgroundCompiles` does the rest on a thread of its own: until a bucket is ready, a decode call runs
+persistent compilation cache each still costs about 0.8 s (tracing and lowering in Python, then loading
+the executable; measured on two cores with the tiny model): compiling them all at construction made
+building the RL job's first engine take 9.4 s (2.0-2.1 s now). The engine compiles its largest bucket
+(and the prefill programs) before it serves, and `BackgroundCompiles` does the rest on a thread of its own: until a bucket is ready, a decode call runs
 in the smallest ready bucket that holds its rows (more padding rows, never a compile in the loop).
 The extend programs of multi-turn episodes (`JaxEngine(reuse_turns=True)`) compile there too.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
 
 log = logging.getLogger(__name__)
@@ -42,8 +41,6 @@ class BackgroundCompiles:
         self._jobs, self._on_ready = list(jobs), on_ready
         self._stop = threading.Event()
         self._done = threading.Event()
-        self.seconds = 0.0  # wall time spent in the jobs so far
-        self.failed: list[tuple[Hashable, str]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -60,19 +57,16 @@ class BackgroundCompiles:
                         COMPILE_LOCK.release()
                     self._on_ready(key)
                     continue
-                started = time.monotonic()
                 try:
                     if self._stop.is_set():
                         return
                     lower().compile()
                     COMPILED.add(key)
                 except Exception as e:  # noqa: BLE001 - the engine keeps serving in its ready shapes
-                    self.failed.append((key, f"{type(e).__name__}: {e}"))
                     log.warning("background compile of %r failed (%s: %s); calls keep to the shapes already "
                                 "compiled", key[:2] if isinstance(key, tuple) else key, type(e).__name__, e)
                     continue
                 finally:
-                    self.seconds += time.monotonic() - started
                     COMPILE_LOCK.release()
                 self._on_ready(key)
         finally:
