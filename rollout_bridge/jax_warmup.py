@@ -5,7 +5,8 @@ persistent compilation cache each still costs about 0.8 s (tracing and lowering 
 the executable; measured on two cores with the tiny model): compiling them all at construction made
 building the RL job's first engine take 9.4 s (2.0-2.1 s now). The engine compiles its largest bucket
 (and the prefill programs) before it serves, and `BackgroundCompiles` does the rest on a thread of its
-own: until a bucket is ready, a decode call runs in the smallest ready bucket that holds its rows (more padding rows, never a compile in the loop).
+own: until a bucket is ready, a decode call runs in the smallest ready bucket that holds its rows
+(more padding rows, never a compile in the loop).
 The extend programs of multi-turn episodes (`JaxEngine(reuse_turns=True)`) compile there too.
 
 Background compiles take one process-wide lock, one at a time: engines of the same shapes in one
