@@ -70,6 +70,23 @@ def ray_session_end():
         ray.shutdown()
 
 
+def kill_and_wait(handle, timeout=60.0):
+    """`ray.kill(handle)`, then returns once a call on the actor fails. The kill travels through Ray's
+    control store while a call goes straight to the actor, so a call made just after the kill can still
+    run; a test that needs the actor dead waits here."""
+    import time
+    import ray
+    ray.kill(handle)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the actor still answered {timeout}s after ray.kill")
+
+
 @contextlib.contextmanager
 def _ray_placed():
     on = ray_session()

@@ -13,7 +13,7 @@ from jaxflow.data.prompt_source import PromptSource  # noqa: E402
 from jaxflow.data.records import Sample  # noqa: E402
 from jaxflow.data.trajectory_service import TrajectoryService  # noqa: E402
 
-from service_placements import SERVICE_METHODS, ray_session  # noqa: E402
+from service_placements import SERVICE_METHODS, kill_and_wait, ray_session  # noqa: E402
 
 METHODS = SERVICE_METHODS["TrajectoryService"]
 
@@ -89,10 +89,9 @@ def test_a_closed_service_and_a_dead_actor():
     p.close()
     with pytest.raises(KeyError, match="no service named"):
         p.stats()
-    import ray
     lone = ray_actors.host(make(), METHODS)  # in a host actor of its own
     assert lone.progress() == (0, 0)
-    ray.kill(lone.handle)
+    kill_and_wait(lone.handle)
     with pytest.raises(ConnectionError, match="progress: the service actor is gone"):
         lone.progress()
 

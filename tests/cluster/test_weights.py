@@ -9,7 +9,7 @@ import pytest
 
 import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
 
-from service_placements import ray_session  # noqa: E402
+from service_placements import kill_and_wait, ray_session  # noqa: E402
 from jaxflow.cluster.weights import (  # noqa: E402
     RayWeightPublisher,
     UnknownVersionError,
@@ -159,9 +159,7 @@ def test_a_version_whose_owner_died_is_unknown(local_ray):
     [ref] = ray.get(trainer.put.remote())
     manifest = {"version": 1, "tensors": {"x": {"dtype": "float32", "shape": [n], "shards": [
         {"start": [0], "shape": [n], "ref": ref, "item": None}]}}}
-    ray.kill(trainer)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(trainer.put.remote())  # returns once the owner is gone
+    kill_and_wait(trainer)
     # News of the owner's death reaches this process a moment later; until then the local copy still reads.
     deadline = time.monotonic() + 60
     with pytest.raises(UnknownVersionError, match="version 1: a tensor's object is gone"):
