@@ -29,3 +29,12 @@ def _ray_shutdown():
     yield
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_base(tmp_path_factory):
+    """`shared_base(config, into)`: a copy at `into` of the base model `config` warm-starts, built once per
+    test run (tests/shared_bases.py)."""
+    import shared_bases
+    root = shared_bases.shared_root(tmp_path_factory)
+    return lambda config, into: shared_bases.shared_base(config, into, root)

@@ -16,7 +16,7 @@ from ray.cluster_utils import Cluster
 
 from jaxflow.cluster import names, ray_actors
 from jaxflow.config import load_config
-from jaxflow.jobs import rl, warm_start
+from jaxflow.jobs import rl
 from jaxflow.models import hf_io, lora
 
 from service_placements import ray_session_end
@@ -51,13 +51,13 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    """One warm-started base for the module's runs (each run building its own cost ~40 s here)."""
+def base_dir(tmp_path_factory, shared_base):
+    """One warm-started base for the module's runs (each run building its own cost ~40 s here), the same as
+    the job tests' that learn (tests/shared_bases.py)."""
     directory = tmp_path_factory.mktemp("base") / "model"
     config = load_config(CONFIG, {k: str(v) for k, v in {
         **SMALL, "base.dir": directory, "workdir": tmp_path_factory.mktemp("unused")}.items()})
-    warm_start.build_base_model(config, directory, log=lambda *_: None)
-    return directory
+    return shared_base(config, directory)
 
 
 def config_for(cluster, tmp_path, base_dir, **more):
@@ -87,7 +87,9 @@ def check_run(workdir: pathlib.Path, steps: int, groups_per_step: int = 4):
 
 def test_two_trainer_processes_and_two_rollout_actors_learn(cluster, tmp_path, base_dir):
     steps = 24
-    config = config_for(cluster, tmp_path, base_dir, **{"trainer.steps": steps, "trainer.batch_groups": 8})
+    # No checkpoints (the recovery test below saves one a step): each costs 1.2 s of barriers here.
+    config = config_for(cluster, tmp_path, base_dir, **{"trainer.steps": steps, "trainer.batch_groups": 8,
+                                                        "checkpoint.every": 1000})
     assert rl.run(config) == 0
     trained, result = check_run(pathlib.Path(config.workdir), steps, groups_per_step=8)
     placed = result["cluster"]

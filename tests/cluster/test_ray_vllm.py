@@ -30,7 +30,7 @@ ETA, STEPS, GROUPS = 1, 3, 2
 # attention rejects less). A warm start long enough for the answer format, and a reward that format alone
 # earns half the time (an even answer), so that every step's update moves the weights: each version differs.
 SMALL = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2,
-         "base.steps": 200, "base.num_examples": 2000, "task.max_ops": 1,
+         "base.steps": 300, "base.num_examples": 2000, "task.max_ops": 1,
          "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward", "trainer.lr": 3e-4,
          "trainer.batch_groups": GROUPS, "trainer.steps": STEPS, "trainer.eta": ETA, "rollout.group_size": 4,
          "rollout.max_slots": 16, "rollout.coordination.max_running": 16, "rollout.max_tokens": 32,
@@ -55,10 +55,11 @@ def vllm_processes_in_ray_actors() -> list[psutil.Process]:
     return found
 
 
-def test_a_vllm_rollout_actor_keeps_the_bound_the_weights_and_the_accounting(tmp_path):
+def test_a_vllm_rollout_actor_keeps_the_bound_the_weights_and_the_accounting(tmp_path, shared_base):
     ray_session_end()  # the job starts a local Ray of its own (and stops it at the end)
     overrides = {**SMALL, "base.dir": tmp_path / "base", "workdir": tmp_path / "run"}
     config = load_config(CONFIG, {k: str(v) for k, v in overrides.items()})
+    shared_base(config, tmp_path / "base")  # the base the job tests that learn use (tests/shared_bases.py)
     before = {p.pid for p in vllm_processes_in_ray_actors()}
     assert rl.run(config) == 0
     workdir = pathlib.Path(config.workdir)

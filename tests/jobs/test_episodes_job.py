@@ -83,7 +83,7 @@ def test_a_turn_stop_of_several_tokens_is_refused_before_the_run(tmp_path, base_
     assert "rollout.env.turn_stop '</not-one-token>' is" in capsys.readouterr().err
 
 
-def test_a_skyrl_gym_environment_trains_through_the_adapter(tmp_path, monkeypatch):
+def test_a_skyrl_gym_environment_trains_through_the_adapter(tmp_path, monkeypatch, shared_base):
     """tests/envs/skyrl_even_env.py is written against SkyRL-gym's public API only (BaseTextEnv): two turns,
     the second rewarded for an even answer. Run unmodified through jaxflow.envs.adapters, its reward rises."""
     import pathlib
@@ -98,6 +98,7 @@ def test_a_skyrl_gym_environment_trains_through_the_adapter(tmp_path, monkeypatc
         "rollout.env.ref": "jaxflow.envs.adapters:SkyRLGymEnv"})
     with config.unlocked():
         config.rollout.env.options = {"env": "skyrl_even_env:EvenAnswerEnv"}
+    shared_base(config, tmp_path / "base")  # the run finds it built for its settings
     assert rl.run(config) == 0
     trained = [r for r in records(tmp_path / "run") if "reward_mean" in r]
     assert len(trained) == steps and all(r["env_tokens_mean"] > 0 for r in trained)

@@ -22,11 +22,12 @@ LEARNS = {"base.steps": "300", "base.num_examples": "2000", "task.max_ops": "1",
           "trainer.lr": "1e-3"}
 
 
-def test_lora_trains_the_adapters_alone_and_resumes_from_them(tmp_path, capsys):
+def test_lora_trains_the_adapters_alone_and_resumes_from_them(tmp_path, capsys, shared_base):
     steps = 8
     # A base warm-started long enough that its answers earn the reward some of the time: every step has a
     # signal that moves the adapters.
     config = small_config(tmp_path, tmp_path / "base", **{**LEARNS, "trainer.steps": str(steps // 2)})
+    shared_base(config, tmp_path / "base")  # the run finds it built for its settings
     assert rl.run(config) == 0
     out = capsys.readouterr().out
     assert "jaxflow: LoRA rank 8 (alpha 32) on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in out
