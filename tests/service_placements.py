@@ -80,9 +80,11 @@ def kill_and_wait(handle, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            ray.get(handle.__ray_ready__.remote(), timeout=timeout)
+            ray.get(handle.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
         except ray.exceptions.RayActorError:
             return
+        except ray.exceptions.GetTimeoutError:
+            break
         time.sleep(0.05)
     raise TimeoutError(f"the actor still answered {timeout}s after ray.kill")
 

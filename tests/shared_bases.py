@@ -30,12 +30,12 @@ def shared_base(config, into: str | os.PathLike, root: pathlib.Path) -> pathlib.
     key = f"{warm_start.fingerprint(config)}-len{config.rollout.max_len}"
     cache = root / "shared-bases" / key
     cache.parent.mkdir(parents=True, exist_ok=True)
+    cached = config.copy_and_resolve_references()
+    with cached.unlocked():
+        cached.base.dir, cached.base.build_if_missing = str(cache), True
     with open(cache.parent / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        info = warm_start.read_info(cache)
-        if info is None or info.get("fingerprint") != warm_start.fingerprint(config):
-            shutil.rmtree(cache, ignore_errors=True)  # a build that died half way
-            warm_start.build_base_model(config, cache, log=lambda *_: None)
+        warm_start.ensure_base_model(cached, log=lambda *_: None)  # built unless this run built it already
     into = pathlib.Path(into)
     shutil.copytree(cache, into)
     return into
