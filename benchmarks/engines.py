@@ -9,11 +9,11 @@ model's full HF tensor set (what a parameter-service pull delivers).
     .venv/bin/python benchmarks/engines.py --json /tmp/engines.json
     .venv/bin/python benchmarks/engines.py --quick
 
-The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload), and
-decode_vs_bandwidth: the JAX engine's tokens/s as a fraction of the memory-bandwidth bound, measured in the
-same run (`machine_limits.py`): each decode step reads every weight once and each running sequence's
-keys/values, so `slots` tokens a step cost at least (weight bytes + slots x KV bytes of a mean context) of
-reads.
+The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload),
+jax_vs_vllm_by_workload (long_tail and uniform), and decode_vs_bandwidth: the JAX engine's tokens/s as a
+fraction of the memory-bandwidth bound, measured in the same run (`machine_limits.py`): each decode step
+reads every weight once and each running sequence's keys/values, so `slots` tokens a step cost at least
+(weight bytes + slots x KV bytes of a mean context) of reads.
 vLLM runs when it is installed (`python3 -m jaxflow.setup_env`); otherwise its columns say n/a.
 """
 
@@ -149,11 +149,14 @@ def main(argv=None) -> int:
           f"{bound:,.0f} tokens/s; the JAX engine reached {decode_vs_bandwidth:.3f} of it")
     vllm_tps = results["vllm"]["long_tail"]["tokens_per_s"] if "vllm" in results else None
     ratio = jax_tps / vllm_tps if vllm_tps else None
-    if ratio is not None:
-        print(f"\njax / vllm tokens/s on the long-tail workload: {ratio:.2f}x")
+    ratios = ({name: results["jax"][name]["tokens_per_s"] / r["tokens_per_s"] for name, r in results["vllm"].items()}
+              if "vllm" in results else None)
+    if ratios is not None:
+        print("\njax / vllm tokens/s: " + ", ".join(f"{name} {x:.2f}x" for name, x in ratios.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
+                       "jax_vs_vllm_by_workload": ratios,
                        "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,
                        "read_bandwidth_bytes_per_s": bandwidth,
                        "results": results, "startup_s": startup_s, "args": vars(args)}, f, indent=2)

@@ -10,11 +10,22 @@ import pathlib
 
 import pytest
 
+from jaxflow.config import load_config
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COLABS = ROOT / "colabs"
+# The base settings of quickstart's and staleness_lab's SMALL size (configs/arithmetic_tiny.py, a 30-step
+# warm start on 400 examples): the job tests' base. Copied into the notebook's base folder before it runs,
+# its warm-start cell finds it built for its settings instead of building it again (30-40 s here). Should
+# the notebooks' settings change, the cell rebuilds it: slower, never wrong.
+SMALL_BASE = {"base.steps": "30", "base.num_examples": "400"}
+
+
+def copy_small_base(shared_base, into: pathlib.Path) -> None:
+    shared_base(load_config(str(ROOT / "configs" / "arithmetic_tiny.py"), SMALL_BASE), into)
 
 
 def execute(name: str, parameters: str, timeout: int = 900):
@@ -48,7 +59,8 @@ def test_committed_notebooks_carry_no_outputs():
                     f"{path.name} is committed with outputs; strip them"
 
 
-def test_quickstart_trains_async_and_sync_plots_and_generates_from_the_export(tmp_path):
+def test_quickstart_trains_async_and_sync_plots_and_generates_from_the_export(tmp_path, shared_base):
+    copy_small_base(shared_base, tmp_path / "runs" / "base")
     nb = execute("quickstart.ipynb", f"SMALL = True\nWORKDIR = {str(tmp_path / 'runs')!r}\nSTEPS = 4\n")
     lines = [ln for ln in text_of(nb).splitlines() if ln.startswith("QUICKSTART_SUMMARY ")]
     assert len(lines) == 1, text_of(nb)[-3000:]
@@ -113,7 +125,8 @@ def test_your_model_and_data_survives_a_buggy_reward_then_trains_exports_and_mat
     assert 0.0 <= summary["lora_logits_max_diff"] <= summary["lora_logits_bound"] < 1e-3
 
 
-def test_staleness_lab_sweeps_the_losses_and_simulates_against_the_tail_floor(tmp_path):
+def test_staleness_lab_sweeps_the_losses_and_simulates_against_the_tail_floor(tmp_path, shared_base):
+    copy_small_base(shared_base, tmp_path / "runs" / "base")
     nb = execute("staleness_lab.ipynb", f"SMALL = True\nWORKDIR = {str(tmp_path / 'runs')!r}\nETAS = (4,)\n"
                  "STEPS = 4\nSIM_STEPS = 10\nSIM_SIZES = (64,)\n")  # 512 instances: 4 more minutes here
     lines = [ln for ln in text_of(nb).splitlines() if ln.startswith("LAB_SUMMARY ")]
