@@ -148,9 +148,9 @@ def main(argv=None) -> int:
           f"weights + {args.slots} x {kv_bytes_per_position * mean_context / 1e3:.0f} kB of KV a step): "
           f"{bound:,.0f} tokens/s; the JAX engine reached {decode_vs_bandwidth:.3f} of it")
     vllm_tps = results["vllm"]["long_tail"]["tokens_per_s"] if "vllm" in results else None
-    ratio = jax_tps / vllm_tps if vllm_tps else None
     ratios = ({name: results["jax"][name]["tokens_per_s"] / r["tokens_per_s"] for name, r in results["vllm"].items()}
               if "vllm" in results else None)
+    ratio = ratios["long_tail"] if ratios else None
     if ratios is not None:
         print("\njax / vllm tokens/s: " + ", ".join(f"{name} {x:.2f}x" for name, x in ratios.items()))
     if args.json:

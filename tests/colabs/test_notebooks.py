@@ -19,8 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 COLABS = ROOT / "colabs"
 # The base settings of quickstart's and staleness_lab's SMALL size (configs/arithmetic_tiny.py, a 30-step
 # warm start on 400 examples): the job tests' base. Copied into the notebook's base folder before it runs,
-# its warm-start cell finds it built for its settings instead of building it again (30-40 s here). Should
-# the notebooks' settings change, the cell rebuilds it: slower, never wrong.
+# its warm-start cell finds it built for its settings instead of building it again. Should the notebooks'
+# settings change, the cell rebuilds it: slower, never wrong.
 SMALL_BASE = {"base.steps": "30", "base.num_examples": "400"}
 
 
