@@ -88,7 +88,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Engines, all driven by one coordinator: placement and weight sync in `coordination` (fields and
     # their meaning: jaxflow.coordination.Coordination). sync "all": every engine takes each new version
     # at once, "selective": when idle (sync_idle_below) or lagging (sync_max_lag); sync_mode "keep"
-    # requests in flight across a sync (KV recomputed) or "abort" them (resumed from their prefix).
+    # requests in flight across a sync (KV recomputed), "keep_kv" them with their KV as it was (no
+    # recompute: PipelineRL's in-flight update) or "abort" them (resumed from their prefix).
     # max_running: requests kept on one engine.
     config.rollout.num_engines = 2 if variant == "coordinated" else 1
     if variant == "coordinated":

@@ -8,7 +8,7 @@ sequences are kept, and every token records the version that produced it.
 two ways rollout systems take new weights):
 
 - "keep" (PipelineRL-style): requests stay in flight, frozen; after `resume` they continue where they
-  were, their KV recomputed if weights changed meanwhile.
+  were, their KV recomputed if weights changed meanwhile (kept as it was with `keep_kv`).
 - "abort" (AReaL-style): requests in flight are stopped and handed back as partial samples, to be
   resubmitted later with `Request(prefix=...)`, possibly under new weights.
 
@@ -212,10 +212,16 @@ class Engine(abc.ABC):
         completion is in, or will be in, `poll`) or unknown are skipped."""
 
     @abc.abstractmethod
-    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray], *, keep_kv: bool = False) -> None:
         """Swaps in HF-named weights of `version` with requests kept in flight (their KV is recomputed
         under the new weights). Raises WeightsRejected, changing nothing, on a wrong name/shape/dtype.
         The JAX engine also takes `jaxflow.data.device_params.DeviceWeights` (no host round trip).
+
+        keep_kv: keep the in-flight KV instead of recomputing it (PipelineRL's in-flight update, the
+        coordinator's sync_mode "keep_kv"): no recompute, and the tokens after the swap are sampled by the
+        new weights attending to keys and values older weights computed. Each token still records the
+        version that sampled it; its prefix's KV is at least as new as the request's first token (v_start),
+        so the staleness bound, which holds on v_start, still bounds every weight a token depends on.
         """
 
     @abc.abstractmethod

@@ -159,8 +159,8 @@ class EpisodeEngine(Engine):
                     out[ep.request.request_id] = in_flight_copy(ep.sample)
         return [Completion(rid, sample) for rid, sample in out.items()]
 
-    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
-        self.inner.update_weights(version, tensors)
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray], *, keep_kv: bool = False) -> None:
+        self.inner.update_weights(version, tensors, keep_kv=keep_kv)
 
     def pause(self, mode: str = "keep") -> list[Completion]:
         aborted = self.inner.pause(mode)

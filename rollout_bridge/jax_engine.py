@@ -31,7 +31,8 @@ Weight updates keep requests in flight: the new weights are checked (against the
 `DeviceWeights` from a trainer in this process, against the engine's own parameter tree) before anything
 changes, swapped in between decode calls, and every in-flight sequence's cache is recomputed
 under them (prompt + tokens so far), so the tokens after the swap are exactly what the new weights
-produce from that prefix; each token records the version that produced it.
+produce from that prefix; each token records the version that produced it. `keep_kv=True` keeps the
+caches instead (PipelineRL's in-flight update): no recompute, later tokens attend to older keys.
 """
 
 from __future__ import annotations
@@ -212,10 +213,11 @@ class JaxEngine(Engine):
         publishes it."""
         return self._param_shardings
 
-    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray] | DeviceWeights) -> None:
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray] | DeviceWeights, *,
+                       keep_kv: bool = False) -> None:
         """Checks the new weights, places them on the mesh, then waits for the loop to swap them in
-        between decode calls and recompute the in-flight caches. Raises WeightsRejected, with nothing
-        changed, on any mismatch.
+        between decode calls and recompute the in-flight caches (with `keep_kv`, keep them: see
+        `Engine.update_weights`). Raises WeightsRejected, with nothing changed, on any mismatch.
 
         tensors: HF-named host arrays (checked against the model's name table: names, shapes, dtypes),
         or `DeviceWeights` from a trainer in this process (checked against the engine's parameter tree:
@@ -239,7 +241,7 @@ class JaxEngine(Engine):
         future = concurrent.futures.Future()
         with self._lock:
             self._raise_if_down()
-            self._commands.append(("weights", (int(version), params), future))
+            self._commands.append(("weights", (int(version), params, bool(keep_kv)), future))
             self._wake.notify()
         future.result()
 
@@ -255,7 +257,7 @@ class JaxEngine(Engine):
 
     def pause(self, mode: str = "keep") -> list[Completion]:
         """Stops generating at the next decode-call boundary (see `Engine.pause`). Kept sequences keep
-        their slots and cache rows; a weight update while paused recomputes those rows, as in flight."""
+        their slots and cache rows; a weight update while paused treats those rows as in flight."""
         check_pause_mode(mode)
         future = concurrent.futures.Future()
         with self._lock:
@@ -573,14 +575,15 @@ class JaxEngine(Engine):
                 out.append(Completion(run.request.request_id, run.sample))
         return out
 
-    def _swap_weights(self, version: int, params: nnx.State) -> None:
+    def _swap_weights(self, version: int, params: nnx.State, keep_kv: bool) -> None:
         """Serves `params` (with LoRA: new adapters over the base) from now on and recomputes every
-        in-flight cache under them."""
+        in-flight cache under them (unless `keep_kv`: then the caches, kept turns included, stay)."""
         if self.lora is not None:
             params = nnx.merge_state(self._params, params)
         self._params, self._version = params, version
-        self._kept.clear()  # computed under the old weights
-        self._prefill(list(self._running))
+        if not keep_kv:
+            self._kept.clear()  # computed under the old weights
+            self._prefill(list(self._running))
 
     def _publish_load(self) -> None:
         now = time.monotonic()

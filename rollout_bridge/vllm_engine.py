@@ -23,6 +23,7 @@ the model's config.json before anything changes, then pauses generation with req
 (`pause_generation(mode="keep")`), streams the tensors to the workers (`collective_rpc` into
 `rollout_bridge.vllm_worker_ext`), reloads them in place, drops every KV block so in-flight requests are
 recomputed from prompt + tokens so far under the new weights, labels the new version, and resumes.
+`update_weights(..., keep_kv=True)` keeps the KV blocks instead (PipelineRL's in-flight update).
 
 `pause("keep")` is vLLM's `pause_generation(mode="keep")` with the KV kept (nothing changed, nothing
 to recompute); `pause("abort")` pauses the same way, then aborts every request in flight through
@@ -251,9 +252,10 @@ class VllmEngine(Engine):
                 out.append(Completion(rid, in_flight_copy(s, versions)))
         return out
 
-    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray], *, keep_kv: bool = False) -> None:
         """Checks `tensors` (HF names, shapes, dtypes) against the model's table, then swaps them in with
-        requests kept in flight (their KV is recomputed under the new weights). With LoRA, `tensors` are
+        requests kept in flight (their KV is recomputed under the new weights; with `keep_kv` it is kept,
+        and so are vLLM's prefix-cached blocks, which new requests may then reuse). With LoRA, `tensors` are
         the version's PEFT-named adapters, added as a new adapter (module docstring). Raises WeightsRejected,
         with nothing changed, on any mismatch; EngineError if the transfer fails (a failure before the
         reload leaves the old weights serving; one during it stops the engine).
@@ -279,7 +281,7 @@ class VllmEngine(Engine):
         with self._update_lock:
             self._raise_if_down()
             start = time.perf_counter()
-            self._call(self._swap_weights(int(version), chunks))
+            self._call(self._swap_weights(int(version), chunks, keep_kv))
             self.last_update_s = time.perf_counter() - start
 
     def pause(self, mode: str = "keep", timeout: float = 60.0) -> list[Completion]:
@@ -543,10 +545,10 @@ class VllmEngine(Engine):
             await self._llm.remove_lora(self._adapters.pop(old).lora_int_id)
             shutil.rmtree(self._adapter_root / f"v{old}", ignore_errors=True)
 
-    async def _swap_weights(self, version: int, chunks) -> None:
-        """Pause (requests kept) -> stage -> reload -> drop KV -> label -> resume; on the loop."""
+    async def _swap_weights(self, version: int, chunks, keep_kv: bool = False) -> None:
+        """Pause (requests kept) -> stage -> reload -> drop KV (unless keep_kv) -> label -> resume; on the loop."""
         llm = self._llm
-        await llm.pause_generation(mode="keep", clear_cache=True)
+        await llm.pause_generation(mode="keep", clear_cache=not keep_kv)
         try:
             try:
                 for chunk in chunks:
@@ -557,9 +559,10 @@ class VllmEngine(Engine):
                                   f"version {self._version} keep serving: {type(e).__name__}: {e}") from e
             try:
                 await llm.collective_rpc("jaxflow_commit_weights")
-                # The pause already dropped the KV cache; resetting again, with running requests
-                # preempted, makes "no KV block computed by the old weights survives" explicit.
-                await llm.reset_prefix_cache(reset_running_requests=True)
+                if not keep_kv:
+                    # The pause already dropped the KV cache; resetting again, with running requests
+                    # preempted, makes "no KV block computed by the old weights survives" explicit.
+                    await llm.reset_prefix_cache(reset_running_requests=True)
                 await llm.update_weight_version(str(version))
             except BaseException as e:
                 error = EngineError(f"reloading weights of version {version} failed part way; the model "

@@ -19,7 +19,7 @@ from jaxflow.config import ConfigError
 ROUTERS = ("round_robin", "least_loaded", "throughput")
 QUEUES = ("fifo", "oldest_first")
 SYNC_POLICIES = ("all", "selective")
-SYNC_MODES = ("keep", "abort")
+SYNC_MODES = ("keep", "keep_kv", "abort")
 STUCK_ACTIONS = ("wait", "retry", "release")
 
 
@@ -51,8 +51,10 @@ class Coordination:
     sync: "all" instances take each new version at once; "selective": an instance syncs when it runs
     at most sync_idle_below requests (-1: never for being idle), when it lags by sync_max_lag versions,
     or when it must (its weights are too old to be given work).
-    sync_mode: "keep" requests across a sync (KV recomputed) or "abort" them back to the queue, to be
-    resumed from their tokens so far under the new weights.
+    sync_mode: "keep" requests across a sync (KV recomputed), "keep_kv" them with their KV as it was
+    (PipelineRL's in-flight update: no recompute; later tokens attend to keys and values older weights
+    computed, none older than the request's v_start), or "abort" them back to the queue, to be resumed
+    from their tokens so far under the new weights.
     stuck: when the next buffer misses at most stuck_threshold groups and those have run for over
     stuck_patience x the median group time: "retry" their unfinished requests on the least loaded
     instances, "release" the buffer to the trainer with what it holds, or "wait".

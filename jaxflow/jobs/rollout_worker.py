@@ -32,6 +32,7 @@ from jaxflow.models.lora import LORA_TARGETS, LoRASpec
 from jaxflow.transport import rpc
 from jaxflow.transport.param_client import ParameterClient
 from jaxflow.coordination import Coordination, Coordinator
+from jaxflow.coordination.config import SYNC_MODES
 from rollout_bridge.engine import SamplingParams
 
 log = logging.getLogger("jaxflow.jobs.rollout_worker")
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="all: take each new version at once; selective: when idle or lagging")
     parser.add_argument("--sync-idle-below", type=int, default=0)
     parser.add_argument("--sync-max-lag", type=int, default=1)
-    parser.add_argument("--sync-mode", default="keep", choices=["keep", "abort"])
+    parser.add_argument("--sync-mode", default="keep", choices=list(SYNC_MODES))
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="serve LoRA adapters of this rank over --model (0: none); each version is then the "
                              "adapters alone, as a trainer with trainer.lora publishes them")

@@ -320,17 +320,18 @@ class SimEngine(Engine):
             out.append(Completion(rid, self._sample(seq, blocks, blocks * block, None)))
         return out
 
-    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray] | None) -> None:
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray] | None, *,
+                       keep_kv: bool = False) -> None:
         """Switches to `version` now (tensors are ignored); the instance then stalls sync_s plus the
-        recompute of its running sequences' KV. Raises WeightsRejected (a ValueError) for a version that
-        is not an int or is lower than the current one."""
+        recompute of its running sequences' KV (none with `keep_kv`). Raises WeightsRejected (a ValueError)
+        for a version that is not an int or is lower than the current one."""
         f, i = self._fleet, self.index
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise WeightsRejected(f"version must be an int, got {version!r}")
         if version < f._version[i]:
             raise WeightsRejected(f"version {version} is older than the served version {f._version[i]}")
         f._version[i] = version
-        f._stall[i] += (f._sync[i] + f._kv[i] / f._prefill[i]) / f._speed[i]
+        f._stall[i] += (f._sync[i] + (0.0 if keep_kv else f._kv[i] / f._prefill[i])) / f._speed[i]
         for seq in self._slots:
             if seq is not None:
                 seq.segments.append((float(f._progress[i, seq.slot]), int(version)))

@@ -184,13 +184,16 @@ def test_idle_sync_waits_for_an_empty_engine(engine, weights, held_decode):
     assert engine.version == 1 and w.counts["groups_finished"] >= 1
 
 
-@pytest.mark.parametrize("mode", ["keep", "abort"])
-def test_sync_with_a_group_in_flight(engine, weights, held_decode, mode):
+@pytest.mark.parametrize("mode", ["keep", "keep_kv", "abort"])
+def test_sync_with_a_group_in_flight(engine, weights, held_decode, mode, monkeypatch):
     # Exact per-token version tagging across a swap is proven in the engine tests; here: the coordinator
-    # syncs while a group is in flight, and the group keeps its v_start (keep: not interrupted; abort:
-    # its requests stopped and resumed from their tokens so far under the new weights).
+    # syncs while a group is in flight, and the group keeps its v_start (keep, keep_kv: not interrupted,
+    # its KV recomputed or kept; abort: its requests stopped and resumed from their tokens so far under
+    # the new weights).
     release, entered = held_decode
     reset(engine, weights)
+    swaps, swap = [], engine._swap_weights
+    monkeypatch.setattr(engine, "_swap_weights", lambda *args: (swaps.append(args[2]), swap(*args))[1])
     traj, params = services(eta=2, batch=2)
     params.publish(0, weights[0])
     w = worker(engine, traj, params, max_tokens=120, max_running=2, eta=2, sync_mode=mode)
@@ -204,7 +207,7 @@ def test_sync_with_a_group_in_flight(engine, weights, held_decode, mode):
     # The sync (and, in abort mode, the abort) waits for the held decode call to end.
     threading.Timer(0.2, release.set).start()
     w.step()
-    assert w.counts["syncs"] == 1 and engine.version == 1
+    assert w.counts["syncs"] == 1 and engine.version == 1 and swaps == [mode == "keep_kv"]
     assert w.counts["requests_resumed"] == (2 if mode == "abort" else 0)
     run_until(w, lambda: traj.stats()["counts"]["rewarded"] >= 3)
     fill_buffer(traj, 1, 1)

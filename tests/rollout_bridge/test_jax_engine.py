@@ -217,24 +217,54 @@ def test_a_next_turn_computes_only_its_new_tokens(engine, greedy_reference, qwen
     engine.release(["ep3", "never-seen"])  # an unknown id is ignored
     engine.generate([Request("ep3", p + turn + answer, params)])
     assert calls["prefill"] == 6 and len(calls["extend"]) == 1
+    # A swap with keep_kv keeps them (and their keys/values): the next turn computes its new tokens only.
+    engine.generate([Request("ep4", p, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,)))])
+    engine.update_weights(engine.version, dict(iter_hf_tensors(qwen3_model)), keep_kv=True)
+    (kept,) = engine.generate([Request("ep4", p + turn + answer, params)])
+    assert calls["prefill"] == 7 and calls["extend"][1:] == [len(p) + len(turn) - 1]
+    assert kept.sample.tokens == fresh.sample.tokens
+
+
+def _run_with_a_swap(monkeypatch, eng, reqs, version, tensors, **kw):
+    """Runs `reqs` with a weight swap after the engine's second decode call (16 tokens in); returns their
+    samples and the prefill rows the swap itself computed."""
+    monkeypatch.undo()
+    rows, in_swap, swap_rows = [], [], []
+    prefill, swap = jax_decode.prefill, eng._swap_weights
+
+    def counting(graphdef, params, cache, tokens_pt, lengths_p, slots_pr, **k):
+        if in_swap:
+            rows.append(int((np.asarray(slots_pr) < eng.max_slots).any(-1).sum()))
+        return prefill(graphdef, params, cache, tokens_pt, lengths_p, slots_pr, **k)
+
+    def counted_swap(*args):
+        in_swap.append(1)
+        swap(*args)
+        swap_rows.append(sum(rows))
+        in_swap.clear()
+
+    monkeypatch.setattr(jax_decode, "prefill", counting)
+    monkeypatch.setattr(eng, "_swap_weights", counted_swap)
+    held = _pause_after_decode(monkeypatch, eng, 2)
+    for r in reqs:
+        eng.submit(r)
+    assert held.wait(30)
+    eng.update_weights(version, tensors, **kw)
+    assert eng.version == version
+    done = poll_all(eng, len(reqs))
+    return {r.request_id: done[r.request_id].sample for r in reqs}, swap_rows
 
 
 def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
     eng = JaxEngine(qwen3_dir, **ENGINE_KW)
     new_model, new = perturbed(qwen3_model, seed=0)
-    # Swap after the second decode call (16 tokens in), with every request still running.
-    held = _pause_after_decode(monkeypatch, eng, 2)
     reqs = [Request(f"w{i}", p, SamplingParams(max_tokens=60, temperature=0.0))
             for i, p in enumerate(prompts(2, lens=(5, 20, 9)))]
+    # By default the swap recomputes every in-flight cache under the new weights.
+    done, swap_rows = _run_with_a_swap(monkeypatch, eng, reqs, 1, new)
+    assert swap_rows[0] > 0
     for r in reqs:
-        eng.submit(r)
-    assert held.wait(30)
-    eng.update_weights(1, new)
-    assert eng.version == 1
-    done = poll_all(eng, len(reqs))
-    eng.close()
-    for r in reqs:
-        s = done[r.request_id].sample
+        s = done[r.request_id]
         # Requests admitted together swap 16 tokens in; one admitted a chunk late, 8 tokens in.
         swap = s.versions.index(1)
         assert swap in (8, 16) and s.versions == [0] * swap + [1] * (60 - swap), s.versions
@@ -245,6 +275,32 @@ def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
         assert s.tokens[:swap] == old_argmax[:swap].tolist()
         # The new weights' greedy continuation of the pre-swap prefix, token by token.
         assert s.tokens[swap:] == new_argmax[swap:].tolist()
+
+    # keep_kv: no recompute. Swapped to the weights it already serves, the run is the uninterrupted one.
+    reqs = [dataclasses.replace(r, request_id=f"k{i}") for i, r in enumerate(reqs)]
+    done, swap_rows = _run_with_a_swap(monkeypatch, eng, reqs, 2, new, keep_kv=True)
+    assert swap_rows == [0]
+    for r in reqs:
+        s = done[r.request_id]
+        new_lp, new_argmax = teacher_forced(new_model, r.prompt, s.tokens)
+        assert s.tokens == new_argmax.tolist() and s.versions.count(2) > 0
+        np.testing.assert_allclose(s.logprobs, new_lp, atol=1e-4, rtol=0)
+    # Swapped to other weights (the original ones), the tokens after the swap are theirs attending to the
+    # keys and values version 2 computed: not what a recompute under them gives.
+    done, swap_rows = _run_with_a_swap(monkeypatch, eng, reqs, 3, dict(iter_hf_tensors(qwen3_model)),
+                                       keep_kv=True)
+    eng.close()
+    assert swap_rows == [0]
+    for r in reqs:
+        s = done[r.request_id]
+        swap = s.versions.index(3)
+        assert swap in (8, 16) and s.versions == [2] * swap + [3] * (60 - swap), s.versions
+        new_lp, _ = teacher_forced(new_model, r.prompt, s.tokens)
+        old_lp, _ = teacher_forced(qwen3_model, r.prompt, s.tokens)
+        np.testing.assert_allclose(s.logprobs[:swap], new_lp[:swap], atol=1e-4, rtol=0)
+        # After the swap, every position before it keeps version 2's keys and values: the log-probs are not
+        # those of a recompute under version 3.
+        assert np.abs(np.asarray(s.logprobs[swap:]) - old_lp[swap:]).max() > 100 * 1e-4
 
 
 def test_abort_and_resume_equals_uninterrupted(engine, greedy_reference, monkeypatch):

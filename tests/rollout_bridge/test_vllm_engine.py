@@ -170,6 +170,35 @@ def test_weight_update_mid_generation(engine, base_model, restore, capsys, caplo
     assert "labelled no weight versions" not in caplog.text  # versions came from vLLM's own labels
 
 
+def test_weight_update_keeping_kv(engine, base_model, base_tensors, restore):
+    """keep_kv (PipelineRL's in-flight update): the KV in flight is kept, not recomputed. Swapped to the
+    weights it already serves, the run is the uninterrupted one; swapped to others, the tokens after the
+    swap attend to keys and values the old weights computed, so their log-probs are not a recompute's."""
+    new_model, new_tensors = perturbed(base_model, seed=3)
+    n = 200
+    for model, tensors in ((base_model, base_tensors), (new_model, new_tensors)):
+        old_version, new_version = engine.version, engine.version + 1
+        reqs = [Request(f"kv{new_version}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0))
+                for i, p in enumerate(prompts(2, lens=(5, 20, 9)))]
+        for r in reqs:
+            engine.submit(r)
+        wait_running(engine, len(reqs))
+        engine.update_weights(new_version, tensors, keep_kv=True)
+        done = poll_all(engine, len(reqs))
+        for r in reqs:
+            s = done[r.request_id].sample
+            swap = s.versions.index(new_version)
+            assert 0 < swap < n and s.versions == [old_version] * swap + [new_version] * (n - swap)
+            old_lp, old_argmax = teacher_forced(base_model, r.prompt, s.tokens)
+            np.testing.assert_allclose(s.logprobs[:swap], old_lp[:swap], atol=ATOL, rtol=0)
+            if model is base_model:
+                assert s.tokens == old_argmax.tolist()
+                np.testing.assert_allclose(s.logprobs, old_lp, atol=ATOL, rtol=0)
+            else:
+                new_lp, _ = teacher_forced(new_model, r.prompt, s.tokens)
+                assert np.abs(np.asarray(s.logprobs[swap:]) - new_lp[swap:]).max() > 100 * ATOL
+
+
 def test_abort_and_resume_equals_uninterrupted(engine, caplog):
     n = 200
     params = SamplingParams(max_tokens=n, temperature=0.0)

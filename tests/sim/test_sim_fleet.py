@@ -90,19 +90,20 @@ def test_max_tokens_cap_gives_length():
     assert done["p0:3"].finish_reason == "stop" and len(done["p0:3"].tokens) == 4
 
 
-def test_weight_update_switches_versions_at_the_sync_block_and_stalls():
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_weight_update_switches_versions_at_the_sync_block_and_stalls(keep_kv):
     fleet = fleet_of(spec(sync_s=2.0))
     eng = fleet.engines[0]
     eng.submit(req(0, 0))
     fleet.advance(P / PREFILL + 1000 * 0.01)  # 1000 tokens generated
     tokens = fleet.stats()["total"]["tokens"]
     assert tokens == pytest.approx(1000)
-    eng.update_weights(1, None)
+    eng.update_weights(1, None, keep_kv=keep_kv)
     assert eng.version == 1
-    fleet.advance(fleet.now + 2.0)  # within sync_s + recompute: nothing generated
+    fleet.advance(fleet.now + 2.0)  # within sync_s (+ the recompute unless keep_kv): nothing generated
     assert fleet.stats()["total"]["tokens"] == pytest.approx(tokens)
     t, c = run_until_done(fleet, eng)
-    stall = 2.0 + (P + 1000) / PREFILL
+    stall = 2.0 + (0.0 if keep_kv else (P + 1000) / PREFILL)
     assert t == pytest.approx(P / PREFILL + stall + 3072 * 0.01, abs=TICK + 1e-6)
     assert c.sample.versions == [0] * (1000 // B) + [1] * (12 - 1000 // B)
     st = fleet.stats()["engines"][0]
