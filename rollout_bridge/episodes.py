@@ -99,6 +99,7 @@ class EpisodeEngine(Engine):
         self.renderer = ObservationRenderer(tokenizer)
         self.counts: collections.Counter = collections.Counter()
         self._episodes: dict[str, _Episode] = {}
+        self._closing_envs: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._threads = [threading.Thread(target=self._loop.run_forever, name="episodes-loop", daemon=True),
                          threading.Thread(target=self._pump, name="episodes-pump", daemon=True)]
@@ -360,9 +361,21 @@ class EpisodeEngine(Engine):
 
         async def close():
             try:
-                await asyncio.wait_for(env.close(), self.step_timeout_s)
+                async with asyncio.timeout(self.step_timeout_s):
+                    await env.close()
             except Exception as e:  # noqa: BLE001 - a failing close costs the environment, not the run
                 self.counts["env_close_failed"] += 1
                 log.warning("environment %r, episode %s: close failed: %s", self.env_name, ep.request.request_id, e)
 
-        return asyncio.run_coroutine_threadsafe(close(), self._loop) if self._loop.is_running() else None
+        if not self._loop.is_running():
+            return None
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # called from another thread
+            on_loop = False
+        if not on_loop:
+            return asyncio.run_coroutine_threadsafe(close(), self._loop)
+        task = self._loop.create_task(close())  # from an episode's coroutine: no hand-off through the loop's pipe
+        self._closing_envs.add(task)  # the loop keeps only a weak reference to its tasks
+        task.add_done_callback(self._closing_envs.discard)
+        return task

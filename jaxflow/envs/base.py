@@ -102,8 +102,8 @@ def check_messages(value: Any, where: str, default_role: str) -> list[dict[str, 
 def check_step(value: Any, where: str, default_role: str = "tool") -> Step:
     """A `step` answer (a Step, or a mapping with its fields) checked and normalised; ValueError saying
     what is wrong, prefixed by `where`."""
-    if isinstance(value, Step):
-        fields = dataclasses.asdict(value)
+    if isinstance(value, Step):  # its fields as they are (check_messages and dict(info) copy them below)
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     elif isinstance(value, Mapping):
         unknown = sorted(set(value) - {"observation", "reward", "done", "info"})
         if unknown:
@@ -132,8 +132,9 @@ async def call(env: Any, method: str, *args: Any, timeout_s: float | None, env_n
     (`step`: a Step; `reset`: a list of messages). Raises EnvironmentFailed on a timeout, an exception
     or a malformed answer."""
     try:
-        answer = await asyncio.wait_for(getattr(env, method)(*args), timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):  # in this task: no task of its own per call, as wait_for makes
+            answer = await getattr(env, method)(*args)
+    except TimeoutError:
         raise EnvironmentFailed("timeout", env_name, episode, f"{method} took more than {timeout_s} s") from None
     except asyncio.CancelledError:
         raise
