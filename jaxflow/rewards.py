@@ -13,11 +13,12 @@ per worker at a time, so that:
 - a result that is not a finite real number scores `failed_value` and is counted in `stats()["invalid"]`.
 
 Design: every worker has its own duplex pipe; one dispatcher thread in the parent owns all workers, hands a
-queued call to each idle worker, and waits on the pipes, the workers' process sentinels and a wake-up pipe at
-once (`multiprocessing.connection.wait`), with a timeout at the nearest deadline. `concurrent.futures`'
-ProcessPoolExecutor is not used because it cannot kill one hung call (and a dead worker breaks the whole
-executor). Calls and results cross the pipes as msgpack, so the parent never unpickles anything a reward
-function produced, and `meta` must be msgpack-serialisable (task records are).
+queued job to each idle worker (one call, or a group's calls: `score_group` makes one job per worker, which
+answers each call as it ends, `timeout_s` running from the previous answer, so a group costs one hand-off
+instead of one per sample), and waits on the pipes, the workers' process sentinels and a wake-up pipe at
+once (`multiprocessing.connection.wait`), with a timeout at the nearest deadline. ProcessPoolExecutor
+cannot kill one hung call (and a dead worker breaks it). Calls and results cross the pipes as msgpack, so
+the parent never unpickles anything a reward function produced, and `meta` must be msgpack-serialisable.
 
 A new worker is given calls only once it reports ready, so spawn start-up never eats into `timeout_s`. The
 first call of a function in a worker imports its module first, under its own limit `import_timeout_s`; the
@@ -77,11 +78,8 @@ STAT_KEYS = ("submitted", "scored", "raised", "timed_out", "crashed", "invalid",
 
 def resolve(fn_ref: str) -> Callable[[str, dict], Any]:
     """The function a "module:function" reference names (the function may be a dotted attribute path).
-
-    Raises:
-      ValueError: `fn_ref` is not of the form "module:function", or names nothing callable.
-      ImportError: the module does not import.
-    """
+    Raises ValueError if `fn_ref` is not of that form or names nothing callable, ImportError if the module
+    does not import."""
     module_name, sep, attr = fn_ref.partition(":") if isinstance(fn_ref, str) else ("", "", "")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function reference {fn_ref!r} is not of the form 'module:function'")
@@ -105,11 +103,8 @@ def _check_result(value: Any) -> float | None:
 
 
 def score_inline(fn_ref: str, response: str, meta: dict) -> float:
-    """Calls the reward function in this process: for tests and debugging (an exception propagates).
-
-    Raises:
-      ValueError: `fn_ref` names no function, or the result is not a finite real number.
-    """
+    """Calls the reward function in this process, for tests and debugging: its exception propagates, and
+    ValueError is raised if `fn_ref` names no function or the result is not a finite real number."""
     value = resolve(fn_ref)(response, meta)
     checked = _check_result(value)
     if checked is None:
@@ -123,11 +118,11 @@ def _error_text(e: BaseException) -> str:
 
 def _worker_main(conn: multiprocessing.connection.Connection, preload: Sequence[str],
                  memory_limit_mb: int | None, marker: str = "") -> None:
-    """A reward worker: reports ready, then answers [job id, fn_ref, response, meta] calls until told to stop.
-
-    Answers are [job id, status, payload]: ("ok", float), ("invalid", repr of the result) or ("raised", error
-    text), preceded by ("loaded", None) when the call had to import its function first. An empty message, or
-    the parent closing its end of the pipe, stops the worker.
+    """A reward worker: reports ready, then runs [job id, fn_ref, responses, meta, index of the first] jobs
+    until told to stop. Each call's answer is sent as it ends, [job id, index, status, payload]: ("ok", float), ("invalid", repr
+    of the result) or ("raised", error text); a job's first call that had to import its function first
+    sends [job id, "loaded", None] once the import is done. An empty message, or the parent closing its end
+    of the pipe, stops the worker.
     """
     # Ctrl-C goes to the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -154,34 +149,41 @@ def _worker_main(conn: multiprocessing.connection.Connection, preload: Sequence[
             return
         if not message:
             return
-        job_id, fn_ref, response, meta = msgpack.unpackb(message, raw=False, strict_map_key=False)
-        try:
-            fn = functions.get(fn_ref)
-            if fn is None:
-                fn = functions[fn_ref] = resolve(fn_ref)
-                # The import is done: from here on the parent holds the call to timeout_s.
-                conn.send_bytes(msgpack.packb([job_id, "loaded", None]))
-            value = fn(response, meta)
-            checked = _check_result(value)
-            answer = [job_id, "ok", checked] if checked is not None else [job_id, "invalid", repr(value)[:200]]
-        # BaseException: a reward function calling sys.exit() or raising KeyboardInterrupt failed one sample;
-        # the worker itself is fine.
-        except BaseException as e:  # noqa: BLE001
-            answer = [job_id, "raised", _error_text(e)]
-        try:
-            conn.send_bytes(msgpack.packb(answer))
-        except (EOFError, OSError):
-            return
+        job_id, fn_ref, responses, meta, first = msgpack.unpackb(message, raw=False, strict_map_key=False)
+        for index, response in enumerate(responses, first):
+            try:
+                fn = functions.get(fn_ref)
+                if fn is None:
+                    fn = functions[fn_ref] = resolve(fn_ref)
+                    # The import is done: from here on the parent holds the call to timeout_s.
+                    conn.send_bytes(msgpack.packb([job_id, "loaded", None]))
+                value = fn(response, meta)
+                checked = _check_result(value)
+                answer = ["ok", checked] if checked is not None else ["invalid", repr(value)[:200]]
+            # BaseException: a reward function calling sys.exit() or raising KeyboardInterrupt failed one
+            # sample; the worker itself is fine.
+            except BaseException as e:  # noqa: BLE001
+                answer = ["raised", _error_text(e)]
+            try:
+                conn.send_bytes(msgpack.packb([job_id, index, *answer]))
+            except (EOFError, OSError):
+                return
 
 
 @dataclasses.dataclass
 class _Job:
+    """Calls of one function on `responses` (sharing `meta`), one future each; `done` of them answered; `live`,
+    per future, what its set_running_or_notify_cancel() said (it may be called once) when the job started."""
     job_id: int
     fn_ref: str
-    payload: bytes
-    future: Future
-    # set_running_or_notify_cancel() has been called (it may be called only once per future).
-    started: bool = False
+    responses: list[str]
+    meta: dict
+    futures: list[Future]
+    live: list[bool] | None = None
+    done: int = 0
+
+    def payload(self) -> bytes:
+        return msgpack.packb([self.job_id, self.fn_ref, self.responses[self.done:], self.meta, self.done])
 
 
 @dataclasses.dataclass
@@ -268,30 +270,37 @@ class RewardPool:
           TypeError: `response` or `meta` cannot be sent to a worker (meta must be msgpack-serialisable).
           RuntimeError: the pool is closed or its workers cannot start.
         """
+        return self._submit(fn_ref, [response], meta)[0]
+
+    def score_group(self, fn_ref: str, responses: Sequence[str], meta: dict) -> list[float]:
+        """Scores the responses of one group (they share `meta`) in as many jobs as there are workers (one
+        with one worker), in parallel over the workers; blocks. Each call keeps `submit`'s guarantees."""
+        responses, k = list(responses), max(1, min(self.num_workers, len(responses)))
+        jobs = [self._submit(fn_ref, responses[i::k], meta) for i in range(k)]  # response j: jobs[j % k][j // k]
+        return [jobs[j % k][j // k].result() for j in range(len(responses))]
+
+    def _submit(self, fn_ref: str, responses: list[str], meta: dict) -> list[Future]:
         if not isinstance(fn_ref, str) or fn_ref.count(":") != 1 or fn_ref.startswith(":") or fn_ref.endswith(":"):
             raise ValueError(f"reward function reference {fn_ref!r} is not of the form 'module:function'")
-        future: Future = Future()
+        futures: list[Future] = [Future() for _ in responses]
+        if not futures:
+            return futures
         with self._lock:
             if self._closing:
                 raise RuntimeError("RewardPool is closed")
             if self._broken:
                 raise RuntimeError(self._broken)
-            job_id = self._next_job_id
+            job = _Job(self._next_job_id, fn_ref, responses, meta, futures)
             self._next_job_id += 1
             try:
-                payload = msgpack.packb([job_id, fn_ref, response, meta])
+                job.payload()
             except (TypeError, ValueError, OverflowError) as e:
                 raise TypeError(f"reward call for {fn_ref}: response and meta must be msgpack-serialisable "
                                 f"({e})") from None
-            self._pending.append(_Job(job_id, fn_ref, payload, future))
-            self._stats["submitted"] += 1
+            self._pending.append(job)
+            self._stats["submitted"] += len(responses)
         self._wake()
-        return future
-
-    def score_group(self, fn_ref: str, responses: Sequence[str], meta: dict) -> list[float]:
-        """Scores the responses of one group (they share `meta`), in parallel over the workers; blocks."""
-        futures = [self.submit(fn_ref, r, meta) for r in responses]
-        return [f.result() for f in futures]
+        return futures
 
     def stats(self) -> dict[str, int]:
         """Counts since start: submitted, scored (valid results), raised, timed_out, crashed, invalid,
@@ -374,12 +383,12 @@ class RewardPool:
                 job = self._pending.popleft() if self._pending else None
             if job is None:
                 return
-            if not job.started:
-                if not job.future.set_running_or_notify_cancel():
+            if job.live is None:
+                job.live = [f.set_running_or_notify_cancel() for f in job.futures]
+                if not any(job.live):
                     continue  # cancelled by the caller while queued
-                job.started = True
             try:
-                worker.conn.send_bytes(job.payload)
+                worker.conn.send_bytes(job.payload())
             except (OSError, EOFError):
                 # The worker died while idle; its sentinel will show it. The call goes back to the front.
                 with self._lock:
@@ -432,21 +441,25 @@ class RewardPool:
             self._break(f"reward workers cannot start: {str(message[1])[:_MAX_ERROR_CHARS]}")
             return True
         job = worker.job
-        if not isinstance(message, list) or len(message) != 3 or job is None or message[0] != job.job_id:
-            log.error("reward worker %s sent an unexpected message; replacing it", worker.process.pid)
-            return False
-        _, status, payload = message
-        if status == "loaded":
+        if message == [getattr(job, "job_id", None), "loaded", None]:
             worker.loaded.add(job.fn_ref)
             worker.deadline = time.monotonic() + self.timeout_s
             return True
-        worker.job, worker.deadline = None, math.inf
+        if not isinstance(message, list) or len(message) != 4 or message[:2] != [getattr(job, "job_id", None),
+                                                                                  getattr(job, "done", None)]:
+            log.error("reward worker %s sent an unexpected message; replacing it", worker.process.pid)
+            return False
+        _, _, status, payload = message
         if status == "ok":
             self._finish(job, "scored", float(payload))
         elif status == "invalid":
             self._fail(job, "invalid", f"returned {payload}, not a finite real number")
         else:
             self._fail(job, "raised", f"raised {payload}")
+        if job.done == len(job.futures):  # a finished job frees the worker; else the next call's
+            worker.job, worker.deadline = None, math.inf  # timeout_s runs from this answer
+        else:
+            worker.deadline = time.monotonic() + self.timeout_s
         return True
 
     def _replace(self, index: int, reason: str) -> None:
@@ -464,7 +477,11 @@ class RewardPool:
                 what = f"ran past timeout_s={self.timeout_s:g}s; its worker was killed"
             else:
                 what = f"did not import within import_timeout_s={self.import_timeout_s:g}s; its worker was killed"
-            self._fail(worker.job, reason, what)
+            job, worker.job = worker.job, None
+            self._fail(job, reason, what)
+            if job.done < len(job.futures):  # the calls after the failed one go back to the front of the queue
+                with self._lock:
+                    self._pending.appendleft(job)
         elif not worker.ready:
             self._start_failures += 1
             log.error("reward worker %s exited with code %s before it was ready", worker.process.pid,
@@ -487,9 +504,12 @@ class RewardPool:
             self._broken = message
 
     def _finish(self, job: _Job, outcome: str, value: float) -> None:
+        """The result of `job`'s next call (its future dropped if the caller cancelled it)."""
         with self._lock:
             self._stats[outcome] += 1
-        job.future.set_result(value)
+        index, job.done = job.done, job.done + 1
+        if job.live[index]:
+            job.futures[index].set_result(value)
 
     def _fail(self, job: _Job, outcome: str, what: str) -> None:
         message = f"reward function {job.fn_ref} {what}"
@@ -525,8 +545,9 @@ class RewardPool:
         for worker in self._workers:
             worker.job = None
         for job in jobs:
-            if job.started or job.future.set_running_or_notify_cancel():
-                job.future.set_exception(RuntimeError(message))
+            for i in range(job.done, len(job.futures)):
+                if job.live[i] if job.live is not None else job.futures[i].set_running_or_notify_cancel():
+                    job.futures[i].set_exception(RuntimeError(message))
 
 
 def _kill(process: multiprocessing.process.BaseProcess, marker: str = "") -> None:

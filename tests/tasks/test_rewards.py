@@ -84,6 +84,16 @@ def allocating_reward(response, meta):
     return float(len(bytearray(4 << 30)))
 
 
+def picky_reward(response, meta):
+    if response == "hang":
+        time.sleep(3600)
+    if response == "crash":
+        os._exit(5)
+    if response == "raise":
+        raise ValueError("no")
+    return float(len(response))
+
+
 def ref(fn):
     return f"{HERE}:{fn.__name__}"
 
@@ -264,6 +274,26 @@ def test_failed_value_and_a_mix_in_one_group():
         assert [f.result(timeout=20) for f in futures] == [3.0, -1.0, -1.0, -1.0, 2.0]
         stats = pool.stats()
         assert (stats["scored"], stats["timed_out"], stats["raised"], stats["crashed"]) == (2, 1, 1, 1)
+
+
+def test_a_group_is_one_job_per_worker_and_each_call_keeps_its_own_outcome():
+    """score_group hands a group to a worker as one job (one hand-off, not one per sample); a call that
+    hangs or crashes fails alone, under its own timeout_s, and the calls after it run on the replacement."""
+    with RewardPool(num_workers=1, timeout_s=0.5, failed_value=-1.0, preload=[ref(picky_reward)]) as pool:
+        jobs = pool._next_job_id
+        assert pool.score_group(ref(picky_reward), ["a", "bb", "ccc"] * 3, {}) == [1.0, 2.0, 3.0] * 3
+        assert pool._next_job_id == jobs + 1
+        start = time.monotonic()
+        group = ["abc", "hang", "ab", "crash", "raise", "abcd"]
+        assert pool.score_group(ref(picky_reward), group, {}) == [3.0, -1.0, 2.0, -1.0, -1.0, 4.0]
+        assert time.monotonic() - start < 10.0
+        stats = pool.stats()
+        assert (stats["scored"], stats["timed_out"], stats["crashed"], stats["raised"]) == (9 + 3, 1, 1, 1)
+        assert stats["pending"] == 0 and stats["workers_started"] == 3
+    with RewardPool(num_workers=2, timeout_s=0.5, preload=[ref(picky_reward)]) as pool:  # split over workers
+        jobs = pool._next_job_id
+        assert pool.score_group(ref(picky_reward), ["a", "bb", "ccc", "dddd", "eeeee"], {}) == [1, 2, 3, 4, 5]
+        assert pool._next_job_id == jobs + 2
 
 
 def test_bad_references_and_payloads(pool):
