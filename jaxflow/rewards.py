@@ -119,10 +119,10 @@ def _error_text(e: BaseException) -> str:
 def _worker_main(conn: multiprocessing.connection.Connection, preload: Sequence[str],
                  memory_limit_mb: int | None, marker: str = "") -> None:
     """A reward worker: reports ready, then runs [job id, fn_ref, responses, meta, index of the first] jobs
-    until told to stop. Each call's answer is sent as it ends, [job id, index, status, payload]: ("ok", float), ("invalid", repr
-    of the result) or ("raised", error text); a job's first call that had to import its function first
-    sends [job id, "loaded", None] once the import is done. An empty message, or the parent closing its end
-    of the pipe, stops the worker.
+    until told to stop. Each call's answer is sent as it ends, [job id, index, status, payload]: ("ok",
+    float), ("invalid", repr of the result) or ("raised", error text); a call that had to import its
+    function first sends [job id, "loaded", None] once the import is done. An empty message, or the parent
+    closing its end of the pipe, stops the worker.
     """
     # Ctrl-C goes to the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
