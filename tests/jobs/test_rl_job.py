@@ -93,7 +93,7 @@ def test_bad_values_are_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "rollout.engine 'sglang' is not one of ('jax', 'vllm')" in err and "trainer.eta must be >= 0" in err
     assert "trainer.minibatches must be >= 1" in err and "rollout.coordination: " in err
-    assert "sync_mode 'drop' is not one of keep, abort" in err
+    assert "sync_mode 'drop' is not one of keep, keep_kv, abort" in err
     # The update's options are checked with the rest, before anything starts (no workdir, no base model).
     assert "trainer.loss.aggregation='median' is invalid" in err and "trainer.schedule='linear' is invalid" in err
     assert not (tmp_path / "run").exists()
