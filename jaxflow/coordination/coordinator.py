@@ -326,10 +326,7 @@ class Coordinator:
         """Pulls `version` (None: the newest) from the weight source into one instance; returns it."""
         t0 = time.perf_counter()
         version, weights = self.params.pull(version)
-        if self.strategy.sync_mode == "keep_kv":
-            inst.engine.update_weights(version, weights, keep_kv=True)
-        else:  # engines written before keep_kv take (version, tensors) alone
-            inst.engine.update_weights(version, weights)
+        inst.engine.update_weights(version, weights, keep_kv=self.strategy.sync_mode == "keep_kv")
         if self.trace_every_s is not None:
             self.trace["sync_s"].append(time.perf_counter() - t0)
         inst.syncs += 1

@@ -40,7 +40,7 @@ class ScriptedEngine:
     def load(self):
         return EngineLoad(len(self.requests), 0, 0.0, 1.0, 0)
 
-    def update_weights(self, version, tensors):
+    def update_weights(self, version, tensors, *, keep_kv=False):
         pass
 
 

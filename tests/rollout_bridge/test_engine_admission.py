@@ -36,7 +36,7 @@ class QueueEngine(Engine):
     def progress(self, request_ids):
         return []
 
-    def update_weights(self, version, tensors):
+    def update_weights(self, version, tensors, *, keep_kv=False):
         pass
 
     def pause(self, mode="keep"):
