@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
-from tolerances import F32_EPS
+from tolerances import forward_terms, sum_atol
 
 from conftest import SUITE_OPT_LEVEL
 
@@ -41,15 +41,14 @@ def test_forward_and_gradient_agree_with_the_default_level():
     results = [lowered.compile(compiler_options={"xla_backend_optimization_level": level})(params, tokens)
                for level in (SUITE_OPT_LEVEL, XLA_DEFAULT_LEVEL)]
     (v_suite, logits_suite, g_suite), (v_default, logits_default, g_default) = jax.tree.map(np.asarray, results)
-    # Rounding, from the scale of the terms: each logit sums up to `intermediate_size` products a dot product,
-    # through every layer and the head; each gradient element sums one term per token (4 * 47) through them.
-    depth = max(CFG.hidden_size, CFG.intermediate_size) * (CFG.num_layers + 1)
-    scale = np.abs(logits_default).max()
-    np.testing.assert_allclose(logits_suite, logits_default, rtol=0, atol=depth * F32_EPS * scale)
-    np.testing.assert_allclose(v_suite, v_default, rtol=0, atol=depth * F32_EPS * scale)
+    # Rounding, from the scale of the terms (tests/tolerances.py); each gradient element also sums one term
+    # per token (4 * 47).
+    atol = sum_atol(forward_terms(CFG), np.abs(logits_default).max())
+    np.testing.assert_allclose(logits_suite, logits_default, rtol=0, atol=atol)
+    np.testing.assert_allclose(v_suite, v_default, rtol=0, atol=atol)
     tokens_n = tokens.shape[0] * (tokens.shape[1] - 1)
     for (keypath, b), a in zip(jax.tree_util.tree_leaves_with_path(g_default), jax.tree.leaves(g_suite)):
-        atol = tokens_n * depth * F32_EPS * max(float(np.abs(b).max()), 1e-30)
+        atol = sum_atol(tokens_n * forward_terms(CFG), max(float(np.abs(b).max()), 1e-30))
         np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(keypath))
     # Not trivially equal: the gradient is not zero.
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(g_default)) > 1e-4

@@ -18,6 +18,13 @@ def sum_atol(num_terms: int, term_scale: float) -> float:
     return max(num_terms, 1) * F32_EPS * float(term_scale)
 
 
+def forward_terms(cfg) -> int:
+    """The terms a transformer's logit accumulates rounding over: its widest dot product (the hidden or the
+    MLP's width) once per layer and once in the head; `sum_atol(forward_terms(cfg), max|logit|)` bounds
+    the difference between two programs computing the same forward pass."""
+    return max(cfg.hidden_size, cfg.intermediate_size) * (cfg.num_layers + 1)
+
+
 def assert_sums_close(actual, desired, num_terms: int, term_scale: float):
     """Two float32 reductions of the same terms, summed in different orders (sharding, packing,
     micro-batching), agree to within the rounding of the terms."""
