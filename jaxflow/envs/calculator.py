@@ -19,6 +19,7 @@ import ast
 import asyncio
 import fractions
 import re
+import warnings
 from typing import Any
 
 from jaxflow.envs.base import Step
@@ -38,7 +39,11 @@ def evaluate(expression: str, max_chars: int = 200, max_digits: int = 30) -> str
     if len(expression) > max_chars:
         raise ValueError(f"expression longer than {max_chars} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        # The model's text, not code: Python's warnings about it ("1or 2": invalid decimal literal) would
+        # reach the run's log; it is refused below (a SyntaxError, or not arithmetic) all the same.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ValueError("not an arithmetic expression") from None
     limit = 10 ** max_digits

@@ -3,6 +3,7 @@ calculator tool, and a SkyRL-gym environment through the adapter."""
 
 import asyncio
 import math
+import warnings
 
 import pytest
 
@@ -103,6 +104,14 @@ def test_evaluate_is_exact_arithmetic(expression, value):
 def test_evaluate_refuses_what_is_not_small_arithmetic(expression, error, match):
     with pytest.raises(error, match=match):
         evaluate(expression)
+
+
+@pytest.mark.parametrize("expression, match", [("3 - 1or 2", "only integers"), ("1 + 2if", "not an arithmetic")])
+def test_evaluate_refuses_without_python_warnings(expression, match):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Python warns of "1or" (invalid decimal literal) as it parses
+        with pytest.raises(ValueError, match=match):
+            evaluate(expression)
 
 
 def test_a_calculator_episode():
