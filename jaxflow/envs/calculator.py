@@ -19,7 +19,6 @@ import ast
 import asyncio
 import fractions
 import re
-import warnings
 from typing import Any
 
 from jaxflow.envs.base import Step
@@ -29,6 +28,8 @@ __all__ = ["CalculatorEnv", "evaluate", "TOOL_CALL"]
 TOOL_CALL = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
 """A tool call in a model turn: the expression between the tags (the last one in the turn is run)."""
 
+_ARITHMETIC_TEXT = re.compile(r"[0-9+\-*/().\s]*")
+_NOT_ARITHMETIC = "only integers, + - * / and parentheses are allowed"
 _OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
               ast.Div: lambda a, b: a / b}
 
@@ -38,12 +39,12 @@ def evaluate(expression: str, max_chars: int = 200, max_digits: int = 30) -> str
     is wrong (too long, not arithmetic, too large), ZeroDivisionError on a division by zero."""
     if len(expression) > max_chars:
         raise ValueError(f"expression longer than {max_chars} characters")
+    # Only these characters reach Python's parser: it warns on some other text as it parses ("1or 2":
+    # invalid decimal literal, printed into the run's log), and a warnings filter is not thread-safe.
+    if not _ARITHMETIC_TEXT.fullmatch(expression):
+        raise ValueError(_NOT_ARITHMETIC)
     try:
-        # The model's text, not code: Python's warnings about it ("1or 2": invalid decimal literal) would
-        # reach the run's log; it is refused below (a SyntaxError, or not arithmetic) all the same.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SyntaxWarning)
-            tree = ast.parse(expression.strip(), mode="eval")
+        tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ValueError("not an arithmetic expression") from None
     limit = 10 ** max_digits
@@ -56,7 +57,7 @@ def evaluate(expression: str, max_chars: int = 200, max_digits: int = 30) -> str
         elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             out = _OPERATORS[type(node.op)](value(node.left), value(node.right))
         else:
-            raise ValueError("only integers, + - * / and parentheses are allowed")
+            raise ValueError(_NOT_ARITHMETIC)
         if abs(out.numerator) >= limit or out.denominator >= limit:
             raise ValueError(f"a value has more than {max_digits} digits")
         return out

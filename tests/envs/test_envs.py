@@ -106,10 +106,11 @@ def test_evaluate_refuses_what_is_not_small_arithmetic(expression, error, match)
         evaluate(expression)
 
 
-@pytest.mark.parametrize("expression, match", [("3 - 1or 2", "only integers"), ("1 + 2if", "not an arithmetic")])
+@pytest.mark.parametrize("expression, match", [("3 - 1or 2", "only integers"), ("1 + 2if", "only integers"),
+                                               ("1(2)", "only integers"), ("1 +", "not an arithmetic")])
 def test_evaluate_refuses_without_python_warnings(expression, match):
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # Python warns of "1or" (invalid decimal literal) as it parses
+        warnings.simplefilter("error")  # Python's parser warns of "1or" (invalid decimal literal)
         with pytest.raises(ValueError, match=match):
             evaluate(expression)
 
