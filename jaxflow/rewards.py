@@ -571,17 +571,18 @@ def _kill(process: multiprocessing.process.BaseProcess, marker: str = "") -> Non
 
 
 def _kill_marked(marker: str) -> None:
-    """SIGKILLs every other process whose environment holds MARKER_ENV=marker, until a scan finds none (a
-    marked process may fork while it is scanned)."""
+    """SIGKILLs every other process whose environment holds MARKER_ENV=marker, until a scan finds none (a marked
+    process may fork while scanned). Not process_iter: its cache may hold an earlier process at a reused pid."""
     for _ in range(5):
         found = False
-        for proc in psutil.process_iter():
-            if proc.pid == os.getpid():
+        for pid in psutil.pids():
+            if pid == os.getpid():
                 continue
             with contextlib.suppress(psutil.Error, OSError):
+                proc = psutil.Process(pid)
                 if proc.environ().get(MARKER_ENV) == marker:
+                    found = True  # scan again even if this kill fails: nothing marked may outlive the scans
                     proc.kill()
-                    found = True
         if not found:
             return
 

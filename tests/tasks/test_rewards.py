@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from jaxflow import rewards
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve, score_inline
 from jaxflow.data.records import GroupTask, Sample
 
@@ -250,6 +251,23 @@ def test_closing_the_pool_kills_a_setsid_daemon_a_reward_left(tmp_path):
         daemon = _escaped_pid(pid_file)
         assert not gone(daemon)  # a reward may leave a helper running while the pool is in use
     assert _wait_gone(daemon)
+
+
+def test_a_marked_process_is_killed_when_psutil_cached_an_earlier_process_at_its_pid():
+    """A long run may wrap the pid space (pid_max can be 32768): psutil.process_iter's cache may still hold an earlier
+    process at a reused pid, and that object's kill() refuses the process living there now."""
+    marker = f"test-{os.getpid()}-reused-pid"
+    daemon = subprocess.Popen(["sleep", "60"], env={**os.environ, rewards.MARKER_ENV: marker})
+    try:
+        stale = psutil.Process(daemon.pid)
+        stale._ident = (daemon.pid, stale._ident[1] - 100.0)  # as psutil keeps the earlier process's start
+        psutil._pmap[daemon.pid] = stale  # process_iter's cache (psutil 7)
+        rewards._kill_marked(marker)
+        assert daemon.wait(timeout=5) == -9
+    finally:
+        psutil._pmap.pop(daemon.pid, None)
+        daemon.kill()
+        daemon.wait()
 
 
 @pytest.mark.parametrize("fn", [crashing_reward, segfaulting_reward])
