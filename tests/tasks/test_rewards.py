@@ -221,6 +221,16 @@ def _wait_gone(pid, seconds=5.0):
     return gone(pid)
 
 
+def _who(pid):
+    """What a process that outlived its kill is, for the failure message."""
+    try:
+        p = psutil.Process(pid)
+        return (f"pid {pid} alive: {p.status()}, ppid {p.ppid()}, {p.cmdline()}, "
+                f"{rewards.MARKER_ENV}={p.environ().get(rewards.MARKER_ENV)!r}")
+    except psutil.Error as e:
+        return f"pid {pid}: {e!r}"
+
+
 def _escaped_pid(pid_file):
     deadline = time.monotonic() + 5
     while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
@@ -233,14 +243,16 @@ def _escaped_pid(pid_file):
 def test_a_timeout_kills_a_setsid_grandchild(pool, tmp_path):
     pid_file = tmp_path / "escaped.pid"
     assert pool.score_group(ref(hanging_reward_with_a_setsid_grandchild), [str(pid_file)], {}) == [0.0]
-    assert _wait_gone(_escaped_pid(pid_file))
+    daemon = _escaped_pid(pid_file)
+    assert _wait_gone(daemon), _who(daemon)
     still_works(pool)
 
 
 def test_a_crash_kills_a_setsid_grandchild(pool, tmp_path):
     pid_file = tmp_path / "escaped.pid"
     assert pool.score_group(ref(crashing_reward_leaving_a_setsid_daemon), [str(pid_file)], {}) == [0.0]
-    assert _wait_gone(_escaped_pid(pid_file))
+    daemon = _escaped_pid(pid_file)
+    assert _wait_gone(daemon), _who(daemon)
     still_works(pool)
 
 
@@ -250,7 +262,7 @@ def test_closing_the_pool_kills_a_setsid_daemon_a_reward_left(tmp_path):
         assert pool.score_group(ref(reward_leaving_a_setsid_daemon), [str(pid_file)], {}) == [1.0]
         daemon = _escaped_pid(pid_file)
         assert not gone(daemon)  # a reward may leave a helper running while the pool is in use
-    assert _wait_gone(daemon)
+    assert _wait_gone(daemon), _who(daemon)
 
 
 def test_a_marked_process_is_killed_when_psutil_cached_an_earlier_process_at_its_pid():
