@@ -274,6 +274,7 @@ def test_a_marked_process_is_killed_when_psutil_cached_an_earlier_process_at_its
         stale = psutil.Process(daemon.pid)
         stale._ident = (daemon.pid, stale._ident[1] - 100.0)  # as psutil keeps the earlier process's start
         psutil._pmap[daemon.pid] = stale  # process_iter's cache (psutil 7)
+        assert any(p is stale for p in psutil.process_iter())  # the cache is really stale, else nothing is tested
         rewards._kill_marked(marker)
         assert daemon.wait(timeout=5) == -9
     finally:
