@@ -1,10 +1,16 @@
 """Reward computation in worker processes that a bad reward function cannot take down.
 
-`RewardPool` (jaxflow.rewards.pool) scores responses with reward functions named by "module:function"
-references.
+A reward function is named by reference, "module:function" (e.g. "jaxflow.tasks:reward"), and called as
+`fn(response: str, meta: dict) -> float`.
+
+- `pool`: `RewardPool`, which runs such calls in spawned worker processes and survives raises, hangs and
+  crashes, and `group_reward_fn`, a rollout worker's reward function scoring with a pool.
+- `worker`: the worker process's loop, and calling a reward function here (`resolve`, `score_inline`).
+- `reaper`: killing a worker with every process its reward functions started.
 """
 
-from jaxflow.rewards.pool import (MARKER_ENV, STAT_KEYS, RewardPool, group_reward_fn, resolve,
-                                  score_inline)
+from jaxflow.rewards.pool import STAT_KEYS, RewardPool, group_reward_fn
+from jaxflow.rewards.reaper import MARKER_ENV
+from jaxflow.rewards.worker import resolve, score_inline
 
 __all__ = ["MARKER_ENV", "STAT_KEYS", "RewardPool", "group_reward_fn", "resolve", "score_inline"]

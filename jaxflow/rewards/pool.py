@@ -1,4 +1,4 @@
-"""Reward computation in worker processes that a bad reward function cannot take down.
+"""`RewardPool`: scoring with reward functions in worker processes that a bad reward function cannot take down.
 
 A reward function is named by reference, "module:function" (e.g. "jaxflow.tasks:reward"), and called as
 `fn(response: str, meta: dict) -> float`. `RewardPool` runs such calls in spawned worker processes, one call
@@ -25,13 +25,8 @@ first call of a function in a worker imports its module first, under its own lim
 worker reports when the import is done, and `timeout_s` runs from then (or list the references in `preload`
 to import them at start-up).
 
-What a reward function starts dies with its worker (on a timeout, a crash, or `close()`): each worker leads
-its own process group, which is killed; its descendants (found with psutil while it lives, a `setsid` child
-included) are killed; and every process whose environment carries the worker's marker
-(`JAXFLOW_REWARD_WORKER`, set in the worker before any call, inherited by whatever it executes) is killed,
-which also finds a `setsid` daemon whose parent has exited. Without cgroups one escape remains: a process
-that leaves the worker's tree (its parent exits) after a fork with no exec, or execs with the marker removed
-from its environment, is not found.
+What a reward function starts dies with its worker (on a timeout, a crash, or `close()`), its own process
+group and any `setsid` daemons included: see `jaxflow.rewards.reaper`.
 
 Spawned workers re-import the main module of the parent, as with any `multiprocessing` spawn: a script that
 creates a pool must guard its entry point with `if __name__ == "__main__":`.
@@ -40,134 +35,34 @@ creates a pool must guard its entry point with `if __name__ == "__main__":`.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import importlib
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
-import numbers
 import os
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
 
 import msgpack
-import psutil
+
+from jaxflow import refs
+from jaxflow.rewards import reaper
+from jaxflow.rewards.worker import MAX_ERROR_CHARS, WHAT, check_result, error_text, worker_main
 
 log = logging.getLogger(__name__)
 
 # Results are a few hundred bytes; anything longer from a worker is refused rather than buffered.
 _MAX_RESULT_BYTES = 1 << 16
-_MAX_ERROR_CHARS = 500
 # Distinct error messages remembered for log-once; beyond this, new messages are still counted, and logged.
 _MAX_REMEMBERED_ERRORS = 1000
 # Consecutive workers that die before reporting ready after which the pool stops restarting them.
 _MAX_START_FAILURES = 3
 
-# The environment variable marking every process a reward worker starts (value: that worker's marker).
-MARKER_ENV = "JAXFLOW_REWARD_WORKER"
-
 STAT_KEYS = ("submitted", "scored", "raised", "timed_out", "crashed", "invalid", "workers_started")
-
-
-def resolve(fn_ref: str) -> Callable[[str, dict], Any]:
-    """The function a "module:function" reference names (the function may be a dotted attribute path).
-    Raises ValueError if `fn_ref` is not of that form or names nothing callable, ImportError if the module
-    does not import."""
-    module_name, sep, attr = fn_ref.partition(":") if isinstance(fn_ref, str) else ("", "", "")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward function reference {fn_ref!r} is not of the form 'module:function'")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    if not callable(obj):
-        raise ValueError(f"reward function reference {fn_ref!r}: module {module_name!r} has no function {attr!r}")
-    return obj
-
-
-def _check_result(value: Any) -> float | None:
-    """`value` as a float if it is a finite real number (bool, int, float, numpy scalar), else None."""
-    if not isinstance(value, numbers.Real):
-        return None
-    try:
-        value = float(value)
-    except (OverflowError, ValueError, TypeError):
-        return None
-    return value if math.isfinite(value) else None
-
-
-def score_inline(fn_ref: str, response: str, meta: dict) -> float:
-    """Calls the reward function in this process, for tests and debugging: its exception propagates, and
-    ValueError is raised if `fn_ref` names no function or the result is not a finite real number."""
-    value = resolve(fn_ref)(response, meta)
-    checked = _check_result(value)
-    if checked is None:
-        raise ValueError(f"reward function {fn_ref} returned {value!r:.100}, not a finite real number")
-    return checked
-
-
-def _error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
-
-
-def _worker_main(conn: multiprocessing.connection.Connection, preload: Sequence[str],
-                 memory_limit_mb: int | None, marker: str = "") -> None:
-    """A reward worker: reports ready, then runs [job id, fn_ref, responses, meta, index of the first] jobs
-    until told to stop. Each call's answer is sent as it ends, [job id, index, status, payload]: ("ok",
-    float), ("invalid", repr of the result) or ("raised", error text); a call that had to import its
-    function first sends [job id, "loaded", None] once the import is done. An empty message, or the parent
-    closing its end of the pipe, stops the worker.
-    """
-    # Ctrl-C goes to the whole process group; the parent decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A group of its own, so that killing a hung call also kills any processes the reward function started.
-    os.setpgid(0, 0)
-    if marker:  # inherited by what reward functions execute: the pool finds them by it, setsid or not
-        os.environ[MARKER_ENV] = marker
-    if memory_limit_mb is not None:
-        import resource
-        limit = memory_limit_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    functions: dict[str, Callable] = {}
-    try:
-        for fn_ref in preload:
-            functions[fn_ref] = resolve(fn_ref)
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which stops the pool with it
-        conn.send_bytes(msgpack.packb(["start_failed", f"preloading {fn_ref}: {_error_text(e)}"]))
-        return
-    conn.send_bytes(msgpack.packb(["ready", os.getpid()]))
-    while True:
-        try:
-            message = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        if not message:
-            return
-        job_id, fn_ref, responses, meta, first = msgpack.unpackb(message, raw=False, strict_map_key=False)
-        for index, response in enumerate(responses, first):
-            try:
-                fn = functions.get(fn_ref)
-                if fn is None:
-                    fn = functions[fn_ref] = resolve(fn_ref)
-                    # The import is done: from here on the parent holds the call to timeout_s.
-                    conn.send_bytes(msgpack.packb([job_id, "loaded", None]))
-                value = fn(response, meta)
-                checked = _check_result(value)
-                answer = ["ok", checked] if checked is not None else ["invalid", repr(value)[:200]]
-            # BaseException: a reward function calling sys.exit() or raising KeyboardInterrupt failed one
-            # sample; the worker itself is fine.
-            except BaseException as e:  # noqa: BLE001
-                answer = ["raised", _error_text(e)]
-            try:
-                conn.send_bytes(msgpack.packb([job_id, index, *answer]))
-            except (EOFError, OSError):
-                return
 
 
 @dataclasses.dataclass
@@ -226,11 +121,10 @@ class RewardPool:
             raise ValueError(f"RewardPool: num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"RewardPool: timeout_s must be > 0, got {timeout_s}")
-        if _check_result(failed_value) is None:
+        if check_result(failed_value) is None:
             raise ValueError(f"RewardPool: failed_value must be a finite number, got {failed_value!r}")
         for fn_ref in preload:
-            if not isinstance(fn_ref, str) or fn_ref.count(":") != 1:
-                raise ValueError(f"reward function reference {fn_ref!r} is not of the form 'module:function'")
+            refs.parse(fn_ref, what=WHAT)
         self.num_workers, self.timeout_s = num_workers, float(timeout_s)
         self.failed_value, self.import_timeout_s = float(failed_value), float(import_timeout_s)
         self._preload, self._memory_limit_mb = tuple(preload), memory_limit_mb
@@ -266,7 +160,7 @@ class RewardPool:
         """Queues one call; the future's result is the score (a float, `failed_value` if the call failed).
 
         Raises:
-          ValueError: `fn_ref` is not "module:function".
+          jaxflow.refs.RefError (a ValueError): `fn_ref` is not "module:function".
           TypeError: `response` or `meta` cannot be sent to a worker (meta must be msgpack-serialisable).
           RuntimeError: the pool is closed or its workers cannot start.
         """
@@ -280,8 +174,7 @@ class RewardPool:
         return [jobs[j % k][j // k].result() for j in range(len(responses))]
 
     def _submit(self, fn_ref: str, responses: list[str], meta: dict) -> list[Future]:
-        if not isinstance(fn_ref, str) or fn_ref.count(":") != 1 or fn_ref.startswith(":") or fn_ref.endswith(":"):
-            raise ValueError(f"reward function reference {fn_ref!r} is not of the form 'module:function'")
+        refs.parse(fn_ref, what=WHAT)
         futures: list[Future] = [Future() for _ in responses]
         if not futures:
             return futures
@@ -349,7 +242,7 @@ class RewardPool:
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         marker = f"{self._marker_prefix}-{self._stats['workers_started']}"
-        process = self._context.Process(target=_worker_main,
+        process = self._context.Process(target=worker_main,
                                         args=(child_conn, self._preload, self._memory_limit_mb, marker),
                                         name="jaxflow-reward-worker", daemon=True)
         process.start()
@@ -370,7 +263,7 @@ class RewardPool:
         except BaseException as e:  # noqa: BLE001 - a dispatcher bug must fail calls, not hang callers
             log.exception("reward pool dispatcher failed")
             with self._lock:
-                self._broken = f"reward pool dispatcher failed: {_error_text(e)}"
+                self._broken = f"reward pool dispatcher failed: {error_text(e)}"
         finally:
             self._shutdown_workers()
 
@@ -438,7 +331,7 @@ class RewardPool:
             return True
         if isinstance(message, list) and message[:1] == ["start_failed"] and len(message) == 2:
             # Every replacement would fail the same way: stop rather than restart workers in a loop.
-            self._break(f"reward workers cannot start: {str(message[1])[:_MAX_ERROR_CHARS]}")
+            self._break(f"reward workers cannot start: {str(message[1])[:MAX_ERROR_CHARS]}")
             return True
         job = worker.job
         if message == [getattr(job, "job_id", None), "loaded", None]:
@@ -468,7 +361,7 @@ class RewardPool:
         if reason != "timed_out":
             # Its pipe closed as it died; give the exit a moment to complete so the exit code is its own.
             worker.process.join(timeout=1.0)
-        _kill(worker.process, worker.marker)
+        reaper.kill(worker.process, worker.marker)
         worker.conn.close()
         if worker.job is not None:
             if reason == "crashed":
@@ -536,7 +429,7 @@ class RewardPool:
                 pass
         for worker in self._workers:
             worker.process.join(timeout=1.0 if worker.ready and worker.job is None else 0.0)
-            _kill(worker.process, worker.marker)
+            reaper.kill(worker.process, worker.marker)
             worker.conn.close()
         message = self._broken or "RewardPool closed before the call finished"
         with self._lock:
@@ -548,43 +441,6 @@ class RewardPool:
             for i in range(job.done, len(job.futures)):
                 if job.live[i] if job.live is not None else job.futures[i].set_running_or_notify_cancel():
                     job.futures[i].set_exception(RuntimeError(message))
-
-
-def _kill(process: multiprocessing.process.BaseProcess, marker: str = "") -> None:
-    """SIGKILLs a worker with its process group, its descendants and every process carrying its marker (what
-    its reward functions started, in sessions of their own or not), then reaps it."""
-    descendants = []
-    if process.is_alive():
-        with contextlib.suppress(psutil.Error):  # listed before the worker dies, while they are its tree
-            descendants = psutil.Process(process.pid).children(recursive=True)
-    if process.is_alive():
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except OSError:  # not yet its own group leader (killed during start-up), or already gone
-            process.kill()
-    for child in descendants:
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-    if marker:
-        _kill_marked(marker)
-    process.join()
-
-
-def _kill_marked(marker: str) -> None:
-    """SIGKILLs every other process whose environment holds MARKER_ENV=marker, until a scan finds none (a marked
-    process may fork while scanned). Not process_iter: its cache may hold an earlier process at a reused pid."""
-    for _ in range(5):
-        found = False
-        for pid in psutil.pids():
-            if pid == os.getpid():
-                continue
-            with contextlib.suppress(psutil.Error, OSError):
-                proc = psutil.Process(pid)
-                if proc.environ().get(MARKER_ENV) == marker:
-                    found = True  # scan again even if this kill fails: nothing marked may outlive the scans
-                    proc.kill()
-        if not found:
-            return
 
 
 def group_reward_fn(pool: RewardPool, fn_ref: str, decode: Callable[[Sequence[int]], str]):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jaxflow.rewards import pool as rewards
+from jaxflow.rewards import reaper as rewards  # MARKER_ENV, _kill_marked
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve, score_inline
 from jaxflow.data.records import GroupTask, Sample
 
