@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from jaxflow import refs
 from jaxflow.envs.base import Step
 
 __all__ = ["SkyRLEnv", "SkyRLGymEnv", "skyrl_env"]
@@ -76,8 +77,8 @@ class SkyRLGymEnv:
         if not isinstance(env, str) or not env:
             raise ValueError(f"env must be a SkyRL-gym id or 'module:Class', got {env!r}")
         if ":" in env:
-            from jaxflow.rewards import resolve
-            self._make = lambda extras: SkyRLEnv(resolve(env)(env_config, extras))
+            make = refs.resolve(env, what="SkyRL-gym environment")  # a bad reference fails here, not per episode
+            self._make = lambda extras: SkyRLEnv(make(env_config, extras))
         else:
             self._make = lambda extras: skyrl_env(env, extras=extras, env_config=env_config)
         self.env_name, self.extras_key = env, extras_key

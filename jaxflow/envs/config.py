@@ -24,6 +24,7 @@ from typing import Any
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from jaxflow import refs
 from jaxflow.config import check_float, check_int
 
 __all__ = ["env_problems", "env_section", "environment_factory", "turn_stop_ids"]
@@ -38,11 +39,7 @@ def env_section(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def _resolve(ref: str) -> Callable[..., Any]:
-    from jaxflow.rewards import resolve  # the same "module:function" references as rewards
-    try:
-        return resolve(ref)
-    except ValueError as e:
-        raise ValueError(str(e).replace("reward function reference", "environment reference")) from None
+    return refs.resolve(ref, what="environment reference")
 
 
 def env_problems(section: ml_collections.ConfigDict, tokenizer: Any = None) -> list[str]:
@@ -61,7 +58,7 @@ def env_problems(section: ml_collections.ConfigDict, tokenizer: Any = None) -> l
             return problems + [f"rollout.env.ref must be None or 'module:factory', got {section.ref!r}"]
         try:
             factory = _resolve(section.ref)
-        except (ImportError, ValueError) as e:
+        except refs.RefError as e:
             return problems + [f"rollout.env.ref: {e}"]
         if isinstance(options, dict):
             try:  # built once here, so that a bad option fails now and not in the first episode

@@ -21,6 +21,8 @@ import multiprocessing
 import threading
 from typing import Any
 
+from jaxflow import refs
+
 __all__ = ["EnvironmentProcessDied", "isolated"]
 
 
@@ -30,9 +32,7 @@ class EnvironmentProcessDied(RuntimeError):
 
 def _serve(conn, ref: str, options: dict) -> None:
     """The child: environments by episode, each call run as a task on one event loop."""
-    from jaxflow.rewards import resolve
-
-    factory = resolve(ref)
+    factory = refs.resolve(ref, what="environment reference")
     envs: dict[int, Any] = {}
     loop = asyncio.new_event_loop()
     send_lock = threading.Lock()
@@ -147,9 +147,7 @@ class _IsolatedEnv:
 
 class _Isolated:
     def __init__(self, ref: str, options: dict):
-        from jaxflow.rewards import resolve
-
-        resolve(ref)  # a bad reference fails here, not in the child
+        refs.resolve(ref, what="environment reference")  # a bad reference fails here, not in the child
         self.ref, self.options = ref, dict(options)
         self.episodes = itertools.count()
         self.restarts = 0

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import decimal
 import hashlib
-import importlib
 import inspect
 import random
 import re
 from fractions import Fraction
 from typing import Any
+
+from jaxflow import refs
 
 # name -> "module:Class". Imported on first use, so `import jaxflow.tasks` stays cheap in reward workers.
 TASKS: dict[str, str] = {
@@ -52,11 +53,6 @@ _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 _NUMBER_IN_TEXT = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 
-def _load(ref: str) -> Any:
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def get_task(name: str, **options: Any) -> Task:
     """Builds the task registered as `name` with keyword `options` (each task's constructor documents them).
 
@@ -66,7 +62,7 @@ def get_task(name: str, **options: Any) -> Task:
     """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
-    cls = _load(TASKS[name])
+    cls = refs.resolve(TASKS[name], what=f"task {name!r}: class reference", expect="class")
     valid = _options(cls)
     unknown = sorted(set(options) - set(valid))
     if unknown:
@@ -96,8 +92,8 @@ def reward(response: str, meta: dict) -> float:
     name = meta.get("task") if isinstance(meta, dict) else None
     if name not in TASKS:
         raise ValueError(f"reward meta names task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
-    module = TASKS[name].partition(":")[0]
-    return importlib.import_module(module).reward(response, meta)
+    module, _ = refs.parse(TASKS[name])
+    return refs.resolve(f"{module}:reward", what=f"task {name!r}: reward reference")(response, meta)
 
 
 def split_of(key: str, eval_fraction: float) -> str:
@@ -231,10 +227,8 @@ class Task:
 
     def __init__(self, *, system_prompt: str = SYSTEM_PROMPT, format_score: float = 0.0,
                  eval_fraction: float = 0.1, reward_ref: str | None = None):
-        if reward_ref is not None and (not isinstance(reward_ref, str) or reward_ref.count(":") != 1
-                                       or reward_ref.startswith(":") or reward_ref.endswith(":")):
-            raise ValueError(f"{self.name}: reward_ref {reward_ref!r} is not of the form 'module:function'")
         if reward_ref is not None:
+            refs.parse(reward_ref, what=f"{self.name}: reward_ref")
             # The user's reward replaces the task's own, for RL samples and evals alike.
             self.reward_ref = reward_ref
         if not 0.0 < eval_fraction < 1.0:
@@ -300,7 +294,7 @@ class Task:
 
     def reward(self, response: str, meta: dict) -> float:
         """1.0 if `response` answers the record with this `meta` correctly, else 0.0 (or the format score)."""
-        return _load(self.reward_ref)(response, meta)
+        return refs.resolve(self.reward_ref, what=f"{self.name}: reward_ref")(response, meta)
 
     def to_prompt_records(self, examples: list[dict], tokenizer) -> list[dict]:
         """{"prompt": token ids of the chat-templated prompt, "meta": `meta(example)`} per example.

@@ -8,7 +8,6 @@ stop when asked, when the parent interpreter exits, and when the parent dies.
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
 import multiprocessing
 import multiprocessing.util  # registers its exit handler before ours: see _stop_children
@@ -19,25 +18,21 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from jaxflow.transport import wire
+from jaxflow import refs
 from jaxflow.data.timeouts import check_timeout
+from jaxflow.refs import RefError
+from jaxflow.transport import wire
 from jaxflow.transport import rpc
 from jaxflow.transport.rpc import Server, check_bind
-from jaxflow.transport.errors import error_payload, exception_from_payload
+from jaxflow.transport.errors import error_payload, exception_from_payload, register_remote_error
 
 logger = logging.getLogger(__name__)
 
 _children: weakref.WeakSet = weakref.WeakSet()
 
 
-def _resolve_factory(factory: str) -> Any:
-    module_name, sep, attr_path = factory.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ValueError(f"factory {factory!r} must look like 'package.module:callable'")
-    target = importlib.import_module(module_name)
-    for attr in attr_path.split("."):
-        target = getattr(target, attr)
-    return target
+# A factory reference that names nothing usable fails in the child; the parent re-raises it as itself.
+register_remote_error(RefError)
 
 
 def _subprocess_main(factory: str, kwargs_message: bytes, methods: list[str], token: str | None,
@@ -49,7 +44,7 @@ def _subprocess_main(factory: str, kwargs_message: bytes, methods: list[str], to
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     parent = os.getppid()
     try:
-        obj = _resolve_factory(factory)(**wire.decode(kwargs_message))
+        obj = refs.resolve(factory, what="factory")(**wire.decode(kwargs_message))
         server = Server(obj, methods, host=host, token=token, **limits).start()
     except BaseException as exc:
         report.send_bytes(wire.encode({"ok": False, "error": error_payload(exc)}))
@@ -78,7 +73,8 @@ def serve_in_subprocess(factory: str, kwargs: dict[str, Any], methods: Iterable[
                         ) -> tuple[multiprocessing.process.BaseProcess, tuple[str, int]]:
     """Serves `factory(**kwargs)` from a new Python process ("spawn", so no state is inherited).
 
-    factory: "package.module:callable", importable in the child. kwargs: wire-encodable, passed encoded.
+    factory: "package.module:callable", importable in the child (one that names nothing usable raises
+    `jaxflow.refs.RefError`). kwargs: wire-encodable, passed encoded.
     Returns (process, (host, port)) once the server listens. If the factory or the server fails, raises
     that error (mapped like a remote call's) with the child's traceback in `remote_traceback`; if the child
     reports nothing within `start_timeout` seconds, TimeoutError. max_frame_bytes, idle_timeout_s,

@@ -123,8 +123,9 @@ def test_the_warm_start_scores_its_base_with_the_tasks_own_reward(tmp_path, user
 
 
 @pytest.mark.parametrize("ref, says", [
-    ("no_such_module_here:reward", "task.reward_ref 'no_such_module_here:reward' does not import: "
-                                   "ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("no_such_module_here:reward", "task.reward_ref: reward function reference 'no_such_module_here:reward': module "
+                                   "'no_such_module_here' is not found: ModuleNotFoundError: No module named "
+                                   "'no_such_module_here'"),
     ("user_rewards:flakyy", "task.reward_ref: reward function reference 'user_rewards:flakyy': module "
                             "'user_rewards' has no function 'flakyy'"),
     ("user_rewards", "task.reward_ref: reward function reference 'user_rewards' is not of the form"),
