@@ -26,6 +26,11 @@ from jaxflow.models.transformer import row_splits
 from jaxflow.trainer.advantages import compute_advantages
 
 
+class BatchOverflow(ValueError):
+    """The trajectories do not fit the rows of the batch shape asked for (too many, or too many tokens to
+    pack); a shape with more rows (more micro-batches) may hold them."""
+
+
 @dataclasses.dataclass
 class Trajectory:
     """One finished sample: a prompt and the completion an engine generated for it.
@@ -170,7 +175,7 @@ def _place(lengths: list[int], num_rows: int, seq_len: int, pack: bool,
     attention work). If that leaves too few rows, plain first-fit over whole rows."""
     if not pack:
         if len(lengths) > num_rows:
-            raise ValueError(f"{what} do not fit in {num_rows} padded rows")
+            raise BatchOverflow(f"{what} do not fit in {num_rows} padded rows")
         return [(i, 0) for i in range(len(lengths))]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     for splits in (row_splits(seq_len), (1,)):
@@ -191,7 +196,7 @@ def _place(lengths: list[int], num_rows: int, seq_len: int, pack: bool,
             parts[r][j] -= lengths[i]
         else:
             return placement
-    raise ValueError(f"{what} ({sum(lengths)} tokens) do not fit in "
+    raise BatchOverflow(f"{what} ({sum(lengths)} tokens) do not fit in "
                      f"{num_rows} packed rows of {seq_len} tokens")
 
 
@@ -257,7 +262,8 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
     micro-batches empty at the end of each minibatch, which the step skips. A batch padded to a fixed
     shape therefore costs compute for its trajectories only. share_prompts (packed rows only): samples
     of one group with the same prompt may share one copy of it (module docstring).
-    Returns the batch (numpy arrays) and advantage statistics.
+    Returns the batch (numpy arrays) and advantage statistics. Raises BatchOverflow when the trajectories
+    do not fit num_rows rows, ValueError for other bad arguments.
     """
     if num_rows % micro_batches:
         raise ValueError(f"num_rows={num_rows} is not a multiple of micro_batches={micro_batches}")

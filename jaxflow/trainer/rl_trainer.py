@@ -42,7 +42,7 @@ from flax import nnx
 
 from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
-from jaxflow.trainer.batch import Trajectory, make_batch
+from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
 from jaxflow.models import hf_io, lora
 from jaxflow.data import checks
 from jaxflow.data.device_params import DeviceParamSource
@@ -298,9 +298,7 @@ class RLTrainer:
                                               scale_by_std=self.cfg.adv_scale_by_std,
                                               std_ddof=self.cfg.adv_std_ddof)
                 break
-            except ValueError as e:  # more sequences than max_sequences: a deeper shape, compiled once
-                if "do not fit" not in str(e):
-                    raise
+            except BatchOverflow:  # more sequences than the rows hold: a deeper shape, compiled once
                 micro *= 2
                 logger.warning("%d trajectories do not fit the compiled batch shape %s; trying %d micro-batches",
                                len(trajs), self.batch_shape, micro)
