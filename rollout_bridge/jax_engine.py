@@ -80,25 +80,33 @@ class JaxEngine(Engine):
     """The JAX rollout engine; see the module docstring. Requests are admitted by `Engine.submit` into a
     queue that the loop moves into free slots.
 
-    model: an HF model directory, or a loaded `Transformer` (copied onto `mesh`).
-    max_slots: sequences decoded at once. max_len: cache positions per slot (prompt + completion).
-    decode_chunk: decode steps per jitted call (the granularity of admission, aborts and weight swaps).
-    mesh: default one device; params follow their logical axes, the cache is split by slots over
-    data/fsdp and by kv heads over tensor (each where it divides). version: the weights' policy version.
-    prefill_buckets: prefill lengths (capped at max_len; max_len is always one); the shortest is also the
-    smallest decode attention window (`jax_slots.attention_windows`). seed: draws per-request
-    seeds for requests without one. param_dtype: the serving dtype (default the checkpoint's).
-    cast_weights: let `update_weights` cast tensors of another dtype; by default that is refused.
-    reuse_turns: a request that finishes with a stop keeps its cache row (until a weight swap, or until
-    the slot is needed: least recently finished first); the same request id submitted again with a
-    sequence that extends it (an episode's next turn) is admitted there and computes only its new tokens.
-    logprobs_mode: "raw" or "processed" (module docstring). prefill_batch: most sequences per prefill
-    call (calls are padded to a power of two). prefill_fanout: most slots one prefill row is written to
-    (sequences sharing a context beyond that take another row). max_stop_ids: most stop token ids per request.
-    warmup: compile the largest decode program and the prefill programs of the shortest prefill bucket
-    at construction, and the other decode programs (one per slot bucket; then, with reuse_turns, the
-    extend programs) on a background thread (`jax_warmup`; `warmed` waits for them), so that no decode
-    call waits for a compile. False: every program compiles when first used.
+    Args:
+      model: an HF model directory, or a loaded `Transformer` (copied onto `mesh`).
+      max_slots: sequences decoded at once.
+      max_len: cache positions per slot, in tokens (prompt + completion).
+      decode_chunk: decode steps per jitted call (the granularity of admission, aborts and weight swaps).
+      mesh: default one device; params follow their logical axes, the cache is split by slots over
+        data/fsdp and by kv heads over tensor (each where it divides).
+      version: the weights' policy version.
+      prefill_buckets: prefill lengths in tokens (capped at max_len; max_len is always one); the shortest
+        is also the smallest decode attention window (`jax_slots.attention_windows`).
+      seed: draws per-request seeds for requests without one.
+      param_dtype: the serving dtype (default the checkpoint's); only for a model directory.
+      cast_weights: let `update_weights` cast tensors of another dtype; by default that is refused.
+      logprobs_mode: "raw" or "processed" (module docstring).
+      prefill_batch: most sequences per prefill call (calls are padded to a power of two).
+      prefill_fanout: most slots one prefill row is written to (sequences sharing a context beyond that
+        take another row).
+      max_stop_ids: most stop token ids per request.
+      rules: logical axis -> mesh axes, for the params and the cache (None: `sharding.LOGICAL_RULES`).
+      warmup: compile the largest decode program and the prefill programs of the shortest prefill bucket
+        at construction, and the other decode programs (one per slot bucket; then, with reuse_turns, the
+        extend programs) on a background thread (`jax_warmup`; `warmed` waits for them), so that no decode
+        call waits for a compile. False: every program compiles when first used.
+      reuse_turns: a request that finishes with a stop keeps its cache row (until a weight swap, or until
+        the slot is needed: least recently finished first); the same request id submitted again with a
+        sequence that extends it (an episode's next turn) is admitted there and computes only its new
+        tokens.
     """
 
     def __init__(self, model: str | os.PathLike | Transformer, *, max_slots: int = 32,

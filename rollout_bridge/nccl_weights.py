@@ -165,11 +165,14 @@ class NcclWeightSender:
 
     client: a `VLLMWeightSyncClient` reaching every engine (vLLM's `RayVLLMWeightSyncClient` /
         `HTTPVLLMWeightSyncClient`), whose engines run with `weight_transfer_config={"backend": "nccl"}`.
-    master_address, master_port: where this process opens the group's rendezvous (a TCPStore).
+    master_address: the host where this process opens the group's rendezvous (a TCPStore).
+    master_port: the rendezvous's TCP port.
     world_size: 1 (this process) + every worker of every engine.
     expected: {HF name: shape} the engines serve, checked on every publish (optional).
     device: where tensors are staged for the broadcast (this process's CUDA device).
-    packed, packed_buffer_size_bytes, packed_num_buffers: vLLM's wire parameters (packed by default).
+    packed: whether tensors cross the wire packed into staging buffers (vLLM's wire parameter).
+    packed_buffer_size_bytes: bytes per packing buffer (None: vLLM's default).
+    packed_num_buffers: packing buffers in flight at once (None: vLLM's default).
     engine_cls: the trainer engine class (vLLM's `NCCLTrainerWeightTransferEngine`; a stand-in in tests).
     """
 

@@ -132,16 +132,20 @@ def _stat_logger_factory(engine: "VllmEngine"):
 class VllmEngine(Engine):
     """A vLLM engine behind jaxflow's Engine interface; see the module docstring.
 
-    model_dir: an HF model directory (config.json, safetensors, tokenizer). version: the policy version
-    of its weights. max_model_len: context length (prompt + completion) in tokens. kv_cache_gib: KV-cache
-    size in GiB (vLLM's `kv_cache_memory_bytes`; None leaves vLLM's own sizing, e.g.
-    `gpu_memory_utilization`; on CPU the VLLM_CPU_KVCACHE_SPACE variable, if set, wins). dtype: the
-    serving dtype ("float32" for parity with the trainer; "auto" takes the checkpoint's). max_num_seqs:
-    most sequences vLLM batches at once. seed: vLLM's seed (requests without a seed draw from it).
-    cast_weights: let `update_weights` cast float tensors of another dtype; by default that is refused.
-    startup_timeout: seconds to wait for vLLM to come up. lora: serve LoRA adapters of this spec over the
-    base (module docstring); versions are then adapters. engine_kwargs: more `AsyncEngineArgs` fields
-    (e.g. `enforce_eager=True`, `tensor_parallel_size=2`, `logprobs_mode="processed_logprobs"`).
+    Args:
+      model_dir: an HF model directory (config.json, safetensors, tokenizer).
+      version: the policy version of its weights.
+      max_model_len: context length (prompt + completion) in tokens.
+      kv_cache_gib: KV-cache size in GiB (vLLM's `kv_cache_memory_bytes`; None leaves vLLM's own sizing,
+        e.g. `gpu_memory_utilization`; on CPU the VLLM_CPU_KVCACHE_SPACE variable, if set, wins).
+      dtype: the serving dtype ("float32" for parity with the trainer; "auto" takes the checkpoint's).
+      max_num_seqs: most sequences vLLM batches at once.
+      seed: vLLM's seed (requests without a seed draw from it).
+      cast_weights: let `update_weights` cast float tensors of another dtype; by default that is refused.
+      startup_timeout: seconds to wait for vLLM to come up.
+      lora: serve LoRA adapters of this spec over the base (module docstring); versions are then adapters.
+      engine_kwargs: more `AsyncEngineArgs` fields (e.g. `enforce_eager=True`, `tensor_parallel_size=2`,
+        `logprobs_mode="processed_logprobs"`).
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, version: int = 0, max_model_len: int = 1024,

@@ -78,11 +78,28 @@ class _Group:
 
 
 class Coordinator:
-    """Drives `engines` for `trajectories` (a TrajectoryService or an RPC client of one); `params` is a
-    ParameterService or client (`latest()`, `pull(version)`). `eta` is the service's staleness bound.
-    Call `step()` repeatedly, or `start()` a background thread. With `trace_every_s`, `trace` records
-    each engine's load every that many seconds, every finished group's response lengths and every
-    weight sync's duration (what `jaxflow.sim` fits its models to)."""
+    """Drives `engines` for `trajectories` (a TrajectoryService or an RPC client of one).
+
+    Call `step()` repeatedly, or `start()` a background thread.
+
+    Args:
+      name: this coordinator's name: the worker name it leases groups under, and the prefix of its
+        instances' names and request ids.
+      engines: the inference engines it drives (at least one), one routing instance each.
+      trajectories: a TrajectoryService or an RPC client of one: where groups come from and go back to.
+      params: a ParameterService or client (`latest()`, `pull(version)`): the weights engines sync to.
+      strategy: the coordination section (routing, queueing, redundancy, migration, syncs, stragglers).
+      eta: the service's staleness bound, in policy versions.
+      sampling: the sampling parameters of every request.
+      reward_fn: (task, its finished samples) -> one reward per sample (not called for episodes, whose samples
+        carry their environments' rewards); None leaves rewarding to the trajectory service.
+      clock: seconds, monotonic (tests and the simulator pass a virtual one).
+      trace_every_s: if set, `trace` records each engine's load every that many seconds, every finished
+        group's response lengths and every weight sync's duration (what `jaxflow.sim` fits its models to).
+      renew_every_s: seconds between renewals of the service's leases on the groups held.
+      report_progress: whether a renewal reports the tokens generated so far (what a dead worker's groups
+        resume from); off where no worker can die unnoticed, since it copies every running request's tokens.
+    """
 
     def __init__(self, name: str, engines: list[Engine], trajectories, params, *, strategy: Coordination,
                  eta: int, sampling: SamplingParams, reward_fn: RewardFn | None = None,

@@ -58,14 +58,22 @@ _DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them
 class TrajectoryService:
     """Embedded (thread-safe) trajectory service; `jaxflow.transport.rpc` serves the same object to other processes.
 
-    batch_groups: groups per train step (B). group_size: samples per prompt (n). eta: staleness bound.
-    reserve_groups: reservations per buffer (B' >= B, default B); above B is redundant rollout.
-    batch_rule: "full" waits for B groups; "ready_with_capacity" also releases a buffer holding at least
-    ceil(min_fill * B) groups once no reservation points at it and either `patience_s` has passed since
-    it reached that fill or nothing else can arrive. max_attempts: dispatches of one group before it
-    is failed. initial_version: the trainer's policy version at start. clock: the time source (a
-    simulator passes its virtual clock; tests a fake one). lease_s: how long a dispatched group stays
-    with its worker without a `renew` (None: for ever).
+    Args:
+      source: where the prompts of new groups come from.
+      batch_groups: groups per train step (B).
+      group_size: samples per prompt (n).
+      eta: the staleness bound, in policy versions.
+      batch_rule: "full" waits for B groups; "ready_with_capacity" also releases a buffer holding at least
+        ceil(min_fill * B) groups once no reservation points at it and either `patience_s` has passed since
+        it reached that fill or nothing else can arrive.
+      min_fill: the share of B a "ready_with_capacity" buffer needs before it may be released, in (0, 1].
+      patience_s: seconds a "ready_with_capacity" buffer waits after reaching min_fill (None: until
+        nothing else can arrive).
+      max_attempts: dispatches of one group before it is failed.
+      initial_version: the trainer's policy version at start.
+      reserve_groups: reservations per buffer (B' >= B, default B); above B is redundant rollout.
+      clock: the time source, seconds (a simulator passes its virtual clock; tests a fake one).
+      lease_s: seconds a dispatched group stays with its worker without a `renew` (None: for ever).
     """
 
     def __init__(self, source: PromptSource, *, batch_groups: int, group_size: int, eta: int,

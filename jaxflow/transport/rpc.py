@@ -126,21 +126,28 @@ def _error_response(req_id: Any, exc: BaseException) -> dict[str, Any]:
 class Server:
     """Serves the methods named in `methods` of `obj` to `Client`s, one thread per connection.
 
-    host/port: where to listen (port 0 picks a free one; see `address`). token: a shared secret every
-    connection must present first; required for any non-loopback host. max_frame_bytes: the largest
-    request accepted; a larger one gets an error and its connection is closed (a request's buffer grows
-    only as its bytes arrive).
+    The limits (the last five arguments) guard against slow, silent and greedy clients; each is logged when
+    it closes a connection. A call running in the served object is not limited by them: a blocking call's
+    duration is its own `timeout` argument's business.
 
-    Limits against slow, silent and greedy clients, each logged when it closes a connection:
-    idle_timeout_s: a connection that starts no request for this long after its last reply is closed
-    (a client reconnects by itself). frame_timeout_s: a request must arrive whole within this many
-    seconds of its first byte, and a reply be taken within as long; a connection with a token must send
-    its handshake within this long (at most 10 s) of connecting; else it is closed. max_connections:
-    connections beyond this many are refused with an error frame naming the cap (the client raises
-    TooManyConnections). max_pending_bytes: the bytes that all requests being read or handled may hold
-    together; a request that would take more is refused with an error frame naming the cap and its
-    connection closed (the client raises ServerBusy). A call running in the served object is not limited
-    by these: a blocking call's duration is its own `timeout` argument's business.
+    Args:
+      obj: the object served.
+      methods: the names of its methods clients may call (public names only).
+      host: the address to listen on.
+      port: the TCP port to listen on (0 picks a free one; see `address`).
+      token: a shared secret every connection must present first; required for any non-loopback host.
+      max_frame_bytes: the largest request accepted, in bytes; a larger one gets an error and its connection
+        is closed (a request's buffer grows only as its bytes arrive).
+      idle_timeout_s: seconds after its last reply within which a connection must start a request, else it
+        is closed (a client reconnects by itself).
+      frame_timeout_s: seconds within which a request must arrive whole from its first byte, and a reply be
+        taken; a connection with a token must send its handshake within this long (at most 10 s) of
+        connecting; else it is closed.
+      max_connections: connections beyond this many are refused with an error frame naming the cap (the
+        client raises TooManyConnections).
+      max_pending_bytes: the bytes that all requests being read or handled may hold together; a request
+        that would take more is refused with an error frame naming the cap and its connection closed (the
+        client raises ServerBusy).
     """
 
     def __init__(self, obj: Any, methods: Iterable[str], *, host: str = "127.0.0.1", port: int = 0,
