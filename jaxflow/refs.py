@@ -67,15 +67,10 @@ def resolve(ref: Any, *, what: str = "reference", expect: Expect = "callable") -
     noun = _WORDS[expect][1]
     try:
         obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and _is_prefix(e.name, module_name):
-            raise RefError(f"{what} {ref!r}: module {module_name!r} is not found: {type(e).__name__}: {e}",
-                           ref) from e
-        raise RefError(f"{what} {ref!r}: module {module_name!r} raised while importing: {type(e).__name__}: {e}",
-                       ref) from e
     except Exception as e:  # whatever the user's module raises is this reference's fault
-        raise RefError(f"{what} {ref!r}: module {module_name!r} raised while importing: {type(e).__name__}: {e}",
-                       ref) from e
+        missing = isinstance(e, ModuleNotFoundError) and e.name is not None and _is_prefix(e.name, module_name)
+        problem = "is not found" if missing else "raised while importing"
+        raise RefError(f"{what} {ref!r}: module {module_name!r} {problem}: {type(e).__name__}: {e}", ref) from e
     parts = attr_path.split(".")
     for depth, part in enumerate(parts):
         try:
