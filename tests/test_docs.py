@@ -1,5 +1,5 @@
-"""Docs true to the code: docstring examples run, the README's layout matches the tree, and nothing
-points at a file outside the repository."""
+"""Docs true to the code: docstring examples run, the README's layout matches the tree, its links resolve, and
+nothing points at a file outside the repository."""
 
 import ast
 import doctest
@@ -34,23 +34,23 @@ def test_docstring_examples_run(path):
 
 
 def _layout_paths() -> set[str]:
-    """Every path the README's layout tree names: entries by their indentation, and the `name.py`
-    files mentioned in an entry's description, inside that entry."""
+    """Every path the README's layout tree names (the first ```text block under "## Layout"): entries by
+    their indentation (0: top level, 2: inside the last top-level folder), and the `name.py` files
+    mentioned in an entry's description, inside that entry when it is a folder."""
     paths, top, entry = set(), None, None
     text = (ROOT / "README.md").read_text()
-    block = text.split("## Layout", 1)[1].split("\nLayers,", 1)[0]
+    block = text.split("## Layout", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
     for line in block.splitlines():
-        m = re.match(r"^(    |      )(\S+)", line)
-        if m and len(m.group(1)) == 4:
+        m = re.match(r"^( {0,2})(\S+)", line)
+        if m and not m.group(1):
             top, entry = m.group(2), None
             paths.add(top)
         elif m:
             entry = top + m.group(2)
             paths.add(entry)
-        if not line.startswith("    "):
-            continue
         owner = entry if entry and entry.endswith("/") else (top if entry is None else None)
-        for name in re.findall(r"\b(\w+\.py)\b", line[line.find(" ", 6) if m else 0:]):
+        description = line[m.end():] if m else line
+        for name in re.findall(r"\b(\w+\.py)\b", description):
             if owner:
                 paths.add(owner + name)
     return paths
@@ -72,9 +72,18 @@ def test_readme_layout_covers_the_package():
     assert not unlisted, f"the README's layout does not mention: {unlisted}"
 
 
+def test_readme_links_name_real_files():
+    """Relative links of the README (to docs/ pages, notebooks) point at files that exist."""
+    text = (ROOT / "README.md").read_text()
+    targets = {m.split("#", 1)[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in m}
+    missing = sorted(t for t in targets if t and not (ROOT / t).exists())
+    assert not missing, f"the README links to files that do not exist: {missing}"
+
+
 def test_nothing_points_outside_the_repository():
     texts = {p: p.read_text() for p in [*SOURCES, *(ROOT / "tests").rglob("*.py"), ROOT / "README.md",
-                                        ROOT / "pyproject.toml"] if p != pathlib.Path(__file__)}
+                                        *(ROOT / "docs").rglob("*.md"), ROOT / "pyproject.toml"]
+             if p != pathlib.Path(__file__)}
     bad = [str(p.relative_to(ROOT)) for p, t in texts.items() if re.search(r"DESIGN\.md|\.\./shared", t)]
     assert not bad, f"references to files outside the repository in {bad}"
 
