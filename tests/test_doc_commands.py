@@ -50,10 +50,10 @@ COMMANDS: dict[str, tuple[tuple[str, str], ...]] = {
     "--config.cluster.rollout_actors=2 --config.cluster.trainer_processes=2 --config.cluster.trainer_cpu_devices=4 "
     "--config.cluster.trainer_mesh.fsdp=4 --config.cluster.trainer_mesh.tensor=2": (
         ("tests/cluster/test_ray_rl.py", '"configs/arithmetic_tiny.py"'),
-        ("tests/cluster/test_ray_rl.py", '"cluster.mode": "ray", "cluster.rollout_actors": 2, '
-                                         '"cluster.trainer_processes": 2'),
-        ("tests/cluster/test_ray_rl.py", '"cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, '
-                                         '"cluster.trainer_mesh.tensor": 2')),
+        ("tests/cluster/test_ray_rl.py", ('"cluster.mode": "ray", "cluster.rollout_actors": 2, '
+                                          '"cluster.trainer_processes": 2')),
+        ("tests/cluster/test_ray_rl.py", ('"cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, '
+                                          '"cluster.trainer_mesh.tensor": 2'))),
     ".venv/bin/python -m jaxflow.jobs.rollout_worker --trajectories HOST:PORT --params HOST:PORT --model DIR": (
         ("tests/jobs/test_rollout_worker_args.py", '"--trajectories"'),
         ("tests/jobs/test_rollout_worker_args.py", '"--params"'),
@@ -124,7 +124,8 @@ def test_benchmark_commands_name_real_scripts_and_are_parsed_by_their_test():
     missing = sorted(c for c in commands if not (ROOT / "benchmarks" / f"{BENCHMARK.match(c).group(1)}.py").is_file())
     assert not missing, f"commands of scripts that do not exist: {missing}"
     outside = sorted(c for path, c, _ in ALL if BENCHMARK.match(c) and path != "docs/benchmarks.md")
-    assert not outside, f"benchmark commands belong in docs/benchmarks.md, where their argument check reads them: {outside}"
+    assert not outside, ("benchmark commands belong in docs/benchmarks.md, where their argument check reads "
+                         f"them: {outside}")
     if not BENCHMARK_ARGS_TEST.exists():
         pytest.skip("tests/test_benchmark_commands.py (the benchmarks' argument check) is not in this tree")
     assert "benchmarks.md" in BENCHMARK_ARGS_TEST.read_text(), \

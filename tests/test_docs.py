@@ -84,7 +84,7 @@ def test_readme_links_name_real_files():
 def test_readme_how_it_works_names_real_files():
     """Each stage of "How it works" is "`file` — one sentence", and the files exist."""
     section = (ROOT / "README.md").read_text().split("## How it works", 1)[1].split("\n## ", 1)[0]
-    stages = re.findall(r"^\d+\. `([^`]+)` — ", section, re.M)
+    stages = re.findall(r"^\d+\. `([^`]+)` — ", section, re.MULTILINE)
     assert len(stages) >= 8, f"How it works lists {len(stages)} stages as `file` — sentence"
     named = set(stages) | set(re.findall(r"`((?:jaxflow|rollout_bridge)/[\w/]+\.py)`", section))
     missing = sorted(p for p in named if not (ROOT / p).exists())
@@ -97,7 +97,7 @@ DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_snippets_parse_and_import_what_exists(page):
     """Every ```python block of the README and docs/ is valid Python, and what it imports from jaxflow exists."""
-    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL):
         tree = ast.parse(block)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "jaxflow":
