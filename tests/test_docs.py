@@ -107,6 +107,14 @@ def test_python_snippets_parse_and_import_what_exists(page):
                         f"{page.name}: `from {node.module} import {alias.name}`: no such name"
 
 
+def test_docs_name_real_paths():
+    """Every repository path the README and docs/ quote (`jaxflow/...`, `tests/...`, `benchmarks/...`) exists."""
+    quoted = {m for page in DOC_PAGES for m in re.findall(
+        r"`((?:jaxflow|rollout_bridge|tests|benchmarks|configs|colabs)/[\w/.]*)`", page.read_text())}
+    missing = sorted(p for p in quoted if not (ROOT / p).exists())
+    assert not missing, f"the docs quote paths that do not exist: {missing}"
+
+
 def test_nothing_points_outside_the_repository():
     texts = {p: p.read_text() for p in [*SOURCES, *(ROOT / "tests").rglob("*.py"), ROOT / "README.md",
                                         *(ROOT / "docs").rglob("*.md"), ROOT / "pyproject.toml"]
