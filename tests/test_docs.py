@@ -115,6 +115,27 @@ def test_docs_name_real_paths():
     assert not missing, f"the docs quote paths that do not exist: {missing}"
 
 
+def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in tree.items():
+        keys += _leaf_keys(value, f"{prefix}{name}.") if isinstance(value, dict) and value else [prefix + name]
+    return keys
+
+
+@pytest.mark.parametrize("config_file", sorted((ROOT / "configs").glob("*.py")), ids=lambda p: p.name)
+def test_the_configs_page_names_every_key(config_file, monkeypatch):
+    """docs/configs.md names every key of every config file: as `section.key`, or by its name in its
+    section's table."""
+    from jaxflow.config import load_config
+
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "docs" / "configs.md").read_text()
+    keys = _leaf_keys(load_config(str(config_file.relative_to(ROOT))).to_dict())
+    missing = [k for k in keys if f"`{k}`" not in text
+               and not re.search(rf"`[^`]*\b{re.escape(k.rsplit('.', 1)[-1])}\b[^`]*`", text)]
+    assert not missing, f"docs/configs.md does not describe {config_file.name}'s keys {missing}"
+
+
 def test_nothing_points_outside_the_repository():
     texts = {p: p.read_text() for p in [*SOURCES, *(ROOT / "tests").rglob("*.py"), ROOT / "README.md",
                                         *(ROOT / "docs").rglob("*.md"), ROOT / "pyproject.toml"]
