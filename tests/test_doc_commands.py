@@ -100,6 +100,22 @@ ALL = [(path.relative_to(ROOT).as_posix(), c, n) for path in DOCS for c, n in _c
 CHECKED = sorted({part for _, c, n in ALL if n is None for part in _parts(c)})
 
 
+FENCE_LANGUAGES = ("bash", "python", "text", "json")
+COMMAND_START = re.compile(r"^(python3? |\.venv/bin/|benchmarks/\w+\.py|mkdocs |ray |pip |RAY_\w+=)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_commands_sit_only_in_bash_blocks(path):
+    """Every fenced block names its language, and only ```bash blocks hold commands, so the scan above
+    sees every command."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", path.read_text(), re.MULTILINE | re.DOTALL)
+    untagged = [body.splitlines()[0] if body else "" for lang, body in blocks if lang not in FENCE_LANGUAGES]
+    assert not untagged, f"blocks without one of the languages {FENCE_LANGUAGES}: {untagged}"
+    hidden = [line for lang, body in blocks if lang != "bash" for line in body.splitlines()
+              if COMMAND_START.match(line.strip())]
+    assert not hidden, f"commands outside ```bash blocks, which the command check does not see: {hidden}"
+
+
 def test_the_docs_show_commands():
     assert len(ALL) >= 10 and any(n for _, _, n in ALL), "the command scan found too little: is its rule broken?"
     assert "python3 -m jaxflow.setup_env" in CHECKED
