@@ -29,7 +29,6 @@ with as the KL reference policy (on resume: the base model, not the restored ste
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -40,6 +39,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from jaxflow.config import ConfigError
 from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import Trajectory, make_batch
@@ -52,7 +52,6 @@ from jaxflow.trainer.step import PROX_MODES, StepConfig, TrainStep, make_optimiz
 from jaxflow.data.records import ConsumedBatch
 
 SCHEDULES = ("constant", "cosine")
-_LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(losses.LossConfig))
 
 
 def _bad(key: str, value, valid: str) -> ValueError:
@@ -84,17 +83,12 @@ def optimizer_config(trainer: ml_collections.ConfigDict) -> ml_collections.Confi
 
 
 def loss_config(section: ml_collections.ConfigDict) -> losses.LossConfig:
-    """The `trainer.loss` section as a LossConfig; fields it leaves out take LossConfig's defaults, a key
-    that is not a LossConfig field or a bad value raises ValueError naming `trainer.loss.<key>`."""
+    """The `trainer.loss` section as a LossConfig; fields it leaves out take LossConfig's defaults, an unknown
+    key or a bad value raises ConfigError (a ValueError) naming `trainer.loss.<key>`."""
     if not isinstance(section, ml_collections.ConfigDict):
-        raise ValueError(f"trainer.loss must be a section of loss options (trainer.loss.name = ..., "
-                         f"trainer.loss.eps_high = ...), got {section!r}")
-    unknown = sorted(set(section.keys()) - set(_LOSS_FIELDS))
-    if unknown:
-        raise ValueError(f"trainer.loss.{unknown[0]} is not a loss option; valid: {', '.join(_LOSS_FIELDS)}")
-    values = {f: section[f] for f in _LOSS_FIELDS if f in section}
-    losses.validate_loss_config(ml_collections.ConfigDict(values), key_prefix="trainer.loss.")
-    return losses.LossConfig(**values)
+        raise ConfigError(f"trainer.loss must be a section of loss options (trainer.loss.name = ..., "
+                          f"trainer.loss.eps_high = ...), got {section!r}")
+    return losses.LossConfig.from_config(section)
 
 
 def _check_step_fields(trainer: ml_collections.ConfigDict) -> None:
