@@ -15,12 +15,13 @@ Commands:
 """
 
 import ml_collections
-
-from jaxflow.models.lora import LORA_TARGETS
 from ml_collections.config_dict import placeholder
 
+from jaxflow.cluster.config import ClusterConfig
 from jaxflow.coordination import config_section
 from jaxflow.envs.config import env_section
+from jaxflow.models.lora import LORA_TARGETS
+from jaxflow.trainer.losses import LossConfig
 
 VARIANTS = ("async", "sync", "vllm", "coordinated")
 
@@ -112,8 +113,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.lease_s = 60.0
     # vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
     config.rollout.kv_cache_gib = 0.5
-    # Episodes: an environment answers between model turns (jaxflow.envs.config says each key). ref None:
-    # single answers, scored by the task's reward.
+    # Episodes: an environment answers between model turns (jaxflow.envs.config.EnvConfig says each key).
+    # ref None: single answers, scored by the task's reward.
     config.rollout.env = env_section()
 
     config.trainer = ml_collections.ConfigDict()
@@ -173,42 +174,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # every sample out with its own prompt.
     config.trainer.share_prompts = True
 
-    # The policy loss (jaxflow.trainer.losses.LossConfig); u = pi_theta/pi_prox, w = pi_prox/mu, A = advantage.
-    config.trainer.loss = ml_collections.ConfigDict()
-    loss = config.trainer.loss
-    # decoupled_ppo, ppo, dual_clip, tis, cispo, topr or gspo.
-    loss.name = "decoupled_ppo"
-    # Trust region: u is clipped to [1 - eps_low, 1 + eps_high] (DAPO's clip-higher: eps_high = 0.28).
-    loss.eps_low = 0.2
-    loss.eps_high = 0.2
-    # Dual clip for A < 0: the loss is at most -c*A (c >= 1, typically 3). None = off.
-    loss.dual_clip_c = placeholder(float)
-    # Bounds on w (AReaL caps it at 5); behav_weight_mode "clamp" clips w to them, "mask" drops the token,
-    # "none" ignores them. A floor of None = no lower bound.
-    loss.behav_weight_cap = 5.0
-    loss.behav_weight_floor = placeholder(float)
-    loss.behav_weight_mode = "clamp"
-    # "tis": IS weight sg(clip(pi_theta/mu, tis_floor, tis_cap)).
-    loss.tis_cap = 2.0
-    loss.tis_floor = 0.0
-    # "cispo": IS weight sg(clip(u, 1 - cispo_eps_low, 1 + cispo_eps_high)) (1.0: no lower clip); with the
-    # unified mask, tokens with A > 0, u > 1 + eps_high or A < 0, u < 1 - eps_low are also dropped.
-    loss.cispo_eps_low = 1.0
-    loss.cispo_eps_high = 0.28
-    loss.cispo_unified_mask = False
-    # "topr": weight on positive sequences, and on negative ones (times sg(clip(pi_theta/mu, 0, 1)));
-    # topr_split: a sequence is positive when its "advantage" > 0 or its raw "reward" > 0.
-    loss.topr_pos_weight = 1.0
-    loss.topr_neg_weight = 1.0
-    loss.topr_split = "advantage"
-    # KL penalty to the initial policy (kept frozen when kl_coef > 0): + kl_coef * k(pi_theta, pi_ref)
-    # per token, with Schulman's estimator k1, k2 or k3. Reported as kl_ref.
-    loss.kl_coef = 0.0
-    loss.kl_estimator = "k3"
-    # How token losses become the batch loss: token_mean, seq_mean_token_mean, seq_mean_token_sum or
-    # constant (Dr.GRPO: sum / (sequences * constant_normalizer); None = the row length).
-    loss.aggregation = "token_mean"
-    loss.constant_normalizer = placeholder(float)
+    # The policy loss: jaxflow.trainer.losses.LossConfig's defaults (its docstring says what each key means),
+    # with AReaL's cap of 5 on the behaviour weight w = pi_prox/mu.
+    config.trainer.loss = LossConfig.section(behav_weight_cap=5.0)
 
     config.eval = ml_collections.ConfigDict()
     # Held-out greedy accuracy every `every` steps (and at the start and the end).
@@ -219,27 +187,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint.every = 25
     config.checkpoint.max_to_keep = 2
 
-    config.cluster = ml_collections.ConfigDict()
-    # Where the services run: "embedded" (all in this process) or "ray" (the trajectory service in a Ray
-    # actor of its own, reached through a proxy; everything else as embedded). Needs the cluster extra.
-    config.cluster.mode = "embedded"
-    # The Ray cluster to join ("host:port", or "auto" for the one started on this machine with `ray
-    # start`); None starts a local Ray for the run and stops it at the end. Ray's token auth stays on.
-    config.cluster.address = placeholder(str)
-    # Rollout engines each in a Ray actor of its own (mode "ray"; one GPU each where the cluster has GPUs,
-    # one CPU otherwise), scoring rewards there; 0 keeps rollout.num_engines engines in this process.
-    config.cluster.rollout_actors = 0
-    # The trainer as this many Ray actors (one GPU each where the cluster has GPUs) forming one JAX mesh
-    # (mode "ray", with rollout actors); 0 trains in the job's process.
-    config.cluster.trainer_processes = 0
-    # CPU devices per trainer process (CPU hosts and tests); None: what JAX finds there.
-    config.cluster.trainer_cpu_devices = placeholder(int)
-    # The mesh over all the trainer processes' devices: fsdp x tensor (fsdp -1: the devices left).
-    config.cluster.trainer_mesh = ml_collections.ConfigDict({"fsdp": -1, "tensor": 1})
-    # Custom Ray node resources that place each piece: the actors of a piece each ask for one unit of the
-    # named resource, so they run on the nodes started with it (`ray start --resources='{"trainer": 8}'`);
-    # None: any node.
-    config.cluster.node_resource = ml_collections.ConfigDict(
-        {"data": placeholder(str), "trainer": placeholder(str), "rollout": placeholder(str),
-         "rewards": placeholder(str)})
+    # Where the services run (jaxflow.cluster.config.ClusterConfig says each key): all in this process.
+    config.cluster = ClusterConfig.section()
     return config

@@ -116,15 +116,14 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         check_int(problems, key, _get(config, key), low)
     for key, low, open_low in _FLOAT_FIELDS:
         check_float(problems, key, _get(config, key), low, open_low=open_low)
-    try:
-        Coordination.from_config(r.coordination)
-    except (TypeError, ValueError) as e:
-        problems.append(f"rollout.coordination: {e}")
+    problems += Coordination.config_problems(r.coordination)
     if not any(k in " ".join(problems) for k in ("rollout.max_tokens", "rollout.max_len")) \
             and r.max_tokens >= r.max_len:
         problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
     try:  # the update's options (loss, optimizer, prox, micro-batches...): each bad value names its key
         check_trainer_config(t)
+    except ConfigError as e:
+        problems += e.problems
     except ValueError as e:
         problems.append(str(e))
     # Any other float that is nan or inf (trainer.lr=inf passes its "> 0"), or int beyond int64: load_config
