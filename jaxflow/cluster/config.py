@@ -91,8 +91,8 @@ class ClusterConfig(Section):
     rollout_actors: int = 0
     trainer_processes: int = 0
     trainer_cpu_devices: int | None = None
-    trainer_mesh: TrainerMesh = TrainerMesh()
-    node_resource: NodeResources = NodeResources()
+    trainer_mesh: TrainerMesh = dataclasses.field(default_factory=TrainerMesh)
+    node_resource: NodeResources = dataclasses.field(default_factory=NodeResources)
 
     def problems(self) -> list[str]:
         problems: list[str] = []
