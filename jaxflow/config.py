@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import numbers
 import pathlib
 import re
 import types
@@ -81,7 +82,7 @@ def check_int(problems: list[str], key: str, value, low: int, high: int = INT_LI
     if optional and value is None:
         return
     must = f"{key} must be {'None or ' if optional else ''}"
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # NumPy's integers too
         problems.append(f"{must}an integer, got {value!r}")
     elif value < low:
         problems.append(f"{must}>= {low}, got {value}")
@@ -96,7 +97,7 @@ def check_float(problems: list[str], key: str, value, low: float, high: float = 
     if optional and value is None:
         return
     must = f"{key} must be {'None or ' if optional else ''}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         problems.append(f"{must}a number, got {value!r}")
     elif not math.isfinite(value):
         problems.append(f"{must}a finite number, got {value}")
