@@ -262,8 +262,11 @@ class Section:
     def from_config(cls, section: ml_collections.ConfigDict | dict | None):
         """The instance a config section (or a plain dict) describes; keys it leaves out take the defaults.
         Raises ConfigError naming every unknown key (with the nearest valid ones) or bad value."""
-        items = _items(section)
         names = [f.name for f in dataclasses.fields(cls)]
+        if section is not None and not isinstance(section, (ml_collections.ConfigDict, dict)):
+            message = f"{cls.SECTION} must be a section of keys ({', '.join(names)}), got {section!r}"
+            raise ConfigError(message, [message])
+        items = {} if section is None else {k: section[k] for k in section}
         problems = [f"{cls.SECTION}.{k} is not a {cls.SECTION} key ({_nearest(k, names)})"
                     for k in items if k not in names]
         nested = _nested(cls)
@@ -284,6 +287,8 @@ class Section:
             instance = cls(**values)
         except ConfigError as e:
             problems += e.problems
+        except (TypeError, ValueError) as e:  # a value of a type the checks cannot even compare
+            problems.append(f"{cls.SECTION}: {e}")
         if problems:
             raise ConfigError(f"bad {cls.SECTION} config: " + "; ".join(problems), problems)
         return instance
@@ -322,16 +327,6 @@ class Section:
 def _nearest(key: str, names: list[str]) -> str:
     near = difflib.get_close_matches(key, names, n=2, cutoff=0.5)
     return f"nearest: {', '.join(near)}" if near else f"valid: {', '.join(names)}"
-
-
-def _items(section) -> dict[str, Any]:
-    if section is None:
-        return {}
-    if isinstance(section, ml_collections.ConfigDict):
-        return {k: section[k] for k in section}
-    if isinstance(section, dict):
-        return dict(section)
-    raise ConfigError(f"a config section must be a ConfigDict or dict, got {section!r}")
 
 
 def _nested(cls) -> dict[str, type]:
