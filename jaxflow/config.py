@@ -267,7 +267,7 @@ class Section:
             message = f"{cls.SECTION} must be a section of keys ({', '.join(names)}), got {section!r}"
             raise ConfigError(message, [message])
         items = {} if section is None else {k: section[k] for k in section}
-        problems = [f"{cls.SECTION}.{k} is not a {cls.SECTION} key ({_nearest(k, names)})"
+        problems = [f"{cls.SECTION}.{k} is not a key of {cls.SECTION} ({_nearest(k, names)})"
                     for k in items if k not in names]
         nested = _nested(cls)
         values = {}

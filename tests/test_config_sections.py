@@ -50,7 +50,7 @@ def test_the_generator_round_trips(section):
 def test_an_unknown_key_is_named_with_the_nearest(section, typo, nearest, _key, _value):
     with pytest.raises(ConfigError) as e:
         section.from_config({typo: 1})
-    assert f"{section.SECTION}.{typo} is not a {section.SECTION} key (nearest: {nearest}" in str(e.value)
+    assert f"{section.SECTION}.{typo} is not a key of {section.SECTION} (nearest: {nearest}" in str(e.value)
 
 
 @pytest.mark.parametrize("section, _typo, _nearest, key, value", SECTIONS, ids=IDS)

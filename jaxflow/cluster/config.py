@@ -136,6 +136,6 @@ def cluster_problems(cluster: ml_collections.ConfigDict) -> list[str]:
     try:
         import ray  # noqa: F401
     except ImportError:
-        return ["cluster.mode 'ray' needs Ray: install the cluster extra (`pip install -e '.[cluster]'`, or "
-                "rerun `python3 -m jaxflow.setup_env`)"]
+        return [("cluster.mode 'ray' needs Ray: install the cluster extra (`pip install -e '.[cluster]'`, or "
+                 "rerun `python3 -m jaxflow.setup_env`)")]
     return []

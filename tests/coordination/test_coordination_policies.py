@@ -38,10 +38,10 @@ def test_from_config_names_unknown_keys_with_the_nearest():
     with pytest.raises(ConfigError) as e:
         Coordination.from_config({"routng": "throughput", "extra_group": 0.5, "max_running": 8})
     msg = str(e.value)
-    assert "coordination.routng is not a rollout.coordination key (nearest: routing" in msg
-    assert "coordination.extra_group is not a rollout.coordination key (nearest: extra_groups" in msg
+    assert "coordination.routng is not a key of rollout.coordination (nearest: routing" in msg
+    assert "coordination.extra_group is not a key of rollout.coordination (nearest: extra_groups" in msg
     assert "max_running" not in msg  # a valid key is not reported
-    with pytest.raises(ConfigError, match=r"coordination\.cost\.step is not a rollout\.coordination\.cost key"):
+    with pytest.raises(ConfigError, match=r"coordination\.cost\.step is not a key of rollout\.coordination\.cost"):
         Coordination.from_config({"cost": {"step": 0.1}})
     with pytest.raises(ValueError, match="stuck 'never'"):
         Coordination.from_config({"stuck": "never"})

@@ -50,6 +50,20 @@ def test_check_config_also_catches_values_set_in_code(key, value):
         rl.check_config(config)
 
 
+@pytest.mark.parametrize("section, key, says", [
+    ("trainer", "etaa", "trainer.etaa is not a key of trainer (nearest: eta"),
+    ("rollout", "group_sizes", "rollout.group_sizes is not a key of rollout (nearest: group_size"),
+    ("eval", "evry", "eval.evry is not a key of eval (nearest: every"),
+])
+def test_a_key_added_in_code_is_named_with_the_nearest(section, key, says):
+    """load_config refuses unknown keys of the command line; check_config those a config file or code adds."""
+    config = load_config(CONFIG)
+    with config[section].unlocked():
+        config[section][key] = 1
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        rl.check_config(config)
+
+
 def test_load_refuses_non_finite_and_int64_overflow_for_any_job():
     with pytest.raises(ConfigError, match=r"bad config configs/arithmetic_tiny\.py: ") as e:
         load_config(CONFIG, {"base.lr": "nan", "seed": str(2 ** 64)})
