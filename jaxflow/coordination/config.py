@@ -91,7 +91,7 @@ class Coordination(Section):
     stuck: str = "retry"
     stuck_threshold: int = 4
     stuck_patience: float = 2.0
-    cost: CostModel = CostModel()
+    cost: CostModel = dataclasses.field(default_factory=CostModel)
 
     SECTION: ClassVar[str] = "rollout.coordination"
 
