@@ -2,19 +2,18 @@
 every placement and weight-sync option of the coordinator, whether it drives one engine or many.
 
 Each strategy is switchable on its own; `areal_like()` and `default()` are the two ends the simulator
-compares (no coordination vs everything on). Unknown keys and bad values raise a ValueError naming them.
+compares (no coordination vs everything on). Unknown keys and bad values raise a ConfigError naming them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_collections
 
-from jaxflow.config import ConfigError
+from jaxflow.config import Section, check_bool, check_choice, check_float, check_int
 
 ROUTERS = ("round_robin", "least_loaded", "throughput")
 QUEUES = ("fifo", "oldest_first")
@@ -24,9 +23,16 @@ STUCK_ACTIONS = ("wait", "retry", "release")
 
 
 @dataclasses.dataclass(frozen=True)
-class CostModel:
+class CostModel(Section):
     """An instance's decode step time, a + b * running + c * kv_used (kv_used in [0, 1]), in seconds;
-    the coordinator scales it per instance by the speed it observes. Only ratios matter for routing."""
+    the coordinator scales it per instance by the speed it observes. Only ratios matter for routing.
+
+    step_s: a, seconds per decode step of an idle instance.
+    per_seq_s: b, seconds each running request adds.
+    per_kv_s: c, seconds a full KV cache adds.
+    """
+
+    SECTION: ClassVar[str] = "rollout.coordination.cost"
 
     step_s: float = 0.015
     per_seq_s: float = 0.0002
@@ -35,10 +41,18 @@ class CostModel:
     def step_time(self, running: float, kv_used: float) -> float:
         return self.step_s + self.per_seq_s * running + self.per_kv_s * kv_used
 
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("step_s", "per_seq_s", "per_kv_s"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0)
+        return problems
+
 
 @dataclasses.dataclass(frozen=True)
-class Coordination:
-    """routing: how a request picks its instance ("throughput": the cost model scaled by each
+class Coordination(Section):
+    """The `rollout.coordination` section (`Coordination.section(**overrides)` generates it for config files).
+
+    routing: how a request picks its instance ("throughput": the cost model scaled by each
     instance's observed speed; "least_loaded": fewest requests; "round_robin").
     queue: order of requests waiting for an instance ("oldest_first": oldest v_start first).
     max_running: requests the coordinator keeps on one instance.
@@ -77,28 +91,28 @@ class Coordination:
     stuck: str = "retry"
     stuck_threshold: int = 4
     stuck_patience: float = 2.0
-    cost: CostModel = CostModel()
+    cost: CostModel = dataclasses.field(default_factory=CostModel)
 
-    def __post_init__(self):
-        problems = []
-        for name, value, valid in (("routing", self.routing, ROUTERS), ("queue", self.queue, QUEUES),
-                                   ("sync", self.sync, SYNC_POLICIES), ("sync_mode", self.sync_mode, SYNC_MODES),
-                                   ("stuck", self.stuck, STUCK_ACTIONS)):
-            if value not in valid:
-                problems.append(f"{name} {value!r} is not one of {', '.join(valid)}")
-        for name, value, low in (("max_running", self.max_running, 1), ("extra_groups", self.extra_groups, 0),
-                                 ("extra_samples", self.extra_samples, 0), ("sync_idle_below", self.sync_idle_below, -1),
-                                 ("sync_max_lag", self.sync_max_lag, 1), ("stuck_threshold", self.stuck_threshold, 1),
-                                 ("stuck_patience", self.stuck_patience, 0),
-                                 ("migrate_min_requests", self.migrate_min_requests, 1),
-                                 ("migrate_max_moves", self.migrate_max_moves, 1)):
-            if value < low:
-                problems.append(f"{name} must be >= {low}, got {value}")
-        if not self.migrate_trigger > self.migrate_stop >= 1.0:
-            problems.append(f"need migrate_trigger > migrate_stop >= 1, got {self.migrate_trigger} and "
-                            f"{self.migrate_stop}")
-        if problems:
-            raise ConfigError("bad coordination config: " + "; ".join(problems))
+    SECTION: ClassVar[str] = "rollout.coordination"
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name, valid in (("routing", ROUTERS), ("queue", QUEUES), ("sync", SYNC_POLICIES),
+                            ("sync_mode", SYNC_MODES), ("stuck", STUCK_ACTIONS)):
+            check_choice(problems, self.key(name), getattr(self, name), valid)
+        for name, low in (("max_running", 1), ("extra_samples", 0), ("sync_idle_below", -1), ("sync_max_lag", 1),
+                          ("stuck_threshold", 1), ("migrate_min_requests", 1), ("migrate_max_moves", 1)):
+            check_int(problems, self.key(name), getattr(self, name), low)
+        for name in ("extra_groups", "stuck_patience"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0)
+        check_bool(problems, self.key("migrate"), self.migrate)
+        before = len(problems)
+        for name in ("migrate_trigger", "migrate_stop"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0)
+        if len(problems) == before and not self.migrate_trigger > self.migrate_stop >= 1.0:
+            problems.append(f"{self.SECTION}: need migrate_trigger > migrate_stop >= 1, got {self.migrate_trigger} "
+                            f"and {self.migrate_stop}")
+        return problems
 
     def reserve_groups(self, batch_groups: int) -> int:
         """Reservations per buffer for the trajectory service (B')."""
@@ -111,27 +125,7 @@ class Coordination:
         return cls(**{"routing": "least_loaded", "queue": "fifo", "migrate": False, "sync": "all", "stuck": "wait",
                              "extra_groups": 0.0, "extra_samples": 0, **overrides})
 
-    @classmethod
-    def from_config(cls, section: ml_collections.ConfigDict | dict) -> Coordination:
-        """From a config section; unknown keys are named with the nearest valid ones."""
-        items = dict(section.items()) if hasattr(section, "items") else dict(section)
-        fields = {f.name for f in dataclasses.fields(cls)} - {"cost"}
-        cost_fields = {f.name for f in dataclasses.fields(CostModel)}
-        unknown = [k for k in items if k not in fields and k != "cost"]
-        if unknown:
-            hints = [f"{k!r} (nearest: {', '.join(difflib.get_close_matches(k, sorted(fields), n=2)) or '-'})"
-                     for k in unknown]
-            raise ConfigError(f"unknown coordination keys {', '.join(hints)}; valid: {', '.join(sorted(fields))}")
-        cost = dict(items.pop("cost", {}) or {})
-        if set(cost) - cost_fields:
-            raise ConfigError(f"unknown coordination.cost keys {sorted(set(cost) - cost_fields)}; valid: "
-                             f"{sorted(cost_fields)}")
-        return cls(**items, cost=CostModel(**cost))
-
 
 def config_section(**overrides: Any) -> ml_collections.ConfigDict:
-    """The `rollout.coordination` section with the defaults of `Coordination`, for config files."""
-    c = Coordination(**overrides)
-    d = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "cost"}
-    d["cost"] = dataclasses.asdict(c.cost)
-    return ml_collections.ConfigDict(d)
+    """The `rollout.coordination` section with the defaults of `Coordination` (`Coordination.section`)."""
+    return Coordination.section(**overrides)

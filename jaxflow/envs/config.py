@@ -1,41 +1,67 @@
 """The `rollout.env` section of a run's config: episodes with an environment instead of single answers.
 
-    rollout.env.ref             None (single answers, scored by the task's reward) or "module:factory":
-                                factory(**options) makes one episode's environment (jaxflow's protocol,
-                                `jaxflow.envs.base`), e.g. "jaxflow.envs.calculator:CalculatorEnv"
-    rollout.env.options         keyword arguments of the factory (a dict)
-    rollout.env.turn_stop       text that ends a model turn besides the end-of-turn token (a tool-call
-                                marker such as "</tool>"): it must be one token of the model's tokenizer
-    rollout.env.step_timeout_s  seconds an environment call may take before its episode fails
-    rollout.env.max_turns       model turns per episode at most
-    rollout.env.isolate         run the environments in a process of their own (`jaxflow.envs.isolated`):
-                                a tool that crashes its process fails its episodes, not the run
-
-`env_section()` is the section with its defaults, for config files; `env_problems` returns one message
-per bad key (the RL job's `check_config` joins them); `environment_factory` and `turn_stop_ids` read a
-checked section.
+`EnvConfig` is the section (its docstring says what each key means; `env_section(**overrides)` generates it
+for config files); `env_problems` returns one message per bad key (the RL job's `check_config` joins them);
+`environment_factory` and `turn_stop_ids` read a checked section.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_collections
-from ml_collections.config_dict import placeholder
 
 from jaxflow import refs
-from jaxflow.config import check_float, check_int
+from jaxflow.config import Section, check_bool, check_float, check_int
 
-__all__ = ["env_problems", "env_section", "environment_factory", "turn_stop_ids"]
+__all__ = ["EnvConfig", "env_problems", "env_section", "environment_factory", "turn_stop_ids"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig(Section):
+    """The `rollout.env` section: episodes, where an environment answers between model turns.
+
+    ref: None (single answers, scored by the task's reward) or "module:factory": factory(**options) makes one
+      episode's environment (jaxflow's protocol, `jaxflow.envs.base`), e.g. "jaxflow.envs.calculator:CalculatorEnv".
+    options: keyword arguments of the factory (a dict).
+    turn_stop: text that ends a model turn besides the end-of-turn token (a tool-call marker such as
+      "</tool>"): it must be one token of the model's tokenizer.
+    step_timeout_s: seconds an environment call may take before its episode fails.
+    max_turns: model turns per episode at most.
+    isolate: run the environments in a process of their own (`jaxflow.envs.isolated`): a tool that crashes
+      its process fails its episodes, not the run.
+    """
+
+    SECTION: ClassVar[str] = "rollout.env"
+
+    ref: str | None = None
+    options: dict = dataclasses.field(default_factory=dict)
+    turn_stop: str | None = None
+    step_timeout_s: float = 30.0
+    max_turns: int = 4
+    isolate: bool = False
+
+    def problems(self) -> list[str]:
+        """Every key, episodes on or off (ref None), so a bad value never waits for the run that turns them on."""
+        problems: list[str] = []
+        check_float(problems, self.key("step_timeout_s"), self.step_timeout_s, 0.0, open_low=True)
+        check_int(problems, self.key("max_turns"), self.max_turns, 1)
+        check_bool(problems, self.key("isolate"), self.isolate)
+        if not isinstance(self.options, dict):
+            problems.append(f"rollout.env.options must be a dict of the factory's keyword arguments, "
+                            f"got {self.options!r}")
+        if self.ref is not None and not isinstance(self.ref, str):
+            problems.append(f"rollout.env.ref must be None or 'module:factory', got {self.ref!r}")
+        if self.turn_stop is not None and (not isinstance(self.turn_stop, str) or not self.turn_stop):
+            problems.append(f"rollout.env.turn_stop must be None or a non-empty string, got {self.turn_stop!r}")
+        return problems
 
 
 def env_section(**overrides: Any) -> ml_collections.ConfigDict:
-    """The `rollout.env` section: episodes off (ref None) unless `overrides` say otherwise."""
-    section = ml_collections.ConfigDict({"ref": placeholder(str), "options": {}, "turn_stop": placeholder(str),
-                                         "step_timeout_s": 30.0, "max_turns": 4, "isolate": False})
-    section.update(overrides)
-    return section
+    """The `rollout.env` section: episodes off (ref None) unless `overrides` say otherwise (`EnvConfig.section`)."""
+    return EnvConfig.section(**overrides)
 
 
 def _resolve(ref: str) -> Callable[..., Any]:
@@ -43,34 +69,24 @@ def _resolve(ref: str) -> Callable[..., Any]:
 
 
 def env_problems(section: ml_collections.ConfigDict, tokenizer: Any = None) -> list[str]:
-    """What is wrong with `rollout.env` (with `tokenizer`, also whether turn_stop is one token). Every key is
-    checked, episodes on or off (ref None), so a bad value never waits for the run that turns them on."""
-    problems: list[str] = []
-    check_float(problems, "rollout.env.step_timeout_s", section.step_timeout_s, 0.0, open_low=True)
-    check_int(problems, "rollout.env.max_turns", section.max_turns, 1)
-    if not isinstance(section.get("isolate", False), bool):
-        problems.append(f"rollout.env.isolate must be True or False, got {section.isolate!r}")
-    options = section.options.to_dict() if isinstance(section.options, ml_collections.ConfigDict) else section.options
-    if not isinstance(options, dict):
-        problems.append(f"rollout.env.options must be a dict of the factory's keyword arguments, got {options!r}")
-    if section.ref is not None:
-        if not isinstance(section.ref, str):
-            return problems + [f"rollout.env.ref must be None or 'module:factory', got {section.ref!r}"]
+    """What is wrong with `rollout.env`: its keys and values (`EnvConfig`), whether `ref` imports and builds
+    with `options`, and (with `tokenizer`) whether turn_stop is one token."""
+    problems = EnvConfig.config_problems(section)
+    if problems:
+        return problems
+    env = EnvConfig.from_config(section)
+    if env.ref is not None:
         try:
-            factory = _resolve(section.ref)
+            factory = _resolve(env.ref)
         except refs.RefError as e:
-            return problems + [f"rollout.env.ref: {e}"]
-        if isinstance(options, dict):
-            try:  # built once here, so that a bad option fails now and not in the first episode
-                factory(**options)
-            except Exception as e:  # noqa: BLE001 - whatever the user's factory raises names the problem
-                problems.append(f"rollout.env: {section.ref}(**{options}) failed: {type(e).__name__}: {e}")
-    if section.turn_stop is not None:
-        if not isinstance(section.turn_stop, str) or not section.turn_stop:
-            problems.append(f"rollout.env.turn_stop must be None or a non-empty string, got {section.turn_stop!r}")
-        elif tokenizer is not None and len(tokenizer.encode(section.turn_stop)) != 1:
-            problems.append(f"rollout.env.turn_stop {section.turn_stop!r} is {len(tokenizer.encode(section.turn_stop))} "
-                            f"tokens of the model's tokenizer; a turn can only stop at one token")
+            return [f"rollout.env.ref: {e}"]
+        try:  # built once here, so that a bad option fails now and not in the first episode
+            factory(**env.options)
+        except Exception as e:  # noqa: BLE001 - whatever the user's factory raises names the problem
+            problems.append(f"rollout.env: {env.ref}(**{env.options}) failed: {type(e).__name__}: {e}")
+    if env.turn_stop is not None and tokenizer is not None and len(tokenizer.encode(env.turn_stop)) != 1:
+        problems.append(f"rollout.env.turn_stop {env.turn_stop!r} is {len(tokenizer.encode(env.turn_stop))} "
+                        f"tokens of the model's tokenizer; a turn can only stop at one token")
     return problems
 
 

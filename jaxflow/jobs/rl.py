@@ -49,10 +49,12 @@ import jax
 import ml_collections
 
 from jaxflow import sharding
-from jaxflow.config import ConfigError, check_float, check_int, number_problems
+from jaxflow.config import ConfigError, check_int, number_problems
 
 from jaxflow.cluster.config import cluster_problems
 from jaxflow.jobs import warm_start
+from jaxflow.jobs.config import (BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection,
+                                 RolloutConfig)
 from jaxflow.jobs.bookkeeping import (REWARD_FAILURES, Ledger, RewardErrors, RewardNeverWorked, StopRequest,
                                       accounting, check_first_batch)
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
@@ -76,65 +78,34 @@ from rollout_bridge.engine import SamplingParams
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("jax", "vllm")
 # Seconds the trainer waits for a buffer before it prints where the groups are.
 _STALL_REPORT_S = 120.0
 
 
-# Integer fields and their lower bounds (each at most config.INT_LIMIT).
-_INT_FIELDS = (("seed", 0), ("data.train_prompts", 1),
-               ("rollout.num_engines", 1), ("rollout.group_size", 2), ("rollout.max_tokens", 1),
-               ("rollout.max_len", 2), ("rollout.max_slots", 1), ("rollout.decode_chunk", 1),
-               ("rollout.reward_workers", 1),
-               ("trainer.batch_groups", 1), ("trainer.steps", 1), ("trainer.eta", 0),
-               ("eval.num_prompts", 1), ("eval.every", 1),
-               ("checkpoint.every", 1), ("checkpoint.max_to_keep", 1),
-               # what the warm start builds the base model with (first run, or stale cache)
-               ("base.steps", 1), ("base.batch_size", 1), ("base.num_examples", 1), ("base.seed", 0),
-               ("model.hidden_size", 1), ("model.intermediate_size", 1), ("model.num_layers", 1),
-               ("model.num_heads", 1), ("model.num_kv_heads", 1), ("model.head_dim", 1), ("model.vocab_size", 1))
-# Float fields: (key, lower bound, whether the bound itself is excluded); all must be finite.
-_FLOAT_FIELDS = (("rollout.temperature", 0.0, False), ("rollout.reward_timeout_s", 0.0, True),
-                 ("rollout.kv_cache_gib", 0.0, True), ("rollout.lease_s", 0.0, True), ("base.lr", 0.0, True),
-                 ("trainer.time_limit_s", 0.0, False))
-
-
-def _get(config: ml_collections.ConfigDict, key: str):
-    for part in key.split("."):
-        config = config[part]
-    return config
+# The sections check_config checks, each a Section: its keys, their defaults and their checks.
+_SECTIONS = (("data", DataConfig), ("rollout", RolloutConfig), ("eval", EvalConfig),
+             ("checkpoint", CheckpointConfig), ("base", BaseConfig), ("model", ModelSection))
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Checks every value the run uses (types, ranges, finiteness) before anything starts; raises one
     ConfigError naming each bad key."""
-    r, t = config.rollout, config.trainer
     problems: list[str] = []
-    if r.engine not in ENGINES:
-        problems.append(f"rollout.engine {r.engine!r} is not one of {ENGINES}")
-    for key, low in _INT_FIELDS:
-        check_int(problems, key, _get(config, key), low)
-    for key, low, open_low in _FLOAT_FIELDS:
-        check_float(problems, key, _get(config, key), low, open_low=open_low)
-    try:
-        Coordination.from_config(r.coordination)
-    except (TypeError, ValueError) as e:
-        problems.append(f"rollout.coordination: {e}")
-    if not any(k in " ".join(problems) for k in ("rollout.max_tokens", "rollout.max_len")) \
-            and r.max_tokens >= r.max_len:
-        problems.append(f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_len ({r.max_len})")
-    try:  # the update's options (loss, optimizer, prox, micro-batches...): each bad value names its key
-        check_trainer_config(t)
-    except ValueError as e:
-        problems.append(str(e))
+    check_int(problems, "seed", config.seed, 0)
+    for name, section in _SECTIONS:
+        problems += section.config_problems(config[name])
+    try:  # the schedule and the update's options (TrainerConfig): each bad or unknown key named
+        check_trainer_config(config.trainer)
+    except ConfigError as e:
+        problems += e.problems
     # Any other float that is nan or inf (trainer.lr=inf passes its "> 0"), or int beyond int64: load_config
     # refuses them too; this catches a config built or changed in code.
     problems += number_problems(config, problems)
     problems += _task_problems(config)
     problems += cluster_problems(config.cluster)
-    env = r.get("env")
-    if env is not None:
-        problems += env_problems(env)
+    env = config.rollout.get("env")
+    if env is not None:  # the environment's factory imports and builds with its options
+        problems += [p for p in env_problems(env) if p not in problems]
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
 

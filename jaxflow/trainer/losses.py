@@ -20,11 +20,14 @@ tokens are replaced by zeros before any arithmetic, so garbage there (±inf, NaN
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import math
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxflow.config import Section, check_bool, check_choice, check_float
 
 # Log-ratios are clamped to ±MAX_LOG_RATIO before exp() (see the module docstring).
 MAX_LOG_RATIO = 20.0
@@ -36,44 +39,79 @@ TOPR_SPLITS = ("advantage", "reward")
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """Policy-loss settings; an ml_collections ConfigDict with the same fields works too (missing ones default).
+class LossConfig(Section):
+    """The policy loss: the run config's `trainer.loss` section (`LossConfig.section(**overrides)` generates
+    it). u = π_θ/π_prox, w = π_prox/μ, A = advantage. An ml_collections ConfigDict with some of these fields
+    works too wherever a LossConfig is taken (the others default).
 
-    CISPO defaults follow MiniMax-M1, which only clips the IS weight from above: `cispo_eps_low=1.0` puts the lower
-    bound at 0, i.e. no lower clip, and `cispo_eps_high=0.28` matches DAPO's clip-higher value.
+    name: decoupled_ppo, ppo, dual_clip, tis, cispo, topr or gspo (a key of POLICY_LOSSES).
+    eps_low, eps_high: trust region, u is clipped to [1 - eps_low, 1 + eps_high] (DAPO's clip-higher: 0.28).
+    dual_clip_c: dual clip for A < 0: the loss is at most -c·A (c >= 1, typically 3). None = off.
+    behav_weight_cap, behav_weight_floor: bounds on w (AReaL caps it at 5); None = no bound.
+    behav_weight_mode: past a bound, "clamp" w to it, "mask" the token (dropped), or "none" (bounds ignored).
+    tis_cap, tis_floor: "tis": IS weight sg(clip(π_θ/μ, tis_floor, tis_cap)) (floor 0: none).
+    cispo_eps_low, cispo_eps_high: "cispo": IS weight sg(clip(u, 1 - eps_low, 1 + eps_high)); 1.0: no lower clip.
+    cispo_unified_mask: "cispo" also drops tokens with A > 0, u > 1 + eps_high or A < 0, u < 1 - eps_low.
+    topr_pos_weight, topr_neg_weight: "topr": -c·A·log π_θ with c = the weight on positive sequences, and
+      the weight times sg(clip(π_θ/μ, 0, 1)) on the others.
+    topr_split: "topr": a sequence is positive when its "advantage" > 0 or its raw "reward" > 0.
+    kl_coef: + kl_coef·k(π_θ, π_ref) per token, KL to the initial policy (kept frozen when > 0); kl_ref metric.
+    kl_estimator: Schulman's k1, k2 or k3.
+    aggregation: token losses to the batch loss: token_mean, seq_mean_token_mean, seq_mean_token_sum or
+      constant (Dr.GRPO: sum / (sequences · constant_normalizer)).
+    constant_normalizer: C of "constant" aggregation; None = the row length T.
+
+    CISPO's defaults follow MiniMax-M1, which clips the IS weight from above only; cispo_eps_high = 0.28 is
+    DAPO's clip-higher value.
     """
 
-    name: str = "decoupled_ppo"  # key of POLICY_LOSSES
-    eps_low: float = 0.2  # trust region 1 - eps_low below
-    eps_high: float = 0.2  # trust region 1 + eps_high above; DAPO "clip-higher" uses 0.28
-    dual_clip_c: float | None = None  # dual clip for A < 0 (loss <= -c·A), c >= 1, typically 3.0
-    behav_weight_cap: float | None = None  # cap on w = π_prox/μ (AReaL uses 5.0); None = uncapped
-    # Floor on w = π_prox/μ, applied like the cap: "clamp" gives w = max(w, floor), "mask" drops tokens with
-    # w < floor (tokens the behaviour policy liked far more than π_prox). None = no floor.
+    SECTION: ClassVar[str] = "trainer.loss"
+
+    name: str = "decoupled_ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip_c: float | None = None
+    behav_weight_cap: float | None = None
     behav_weight_floor: float | None = None
-    behav_weight_mode: str = "clamp"  # what happens past the cap/floor: "clamp" w to it, "mask" the token, "none"
-    tis_cap: float = 2.0  # "tis": IS weight sg(clip(π_θ/μ, tis_floor, tis_cap))
-    tis_floor: float = 0.0  # "tis": lower truncation of π_θ/μ (0: none, as π_θ/μ >= 0)
-    cispo_eps_low: float = 1.0  # CISPO IS-weight clip below (1.0: no lower clip)
-    cispo_eps_high: float = 0.28  # CISPO IS-weight clip above
-    # CISPO's unified mask (MiniMax-M1): also drop tokens with A > 0 and u > 1 + eps_high or A < 0 and
-    # u < 1 - eps_low (u = π_θ/π_prox), i.e. PPO's trust region as a token mask on top of the clipped IS weight.
+    behav_weight_mode: str = "clamp"
+    tis_cap: float = 2.0
+    tis_floor: float = 0.0
+    cispo_eps_low: float = 1.0
+    cispo_eps_high: float = 0.28
     cispo_unified_mask: bool = False
-    # "topr": loss = -c·A·log π_θ with c = topr_pos_weight on positive sequences and
-    # topr_neg_weight·sg(clip(π_θ/μ, 0, 1)) on the others; topr_split picks what makes a sequence positive:
-    # "advantage" (A > 0) or "reward" (its raw reward > 0, as in the TOPR paper and ROLL).
     topr_pos_weight: float = 1.0
     topr_neg_weight: float = 1.0
     topr_split: str = "advantage"
-    kl_coef: float = 0.0  # weight of the KL(π_θ || π_ref) penalty; needs ref_logp_bt when > 0
-    kl_estimator: str = "k3"  # per-token KL estimator: k1, k2 or k3 (Schulman's)
-    # token_mean, seq_mean_token_mean, seq_mean_token_sum (Σ over a sequence's tokens, mean over sequences)
-    # or constant (Dr.GRPO); see token_weights.
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
     aggregation: str = "token_mean"
-    constant_normalizer: float | None = None  # C for "constant" aggregation; None = T (the padded length)
+    constant_normalizer: float | None = None
 
-    def __post_init__(self):
-        validate_loss_config(self)
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name, valid in (("name", sorted(POLICY_LOSSES)), ("behav_weight_mode", BEHAV_WEIGHT_MODES),
+                            ("kl_estimator", KL_ESTIMATORS), ("aggregation", AGGREGATIONS),
+                            ("topr_split", TOPR_SPLITS)):
+            check_choice(problems, self.key(name), getattr(self, name), valid)
+        for name in ("eps_low", "cispo_eps_low"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0, 1.0)
+        for name in ("eps_high", "cispo_eps_high", "topr_pos_weight", "topr_neg_weight", "kl_coef"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0)
+        check_bool(problems, self.key("cispo_unified_mask"), self.cispo_unified_mask)
+        before = len(problems)
+        check_float(problems, self.key("tis_cap"), self.tis_cap, 0.0, open_low=True)
+        if len(problems) == before:
+            check_float(problems, self.key("tis_floor"), self.tis_floor, 0.0, self.tis_cap, open_high=True)
+        check_float(problems, self.key("dual_clip_c"), self.dual_clip_c, 1.0, optional=True)
+        before = len(problems)
+        check_float(problems, self.key("behav_weight_cap"), self.behav_weight_cap, 0.0, open_low=True, optional=True)
+        if len(problems) == before:
+            cap = math.inf if self.behav_weight_cap is None else self.behav_weight_cap
+            check_float(problems, self.key("behav_weight_floor"), self.behav_weight_floor, 0.0, cap,
+                        open_high=True, optional=True)
+        check_float(problems, self.key("constant_normalizer"), self.constant_normalizer, 0.0, open_low=True,
+                    optional=True)
+        return problems
 
 
 def _cfg(cfg: Any, field: str):
@@ -81,37 +119,11 @@ def _cfg(cfg: Any, field: str):
     return getattr(cfg, field) if hasattr(cfg, field) else _DEFAULTS[field]
 
 
-def validate_loss_config(cfg: Any, key_prefix: str = "loss config field ") -> None:
-    """Raises ValueError naming the first invalid field of a loss config as `{key_prefix}{field}`."""
-    name = _cfg(cfg, "name")
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"{key_prefix}name: unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
-    none_or = lambda f, ok: _cfg(cfg, f) is None or ok(_cfg(cfg, f))  # noqa: E731
-    cap = _cfg(cfg, "behav_weight_cap")
-    checks = [
-        ("behav_weight_mode", _cfg(cfg, "behav_weight_mode") in BEHAV_WEIGHT_MODES, BEHAV_WEIGHT_MODES),
-        ("kl_estimator", _cfg(cfg, "kl_estimator") in KL_ESTIMATORS, KL_ESTIMATORS),
-        ("aggregation", _cfg(cfg, "aggregation") in AGGREGATIONS, AGGREGATIONS),
-        ("topr_split", _cfg(cfg, "topr_split") in TOPR_SPLITS, TOPR_SPLITS),
-        ("eps_low", 0.0 <= _cfg(cfg, "eps_low") <= 1.0, "[0, 1]"),
-        ("eps_high", _cfg(cfg, "eps_high") >= 0.0, ">= 0"),
-        ("cispo_eps_low", 0.0 <= _cfg(cfg, "cispo_eps_low") <= 1.0, "[0, 1]"),
-        ("cispo_eps_high", _cfg(cfg, "cispo_eps_high") >= 0.0, ">= 0"),
-        ("cispo_unified_mask", isinstance(_cfg(cfg, "cispo_unified_mask"), bool), "True or False"),
-        ("tis_cap", _cfg(cfg, "tis_cap") > 0.0, "> 0"),
-        ("tis_floor", 0.0 <= _cfg(cfg, "tis_floor") < _cfg(cfg, "tis_cap"), "[0, tis_cap)"),
-        ("topr_pos_weight", _cfg(cfg, "topr_pos_weight") >= 0.0, ">= 0"),
-        ("topr_neg_weight", _cfg(cfg, "topr_neg_weight") >= 0.0, ">= 0"),
-        ("kl_coef", _cfg(cfg, "kl_coef") >= 0.0, ">= 0"),
-        ("dual_clip_c", none_or("dual_clip_c", lambda c: c >= 1.0), "None or >= 1"),
-        ("behav_weight_cap", none_or("behav_weight_cap", lambda c: c > 0), "None or > 0"),
-        ("behav_weight_floor", none_or("behav_weight_floor", lambda f: f >= 0 and (cap is None or f < cap)),
-         "None or in [0, behav_weight_cap)"),
-        ("constant_normalizer", none_or("constant_normalizer", lambda c: c > 0), "None or > 0"),
-    ]
-    for field, ok, valid in checks:
-        if not ok:
-            raise ValueError(f"{key_prefix}{field}={_cfg(cfg, field)!r} is invalid; valid: {valid}")
+def validate_loss_config(cfg: Any) -> None:
+    """Raises ConfigError (a ValueError) naming every invalid field of a loss config: a LossConfig (checked when
+    it was made) or an object such as a ConfigDict with some of its fields (the others default)."""
+    if not isinstance(cfg, LossConfig):
+        LossConfig.from_config({f: getattr(cfg, f) for f in _DEFAULTS if hasattr(cfg, f)})
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossConfig)}

@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from jaxflow.config import ConfigError, Section, check_bool, check_choice, check_float, check_int
 from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
@@ -50,9 +51,9 @@ from jaxflow.data.records import FinishedGroup
 from jaxflow.trainer.state import TrainState, create_train_state, frozen_state, train_state_shardings, trainable
 from jaxflow.trainer.step import PROX_MODES, StepConfig, TrainStep, make_optimizer
 from jaxflow.data.records import ConsumedBatch
+from jaxflow.data.trajectory_service import BATCH_RULES
 
 SCHEDULES = ("constant", "cosine")
-_LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(losses.LossConfig))
 
 
 def _bad(key: str, value, valid: str) -> ValueError:
@@ -62,88 +63,155 @@ def _bad(key: str, value, valid: str) -> ValueError:
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraOptions(Section):
+    """The `trainer.lora` section (jaxflow/models/lora.py): rank 0 trains every weight; rank r >= 1 freezes the
+    base and trains rank-r adapters on `targets`, their output scaled by alpha / r. The optimizer then holds the
+    adapters alone, checkpoints store them (the base is the base model's directory), and a weight sync to a JAX
+    engine moves only them (vLLM gets the merged weights). Raise lr with it ("LoRA without regret": rank-1
+    adapters matched full fine-tuning for RL at about 10x its learning rate).
+
+    rank: adapter rank; 0: no LoRA.
+    alpha: the adapters' output is scaled by alpha / rank.
+    targets: the projections that carry adapters (jaxflow.models.lora.LORA_TARGETS).
+    """
+
+    SECTION: ClassVar[str] = "trainer.lora"
+
+    rank: int = 0
+    alpha: float = 32.0
+    targets: tuple[str, ...] = lora.LORA_TARGETS
+
+    def problems(self) -> list[str]:
+        return lora.lora_problems(self.rank, self.alpha, self.targets, prefix=f"{self.SECTION}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig(Section):
+    """The `trainer` section: the schedule, the batch and every option of the update.
+
+    steps: train steps (policy versions) of the run.
+    time_limit_s: stop after this many seconds of the train loop (from its first wait for rollouts), as after the
+      last step: held-out eval, checkpoint, export. 0: no limit, train all `steps`.
+    batch_groups: groups per train step (B).
+    eta: the staleness bound: a group admitted at version v is trained at a version <= v + eta; 0 is synchronous RL.
+    batch_rule: "full" waits for B groups; "ready_with_capacity" may release a fuller-than-needed buffer early
+      (jaxflow.data.trajectory_service).
+    minibatches: optimizer updates per train step, each on 1/minibatches of the batch (PPO minibatches; pi_prox
+      is the step's starting policy). About the same compute.
+    micro_batch_rows: rows per micro-batch: each minibatch's gradient is accumulated over micro-batches of this
+      many rows (less activation memory, same update); a multiple of the trainer mesh's data x fsdp shards.
+      The step is compiled once, for room for every sequence of a batch; micro-batches a batch leaves empty are
+      skipped, so smaller ones waste less compute on padding. 0: the whole minibatch in one, padding included.
+    prox: pi_prox, decoupled PPO's proximal policy: "recompute" (the step's starting weights; an extra forward
+      pass when minibatches > 1) or "loglinear" (AReaL's interpolation between mu and pi_theta, no pass).
+    remat: recompute each block's activations in the backward pass (less memory, ~1/3 more compute).
+    skip_zero_signal: leave groups whose samples all scored the same out of the update: their advantage is 0 on
+      every token, so they cost trainer time and only dilute the token-mean loss (still consumed and accounted).
+    advantage: the advantage estimator: grpo, dr_grpo or rloo.
+    adv_scale_by_std: GRPO divides by the group's reward std.
+    adv_std_ddof: that std's ddof: 0 (population) or 1 (unbiased).
+    lr: AdamW's peak learning rate, behind global-norm clipping.
+    warmup_steps: linear warmup to lr over this many steps.
+    schedule: after the warmup, "constant" or "cosine" decay to 0 at `steps`.
+    b1, b2, adam_eps: AdamW's moment decays and epsilon.
+    weight_decay: AdamW's decoupled weight decay (norm scales and biases are not decayed).
+    max_grad_norm: the global gradient norm is clipped to this.
+    lora: LoRA adapters instead of full fine-tuning (`LoraOptions`).
+    pack: pack several sequences per row (segment ids keep them apart) instead of one padded row each.
+    share_prompts: with pack, the samples of a GRPO group share one copy of their prompt in a row
+      (jaxflow.trainer.batch): the prompt's tokens run once per copy, not once per sample, for the same
+      log-probabilities and gradients. False lays every sample out with its own prompt.
+    loss: the policy loss (`jaxflow.trainer.losses.LossConfig`).
+    """
+
+    SECTION: ClassVar[str] = "trainer"
+
+    steps: int = 1000
+    time_limit_s: float = 0.0
+    batch_groups: int = 32
+    eta: int = 4
+    batch_rule: str = "full"
+    minibatches: int = 1
+    micro_batch_rows: int = 0
+    prox: str = "recompute"
+    remat: bool = False
+    skip_zero_signal: bool = True
+    advantage: str = "grpo"
+    adv_scale_by_std: bool = True
+    adv_std_ddof: int = 0
+    lr: float = 1e-4
+    warmup_steps: int = 5
+    schedule: str = "constant"
+    b1: float = 0.9
+    b2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lora: LoraOptions = dataclasses.field(default_factory=LoraOptions)
+    pack: bool = True
+    share_prompts: bool = True
+    loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name, low in (("steps", 1), ("batch_groups", 1), ("eta", 0), ("minibatches", 1),
+                          ("micro_batch_rows", 0), ("warmup_steps", 0)):
+            check_int(problems, self.key(name), getattr(self, name), low)
+        for name, valid in (("batch_rule", BATCH_RULES), ("prox", PROX_MODES), ("advantage", ADVANTAGE_ESTIMATORS),
+                            ("adv_std_ddof", (0, 1)), ("schedule", SCHEDULES)):
+            check_choice(problems, self.key(name), getattr(self, name), valid)
+        for name in ("remat", "skip_zero_signal", "adv_scale_by_std", "pack", "share_prompts"):
+            check_bool(problems, self.key(name), getattr(self, name))
+        check_float(problems, self.key("time_limit_s"), self.time_limit_s, 0.0)
+        for name in ("lr", "adam_eps", "max_grad_norm"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0, open_low=True)
+        for name in ("b1", "b2"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0, 1.0, open_high=True)
+        check_float(problems, self.key("weight_decay"), self.weight_decay, 0.0)
+        if self.share_prompts is True and self.pack is False:
+            problems.append("trainer.share_prompts must be False when trainer.pack is False (prompts are shared "
+                            "within packed rows)")
+        return problems
+
+
 def optimizer_config(trainer: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The optimizer fields `make_optimizer` reads, from the run config's trainer section (validated:
-    a bad value raises ValueError naming its `trainer.` key)."""
-    cfg = ml_collections.ConfigDict(dict(
-        lr=trainer.lr, warmup_steps=trainer.warmup_steps, schedule=trainer.schedule, total_steps=trainer.steps,
-        b1=trainer.b1, b2=trainer.b2, eps=trainer.adam_eps, weight_decay=trainer.weight_decay,
-        max_grad_norm=trainer.max_grad_norm))
-    checks = [("schedule", cfg.schedule, cfg.schedule in SCHEDULES, " or ".join(SCHEDULES)),
-              ("lr", cfg.lr, cfg.lr > 0, "> 0"),
-              ("warmup_steps", cfg.warmup_steps, cfg.warmup_steps >= 0, ">= 0"),
-              ("b1", cfg.b1, 0 <= cfg.b1 < 1, "[0, 1)"),
-              ("b2", cfg.b2, 0 <= cfg.b2 < 1, "[0, 1)"),
-              ("adam_eps", cfg.eps, cfg.eps > 0, "> 0"),
-              ("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
-              ("max_grad_norm", cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0")]
-    for key, value, ok, valid in checks:
-        if not ok:
-            raise _bad(key, value, valid)
-    return cfg
+    """The optimizer fields `make_optimizer` reads, from the run config's trainer section (checked by
+    `check_trainer_config`)."""
+    return ml_collections.ConfigDict({
+        "lr": trainer.lr, "warmup_steps": trainer.warmup_steps, "schedule": trainer.schedule,
+        "total_steps": trainer.steps, "b1": trainer.b1, "b2": trainer.b2, "eps": trainer.adam_eps,
+        "weight_decay": trainer.weight_decay, "max_grad_norm": trainer.max_grad_norm})
 
 
 def loss_config(section: ml_collections.ConfigDict) -> losses.LossConfig:
-    """The `trainer.loss` section as a LossConfig; fields it leaves out take LossConfig's defaults, a key
-    that is not a LossConfig field or a bad value raises ValueError naming `trainer.loss.<key>`."""
+    """The `trainer.loss` section as a LossConfig; fields it leaves out take LossConfig's defaults, an unknown
+    key or a bad value raises ConfigError (a ValueError) naming `trainer.loss.<key>`."""
     if not isinstance(section, ml_collections.ConfigDict):
-        raise ValueError(f"trainer.loss must be a section of loss options (trainer.loss.name = ..., "
-                         f"trainer.loss.eps_high = ...), got {section!r}")
-    unknown = sorted(set(section.keys()) - set(_LOSS_FIELDS))
-    if unknown:
-        raise ValueError(f"trainer.loss.{unknown[0]} is not a loss option; valid: {', '.join(_LOSS_FIELDS)}")
-    values = {f: section[f] for f in _LOSS_FIELDS if f in section}
-    losses.validate_loss_config(ml_collections.ConfigDict(values), key_prefix="trainer.loss.")
-    return losses.LossConfig(**values)
-
-
-def _check_step_fields(trainer: ml_collections.ConfigDict) -> None:
-    if trainer.minibatches < 1:
-        raise ValueError(f"trainer.minibatches must be >= 1, got {trainer.minibatches}")
-    if trainer.prox not in PROX_MODES:
-        raise _bad("prox", trainer.prox, " or ".join(PROX_MODES))
-    if not isinstance(trainer.remat, bool):
-        raise _bad("remat", trainer.remat, "True or False")
+        raise ConfigError(f"trainer.loss must be a section of loss options (trainer.loss.name = ..., "
+                          f"trainer.loss.eps_high = ...), got {section!r}")
+    return losses.LossConfig.from_config(section)
 
 
 def step_config(trainer: ml_collections.ConfigDict) -> StepConfig:
     """What the jitted update computes, from the run config's trainer section: the loss (`trainer.loss.*`),
     `minibatches`, `prox` and `remat`. A bad value raises ValueError naming its key."""
     loss = loss_config(trainer.loss)
-    _check_step_fields(trainer)
+    problems: list[str] = []
+    check_int(problems, "trainer.minibatches", trainer.minibatches, 1)
+    check_choice(problems, "trainer.prox", trainer.prox, PROX_MODES)
+    check_bool(problems, "trainer.remat", trainer.remat)
+    if problems:
+        raise ConfigError("bad trainer config: " + "; ".join(problems), problems)
     return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=trainer.prox, remat=trainer.remat)
 
 
 def check_trainer_config(trainer: ml_collections.ConfigDict) -> None:
-    """Validates every update option of the trainer section (what RLTrainer reads); raises one ValueError
-    naming the bad keys (the first of each group: loss, step, optimizer, batch). No model, no device work."""
-    problems = []
-    if trainer.get("lora") is not None:
-        problems += lora.lora_problems(trainer.lora.get("rank"), trainer.lora.get("alpha"), trainer.lora.get("targets"))
-    for check in (lambda t: loss_config(t.loss), _check_step_fields, optimizer_config, _check_batch_fields):
-        try:
-            check(trainer)
-        except ValueError as e:
-            problems.append(str(e))
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
-def _check_batch_fields(trainer: ml_collections.ConfigDict) -> None:
-    if trainer.advantage not in ADVANTAGE_ESTIMATORS:
-        raise _bad("advantage", trainer.advantage, ", ".join(ADVANTAGE_ESTIMATORS))
-    if trainer.adv_std_ddof not in (0, 1):
-        raise _bad("adv_std_ddof", trainer.adv_std_ddof, "0 or 1")
-    if not isinstance(trainer.adv_scale_by_std, bool):
-        raise _bad("adv_scale_by_std", trainer.adv_scale_by_std, "True or False")
-    if trainer.micro_batch_rows < 0:
-        raise _bad("micro_batch_rows", trainer.micro_batch_rows, ">= 0 (0: one micro-batch per minibatch)")
-    for key in ("pack", "share_prompts"):
-        if not isinstance(trainer[key], bool):
-            raise _bad(key, trainer[key], "True or False")
-    if trainer.share_prompts and not trainer.pack:
-        raise _bad("share_prompts", trainer.share_prompts, "False when trainer.pack is False (prompts are shared "
-                   "within packed rows)")
+    """Validates the trainer section (`TrainerConfig`: every key RLTrainer and the job read); raises one
+    ConfigError naming every bad or unknown key. No model, no device work."""
+    if "loss" in trainer and not isinstance(trainer.loss, ml_collections.ConfigDict):
+        loss_config(trainer.loss)  # an old-style `trainer.loss = "name"`: say what the section looks like
+    TrainerConfig.from_config(trainer)
 
 
 def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:

@@ -50,6 +50,20 @@ def test_check_config_also_catches_values_set_in_code(key, value):
         rl.check_config(config)
 
 
+@pytest.mark.parametrize("section, key, says", [
+    ("trainer", "etaa", "trainer.etaa is not a key of trainer (nearest: eta"),
+    ("rollout", "group_sizes", "rollout.group_sizes is not a key of rollout (nearest: group_size"),
+    ("eval", "evry", "eval.evry is not a key of eval (nearest: every"),
+])
+def test_a_key_added_in_code_is_named_with_the_nearest(section, key, says):
+    """load_config refuses unknown keys of the command line; check_config those a config file or code adds."""
+    config = load_config(CONFIG)
+    with config[section].unlocked():
+        config[section][key] = 1
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        rl.check_config(config)
+
+
 def test_load_refuses_non_finite_and_int64_overflow_for_any_job():
     with pytest.raises(ConfigError, match=r"bad config configs/arithmetic_tiny\.py: ") as e:
         load_config(CONFIG, {"base.lr": "nan", "seed": str(2 ** 64)})
@@ -119,13 +133,13 @@ def test_unwritable_workdir_fails_before_the_base_model(tmp_path, capsys):
     ({"cluster.address": "10.0.0.1:6379"}, "cluster.address is set but cluster.mode is 'embedded'"),
     ({"cluster.mode": "ray", "cluster.address": ""}, "cluster.address must be None"),
     ({"cluster.rollout_actors": "2"}, "cluster.rollout_actors=2 needs cluster.mode=ray"),
-    ({"cluster.mode": "ray", "cluster.rollout_actors": "-1"}, "cluster.rollout_actors must be an int >= 0"),
+    ({"cluster.mode": "ray", "cluster.rollout_actors": "-1"}, "cluster.rollout_actors must be >= 0, got -1"),
     ({"cluster.trainer_processes": "2"}, "cluster.trainer_processes=2 needs cluster.mode=ray"),
     ({"cluster.mode": "ray", "cluster.trainer_processes": "2"},
      "cluster.trainer_processes=2 needs cluster.rollout_actors >= 1"),
-    ({"cluster.mode": "ray", "cluster.trainer_processes": "-1"}, "cluster.trainer_processes must be an int >= 0"),
-    ({"cluster.mode": "ray", "cluster.trainer_cpu_devices": "0"}, "cluster.trainer_cpu_devices must be an int >= 1"),
-    ({"cluster.mode": "ray", "cluster.trainer_mesh.tensor": "0"}, "cluster.trainer_mesh.tensor must be an int >= 1"),
+    ({"cluster.mode": "ray", "cluster.trainer_processes": "-1"}, "cluster.trainer_processes must be >= 0, got -1"),
+    ({"cluster.mode": "ray", "cluster.trainer_cpu_devices": "0"}, "cluster.trainer_cpu_devices must be None or >= 1, got 0"),
+    ({"cluster.mode": "ray", "cluster.trainer_mesh.tensor": "0"}, "cluster.trainer_mesh.tensor must be >= 1, got 0"),
     ({"cluster.mode": "ray", "cluster.node_resource.trainer": " "}, "cluster.node_resource.trainer must be None"),
     ({"cluster.mode": "ray", "cluster.rollout_actors": "2", "cluster.trainer_processes": "2",
       "cluster.trainer_cpu_devices": "4", "cluster.trainer_mesh.fsdp": "3", "cluster.trainer_mesh.tensor": "2"},

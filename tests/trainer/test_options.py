@@ -79,7 +79,7 @@ def test_an_unknown_loss_key_is_named():
     t = trainer_section()
     with t.loss.unlocked():
         t.loss.eps_hihg = 0.3
-    with pytest.raises(ValueError, match=r"trainer\.loss\.eps_hihg is not a loss option"):
+    with pytest.raises(ValueError, match=r"trainer\.loss\.eps_hihg is not a key of trainer\.loss \(nearest: eps_high"):
         step_config(t)
     old_style = ml_collections.ConfigDict({**t.to_dict(), "loss": "decoupled_ppo"})
     with pytest.raises(ValueError, match=r"trainer\.loss must be a section of loss options"):

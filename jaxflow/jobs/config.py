@@ -1,0 +1,210 @@
+"""The RL job's own config sections: `data`, `rollout`, `eval`, `checkpoint`, `base` and `model`.
+
+Each is a `jaxflow.config.Section`: its fields are the keys and their defaults, its docstring says what each
+key means, `Section.section(**overrides)` generates it for config files. The other sections live with the code
+that owns them: `trainer` (`jaxflow.trainer.rl_trainer.TrainerConfig`, with `trainer.loss`,
+`jaxflow.trainer.losses.LossConfig`), `rollout.coordination` (`jaxflow.coordination.Coordination`),
+`rollout.env` (`jaxflow.envs.config.EnvConfig`) and `cluster` (`jaxflow.cluster.config.ClusterConfig`). The
+task's options are the task's constructor arguments (`jaxflow.tasks`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from jaxflow.config import Section, check_bool, check_choice, check_float, check_int
+from jaxflow.coordination import Coordination
+from jaxflow.envs.config import EnvConfig
+
+__all__ = ["ENGINES", "BaseConfig", "CheckpointConfig", "DataConfig", "EvalConfig", "ModelSection", "RolloutConfig"]
+
+ENGINES = ("jax", "vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
+    """The `data` section.
+
+    train_prompts: distinct train prompts, drawn from the task's train split (repeated in new orders when used up).
+    """
+
+    SECTION: ClassVar[str] = "data"
+
+    train_prompts: int = 20000
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        check_int(problems, self.key("train_prompts"), self.train_prompts, 1)
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(Section):
+    """The `rollout` section: the engines, sampling, rewards and episodes.
+
+    engine: "jax" (jaxflow's engine, in this process) or "vllm" (vLLM's AsyncLLM, its own processes).
+    num_engines: engines, all driven by one coordinator.
+    coordination: placement and weight sync of the coordinator (`jaxflow.coordination.Coordination`).
+    group_size: samples per prompt (the GRPO group).
+    temperature: sampling temperature.
+    max_tokens: response tokens per sample at most (per model turn in episodes).
+    max_len: context (prompt + response) of each engine's sequences.
+    max_slots: concurrent sequences of each engine.
+    decode_chunk: decode steps the JAX engine runs per call.
+    reward_workers: reward processes.
+    reward_timeout_s: seconds after which a reward call counts as failed.
+    lease_s: a group dispatched to a worker goes back to the queue (with its partial tokens) if the worker does
+      not renew it for this long: a dead or hung worker cannot stall training.
+    kv_cache_gib: vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
+    env: episodes, an environment answering between model turns (`jaxflow.envs.config.EnvConfig`).
+    """
+
+    SECTION: ClassVar[str] = "rollout"
+
+    engine: str = "jax"
+    num_engines: int = 1
+    coordination: Coordination = dataclasses.field(default_factory=Coordination)
+    group_size: int = 8
+    temperature: float = 1.0
+    max_tokens: int = 128
+    max_len: int = 192
+    max_slots: int = 128
+    decode_chunk: int = 16
+    reward_workers: int = 1
+    reward_timeout_s: float = 5.0
+    lease_s: float = 60.0
+    kv_cache_gib: float = 0.5
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        check_choice(problems, self.key("engine"), self.engine, ENGINES)
+        before = len(problems)
+        for name, low in (("max_tokens", 1), ("max_len", 2)):
+            check_int(problems, self.key(name), getattr(self, name), low)
+        if len(problems) == before and self.max_tokens >= self.max_len:
+            problems.append(f"rollout.max_tokens ({self.max_tokens}) must be below rollout.max_len ({self.max_len})")
+        for name, low in (("num_engines", 1), ("group_size", 2), ("max_slots", 1), ("decode_chunk", 1),
+                          ("reward_workers", 1)):
+            check_int(problems, self.key(name), getattr(self, name), low)
+        check_float(problems, self.key("temperature"), self.temperature, 0.0)
+        for name in ("reward_timeout_s", "kv_cache_gib", "lease_s"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0, open_low=True)
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(Section):
+    """The `eval` section: held-out greedy accuracy every `every` steps (and at the start and the end).
+
+    every: train steps between evals.
+    num_prompts: held-out prompts per eval.
+    """
+
+    SECTION: ClassVar[str] = "eval"
+
+    every: int = 50
+    num_prompts: int = 256
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("every", "num_prompts"):
+            check_int(problems, self.key(name), getattr(self, name), 1)
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """The `checkpoint` section.
+
+    every: train steps between checkpoints (and one after the last step).
+    max_to_keep: checkpoints kept; older ones are deleted.
+    """
+
+    SECTION: ClassVar[str] = "checkpoint"
+
+    every: int = 25
+    max_to_keep: int = 2
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("every", "max_to_keep"):
+            check_int(problems, self.key(name), getattr(self, name), 1)
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseConfig(Section):
+    """The `base` section: the base model the run starts from, and the supervised warm start that builds it.
+
+    dir: the base model's directory (an HF model). A model the warm start built (with base_info.json) is a
+      cache: rebuilt in place when its settings differ from these. A directory holding an HF model of your own
+      (config.json, safetensors weights, tokenizer.json; no base_info.json) is used as given and never written;
+      model and base settings then do not apply. Missing or empty: built when build_if_missing.
+    build_if_missing: build the base model when `dir` holds none (or a stale one the warm start built).
+    steps: warm-start steps.
+    batch_size: demonstrations per warm-start step.
+    lr: the warm start's peak learning rate.
+    num_examples: distinct demonstrations.
+    seed: the warm start's seed.
+    """
+
+    SECTION: ClassVar[str] = "base"
+
+    dir: str = "runs/base/model"
+    build_if_missing: bool = True
+    steps: int = 800
+    batch_size: int = 32
+    lr: float = 3e-3
+    num_examples: int = 20000
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        if not isinstance(self.dir, str) or not self.dir:
+            problems.append(f"base.dir must be a directory, got {self.dir!r}")
+        check_bool(problems, self.key("build_if_missing"), self.build_if_missing)
+        for name, low in (("steps", 1), ("batch_size", 1), ("num_examples", 1), ("seed", 0)):
+            check_int(problems, self.key(name), getattr(self, name), low)
+        check_float(problems, self.key("lr"), self.lr, 0.0, open_low=True)
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection(Section):
+    """The `model` section: the tiny architecture the warm start builds (HF layout; vLLM loads it too).
+
+    Config files write this section out by hand: its keys are part of the base model's cache key, so a
+    generated section (which would always hold extra_tokens) would rebuild caches that are still good.
+
+    architecture: the HF architecture written into config.json (jaxflow.models.config.SUPPORTED_ARCHITECTURES).
+    hidden_size: width of the residual stream.
+    intermediate_size: width of the SwiGLU hidden layer.
+    num_layers: decoder blocks.
+    num_heads, num_kv_heads: query heads and key/value heads (grouped-query attention when fewer kv heads).
+    head_dim: width of one attention head (vLLM's CPU attention kernels need >= 32).
+    tie_word_embeddings: the LM head reuses the token embedding.
+    vocab_size: tokenizer vocabulary to train (the model rounds it up to a multiple of 64).
+    extra_tokens: strings that become one token each in the tokenizer (tool-call markers).
+    """
+
+    SECTION: ClassVar[str] = "model"
+
+    architecture: str = "Qwen3ForCausalLM"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    tie_word_embeddings: bool = True
+    vocab_size: int = 512
+    extra_tokens: tuple[str, ...] = ()
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "vocab_size"):
+            check_int(problems, self.key(name), getattr(self, name), 1)
+        return problems
