@@ -67,12 +67,12 @@ from jaxflow.data.prompt_source import PromptSource
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
 from jaxflow.tasks import get_task
 from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
-from jaxflow.jobs.rollout_worker import make_engine, runs_episodes, with_episodes
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.state import abstract_train_state
 from jaxflow.data.trajectory_service import TrajectoryService
 from rollout_bridge.engine import SamplingParams
+from rollout_bridge.factory import make_engine, runs_episodes, with_episodes
 
 log = logging.getLogger(__name__)
 
