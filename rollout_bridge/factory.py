@@ -37,7 +37,7 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
     if kind == "vllm":
         from rollout_bridge.vllm_engine import VllmEngine
 
-        return VllmEngine(model, version=version, max_model_len=max_len, max_num_seqs=max_slots,
+        return VllmEngine(model, version=version, max_len=max_len, max_slots=max_slots,
                           kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True, lora=lora)
     raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")
 
