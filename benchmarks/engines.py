@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         from rollout_bridge.vllm_engine import VllmEngine
 
         t0 = time.perf_counter()
-        engine = VllmEngine(model_dir, max_model_len=max_len, max_num_seqs=args.slots)
+        engine = VllmEngine(model_dir, max_len=max_len, max_slots=args.slots)
         startup_s["vllm"] = time.perf_counter() - t0
         try:
             results["vllm"] = {name: run_engine(engine, reqs, tensors, args.repeats)

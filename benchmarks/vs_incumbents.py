@@ -109,15 +109,15 @@ def write_setup(directory: pathlib.Path, seed: int, minutes: float, base_dir: pa
     """The prompts (in jaxflow's draw order for `seed`), the held-out problems and the settings, as files an
     incumbent's runner reads without jaxflow's environment."""
     from jaxflow.config import load_config
-    from jaxflow.jobs import rl, warm_start
+    from jaxflow.jobs import prompts, warm_start
     from jaxflow.tokenizer import Tokenizer
 
     config = load_config(CONFIG, {"seed": str(seed), "eval.num_prompts": str(SETTINGS["eval_prompts"])})
     tokenizer = Tokenizer.from_dir(base_dir)
     task = warm_start.make_task(config)
-    records = rl.train_records(config, task, tokenizer)
-    source = rl.prompt_source(config, records)  # the RL job's own order; its first pass
-    held_out = rl.eval_records(config, task, tokenizer)
+    records = prompts.train_records(config, task, tokenizer)
+    source = prompts.prompt_source(config, records)  # the RL job's own order; its first pass
+    held_out = prompts.eval_records(config, task, tokenizer)
     directory.mkdir(parents=True, exist_ok=True)
 
     def lines(recs):

@@ -82,6 +82,8 @@ _GIB = 2**30
 # vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks), and adapters per batch.
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _MAX_LORAS = 4
+# vLLM's names for the engine limits -> the names VllmEngine (and JaxEngine) take them by.
+_LIMIT_NAMES = {"max_model_len": "max_len", "max_num_seqs": "max_slots"}
 
 
 @dataclasses.dataclass(eq=False)
@@ -135,23 +137,28 @@ class VllmEngine(Engine):
     Args:
       model_dir: an HF model directory (config.json, safetensors, tokenizer).
       version: the policy version of its weights.
-      max_model_len: context length (prompt + completion) in tokens.
+      max_len: context length (prompt + completion) in tokens (vLLM's `max_model_len`).
+      max_slots: most sequences vLLM batches at once (its `max_num_seqs`).
       kv_cache_gib: KV-cache size in GiB (vLLM's `kv_cache_memory_bytes`; None leaves vLLM's own sizing,
         e.g. `gpu_memory_utilization`; on CPU the VLLM_CPU_KVCACHE_SPACE variable, if set, wins).
       dtype: the serving dtype ("float32" for parity with the trainer; "auto" takes the checkpoint's).
-      max_num_seqs: most sequences vLLM batches at once.
       seed: vLLM's seed (requests without a seed draw from it).
       cast_weights: let `update_weights` cast float tensors of another dtype; by default that is refused.
       startup_timeout: seconds to wait for vLLM to come up.
       lora: serve LoRA adapters of this spec over the base (module docstring); versions are then adapters.
       engine_kwargs: more `AsyncEngineArgs` fields (e.g. `enforce_eager=True`, `tensor_parallel_size=2`,
-        `logprobs_mode="processed_logprobs"`).
+        `logprobs_mode="processed_logprobs"`); vLLM's `max_model_len` and `max_num_seqs` are refused
+        (TypeError): they are `max_len` and `max_slots` here, as on `JaxEngine`.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, *, version: int = 0, max_model_len: int = 1024,
-                 kv_cache_gib: float | None = 1.0, dtype: str = "float32", max_num_seqs: int = 256,
+    def __init__(self, model_dir: str | os.PathLike, *, version: int = 0, max_len: int = 1024,
+                 kv_cache_gib: float | None = 1.0, dtype: str = "float32", max_slots: int = 256,
                  seed: int = 0, cast_weights: bool = False, startup_timeout: float = 900.0,
                  lora: LoRASpec | None = None, **engine_kwargs):
+        # The same limits as JaxEngine's, by the same names; vLLM's own names would bypass `max_slots`.
+        for vllm_name, name in _LIMIT_NAMES.items():
+            if vllm_name in engine_kwargs:
+                raise TypeError(f"VllmEngine takes {name}, not {vllm_name}")
         self.model_dir = str(model_dir)
         self.config = from_hf_config(read_hf_config(model_dir),
                                      source=os.path.join(self.model_dir, "config.json"))
@@ -159,8 +166,9 @@ class VllmEngine(Engine):
         self._cast_weights = cast_weights
         self._version = version
         self._kv_usage = 0.0
-        args = dict(model=self.model_dir, dtype=dtype, max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs, seed=seed, worker_extension_cls=WORKER_EXTENSION,
+        self.max_slots = max_slots
+        args = dict(model=self.model_dir, dtype=dtype, max_model_len=max_len,
+                    max_num_seqs=max_slots, seed=seed, worker_extension_cls=WORKER_EXTENSION,
                     logprobs_mode="raw_logprobs", skip_tokenizer_init=True, disable_log_stats=True)
         if kv_cache_gib is not None:
             args["kv_cache_memory_bytes"] = int(kv_cache_gib * _GIB)
@@ -201,9 +209,9 @@ class VllmEngine(Engine):
         return self._version
 
     @property
-    def max_model_len(self) -> int:
+    def max_len(self) -> int:
         """Context length in tokens (prompt + completion), as vLLM resolved it."""
-        return self._max_model_len
+        return self._max_len
 
     def abort(self, request_ids: Iterable[str], timeout: float = 60.0) -> list[Completion]:
         """Partial samples (finish_reason "abort") of those `request_ids` still in flight; ids already
@@ -360,7 +368,7 @@ class VllmEngine(Engine):
         return request_id in self._live
 
     def _accept(self, request: Request, sample: Sample):
-        """vLLM queues every request itself (up to max_num_seqs and its KV cache): start its stream."""
+        """vLLM queues every request itself (up to max_slots and its KV cache): start its stream."""
         self._submitted += 1
         live = _Live(request, f"{request.request_id}#{self._submitted}", sample)
         self._live[request.request_id] = live
@@ -368,8 +376,8 @@ class VllmEngine(Engine):
 
     def _invalid(self, request: Request) -> str | None:
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
-        return request_error(request, vocab_size=self.config.vocab_size, context=self._max_model_len,
-                             context_name="max_model_len")
+        return request_error(request, vocab_size=self.config.vocab_size, context=self._max_len,
+                             context_name="max_len")
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -410,7 +418,7 @@ class VllmEngine(Engine):
             await llm.update_weight_version(str(self._version))
             model_config = llm.model_config
             self._dtype = np.dtype(str(model_config.dtype).removeprefix("torch."))
-            self._max_model_len = int(model_config.max_model_len)
+            self._max_len = int(model_config.max_model_len)
         except BaseException:
             llm.shutdown()
             raise

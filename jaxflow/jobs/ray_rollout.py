@@ -24,8 +24,8 @@ from typing import Any
 from jaxflow.cluster import names, ray_actors
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.data.param_service import UnknownVersionError
-from jaxflow.jobs.rollout_worker import make_engine, runs_episodes, with_episodes
 from rollout_bridge.engine import SamplingParams
+from rollout_bridge.factory import make_engine, runs_episodes, with_episodes
 
 log = logging.getLogger(__name__)
 

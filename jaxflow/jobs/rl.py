@@ -6,7 +6,8 @@ Pieces, all in this process (vLLM engines run their own processes; with `cluster
 trajectory and parameter services run in a Ray actor, reached through proxies with their methods and
 exceptions, and with `cluster.rollout_actors` > 0 the rollout engines run in Ray actors of their own,
 `jaxflow.jobs.ray_rollout`; with `cluster.trainer_processes` > 0 the trainer runs as that many Ray
-processes forming one mesh, and `jaxflow.jobs.rl_cluster` drives the run through the same train loop):
+processes forming one mesh, and `jaxflow.jobs.rl_cluster` drives the run through the same train loop,
+`jaxflow.jobs.train_loop`):
 
 - the base model: built by the supervised warm start on first use and cached (`jaxflow.jobs.warm_start`);
 - a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts;
@@ -38,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import pathlib
 import sys
 import tempfile
@@ -55,31 +55,28 @@ from jaxflow.cluster.config import cluster_problems
 from jaxflow.jobs import warm_start
 from jaxflow.jobs.config import (BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection,
                                  RolloutConfig)
-from jaxflow.jobs.bookkeeping import (REWARD_FAILURES, Ledger, RewardErrors, RewardNeverWorked, StopRequest,
-                                      accounting, check_first_batch)
+from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.envs.config import env_problems
-from jaxflow.jobs.evaluation import evaluate
 from jaxflow.models import hf_io, lora
 from jaxflow.models.lora import LoRASpec
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.param_service import ParameterService
-from jaxflow.data.prompt_source import PromptSource
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
 from jaxflow.tasks import get_task
 from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
-from jaxflow.jobs.rollout_worker import make_engine, runs_episodes, with_episodes
+from jaxflow.jobs.prompts import prompt_source, train_records
+from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.state import abstract_train_state
 from jaxflow.data.trajectory_service import TrajectoryService
 from rollout_bridge.engine import SamplingParams
+from rollout_bridge.factory import make_engine, runs_episodes, with_episodes
 
 log = logging.getLogger(__name__)
 
-# Seconds the trainer waits for a buffer before it prints where the groups are.
-_STALL_REPORT_S = 120.0
 
 
 # The sections check_config checks, each a Section: its keys, their defaults and their checks.
@@ -161,106 +158,6 @@ def episodes(config, tokenizer):
     """engine -> the engine itself, or (rollout.env.ref set) an EpisodeEngine running the configured
     environment's episodes on it (`with_episodes`). ConfigError when rollout.env is bad."""
     return with_episodes(config.rollout.get("env"), tokenizer)
-
-
-class _Evaluator:
-    """Held-out greedy accuracy of the current policy, on a JAX engine of its own."""
-
-    def __init__(self, config, trainer, weights, task, tokenizer, pool, model=None):
-        """trainer: its `version` is evaluated; weights: where that version is pulled from; model: what the
-        engine starts from (default the trainer's model; a path for a trainer in other processes)."""
-        from rollout_bridge.jax_engine import JaxEngine
-        r = config.rollout
-        self.records = eval_records(config, task, tokenizer)
-        # Beside JAX rollout engines in this process, the evaluator's engine takes their shapes, so that
-        # every program it compiles at start is one they reuse (jit's in-memory cache: the tiny model's first
-        # step 4 s sooner on two cores, even with a warm persistent cache). Otherwise (vLLM,
-        # rollout actors) its KV cache is kept to 64 slots.
-        shared = r.engine == "jax" and not config.cluster.rollout_actors and model is None
-        self.episodes = runs_episodes(r.get("env"))
-        self.engine = JaxEngine(trainer.model() if model is None else model,
-                                max_slots=r.max_slots if shared else min(r.max_slots, 64),
-                                max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version,
-                                reuse_turns=self.episodes)
-        if isinstance(weights, DeviceParamSource):
-            weights.add_target(self.engine.param_shardings)
-        self.engine = episodes(config, tokenizer)(self.engine)  # evals run the task's episodes too
-        self.trainer, self.weights, self.task, self.tokenizer, self.pool, self.max_tokens = \
-            trainer, weights, task, tokenizer, pool, r.max_tokens
-
-    def __call__(self) -> float:
-        if self.engine.version != self.trainer.version:
-            self.engine.update_weights(*self.weights.pull(self.trainer.version))
-        self.last = evaluate(self.engine, self.records, decode=self.tokenizer.decode,
-                             reward_ref=self.task.reward_ref, max_tokens=self.max_tokens,
-                             stop_token_ids=[self.tokenizer.eos_id], pool=self.pool,
-                             tag=f"eval{self.trainer.version}")
-        return self.last.accuracy
-
-    def extra(self) -> dict[str, float]:
-        """The last eval's other figures worth a metric: with episodes, how often the environment answered."""
-        return {"eval_env_frac": self.last.env_frac} if self.episodes else {}
-
-    def close(self):
-        self.engine.close()
-
-
-# What the coordination strategies did, cumulative, in every step's metrics.
-_COORDINATION_METRICS = ("requests_migrated", "requests_retried", "requests_resumed", "samples_redundant",
-                         "buffers_released")
-
-
-# The train loop's phases, in the order `phase_line` prints them; "other" is what the rest leave.
-PHASES = ("wait_rollout", "batch", "update", "publish", "eval", "checkpoint")
-
-
-def phase_line(result: dict[str, Any]) -> str:
-    """One line: the train loop's wall time split by phase (`result["phases_s"]`), how busy the rollout
-    engines were meanwhile, and how many cores this process kept busy (`result["cpu_s"]` per second)."""
-    phases, wall = result.get("phases_s"), result.get("wall_s")
-    if not phases or not wall:
-        return ""
-    parts = ", ".join(f"{k.replace('_', ' ')} {x:.1f}s ({x / wall:.0%})" for k, x in phases.items())
-    idle = result.get("rollout_idle_frac")
-    busy = "" if idle is None else f"; rollout engines busy {1.0 - idle:.0%} of it"
-    cpu = f"; this process used {result['cpu_s'] / wall:.2f} of {result['cores']} cores"
-    return f"jaxflow: train loop {wall:.1f}s: {parts}{busy}{cpu}\n"
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def train_records(config: ml_collections.ConfigDict, task, tokenizer) -> list[dict]:
-    """The RL prompts as prompt records: train-split problems drawn with a seed apart from the warm
-    start's, so that RL samples from problems the base model has not seen."""
-    return task.to_prompt_records(task.examples("train", config.data.train_prompts, seed=config.seed + 1000),
-                                  tokenizer)
-
-
-def prompt_source(config: ml_collections.ConfigDict, records: list[dict]) -> PromptSource:
-    """`records` in the order the run draws them (reshuffled at each pass over them)."""
-    return PromptSource(records, seed=config.seed, num_epochs=None)
-
-
-def eval_records(config: ml_collections.ConfigDict, task, tokenizer) -> list[dict]:
-    """The held-out problems of every eval: the same `eval.num_prompts` eval-split ones for every seed."""
-    return task.to_prompt_records(task.examples("eval", config.eval.num_prompts, seed=0), tokenizer)
-
-
-def _consume(service: TrajectoryService, version: int, stop: StopRequest):
-    """Waits for buffer `version`; None if a stop was requested meanwhile."""
-    waited = 0.0
-    while not stop.requested:
-        try:
-            return service.consume(version, timeout=0.5)
-        except TimeoutError:
-            waited += 0.5
-            if waited % _STALL_REPORT_S == 0:
-                print(f"jaxflow: still waiting for buffer {version} after {waited:.0f}s: "
-                      f"{service.stats()['next_buffer']}", file=sys.stderr, flush=True)
-    return None
 
 
 def run(config: ml_collections.ConfigDict) -> int:
@@ -374,7 +271,7 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     reward_errors = RewardErrors(failed_value=0.0)
     pool = RewardPool(num_workers=config.rollout.reward_workers, timeout_s=config.rollout.reward_timeout_s,
                       failed_value=0.0, on_failure=reward_errors)
-    evaluator = _Evaluator(config, trainer, device_weights, task, tokenizer, pool)
+    evaluator = Evaluator(config, trainer, device_weights, task, tokenizer, pool)
     sampling = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                               stop_token_ids=(tokenizer.eos_id,))
     engines: list = []
@@ -400,10 +297,11 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         else:
             coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
                                       sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
+        parts = LoopParts(trainer=trainer, service=service, params=params, coordinator=coordinator, ckpt=ckpt,
+                          ledger=ledger, run_log=run_log, evaluator=evaluator, rewards=pool,
+                          reward_errors=reward_errors, reward_ref=task.reward_ref)
         try:
-            result.update(_train_loop(config, trainer, service, params, coordinator, ckpt, ledger, run_log,
-                                      evaluator, start_step, result["base_accuracy"], pool, reward_errors,
-                                      task.reward_ref))
+            result.update(train_loop(config, parts, start_step=start_step, base_accuracy=result["base_accuracy"]))
         except RewardNeverWorked as e:
             never_worked = str(e)
         result["coordination"] = {k: v for k, v in coordinator.stats().items() if k != "instances"}
@@ -428,133 +326,4 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
             lora.write_adapter(workdir / "adapter", trainer.lora, lora.peft_tensors(trainer.model().layers),
                                base_model=str(base_dir.resolve()), overwrite=True)
 
-    return _conclude(config, result, service, ledger, pool, never_worked, trainer, export)
-
-
-def _conclude(config, result: dict[str, Any], service, ledger: Ledger, pool, never_worked: str | None, trainer,
-              export) -> int:
-    """After the train loop: the accounting, the export (`export()`), result.json and the closing lines;
-    the process exit code."""
-    workdir, t = pathlib.Path(config.workdir), config.trainer
-    if result.get("interrupted"):
-        print(f"jaxflow: stopped at step {trainer.version}; rerun the same command to resume", flush=True)
-        return 130
-    result["accounting"] = accounting(service, ledger, pool)
-    a = result["accounting"]
-    reward_line = (f"jaxflow: reward calls {a['reward_calls']}: scored {a['reward_scored']}, failed (scored 0) "
-                   + ", ".join(f"{k.replace('_', ' ')} {a['reward_' + k]}" for k in REWARD_FAILURES))
-    if never_worked is not None:
-        result["error"] = never_worked
-        (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"jaxflow: error: {never_worked}\n{reward_line}", file=sys.stderr, flush=True)
-        return 2
-    result["train_step_compiles"], result["train_step_compile_s"] = trainer.compiles, round(trainer.compile_s, 2)
-    if hasattr(trainer, "trainable_params"):  # the trainer group (cluster mode) does not count them
-        result["trained_params"] = trainer.trainable_params
-    export()
-    (workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"jaxflow: done. held-out accuracy {result['base_accuracy']:.1%} (base) -> "
-          f"{result['final_accuracy']:.1%} after {trainer.version} steps"
-          + (f" (trainer.time_limit_s {t.time_limit_s:g} reached)" if trainer.version < t.steps else "")
-          + f"; policy exported to {workdir / 'export'}"
-          + (f" (its LoRA adapters alone, PEFT's format: {workdir / 'adapter'})" if getattr(trainer, "lora", None) else "")
-          + "\n"
-          f"jaxflow: groups created {a['created']} = consumed {a['consumed']} + in flight {a['in_flight']} + "
-          f"failed {a['failed']} + surplus {a['surplus']}; the ledger holds {a['ledger_groups']} trained groups, "
-          f"{a['ledger_duplicates']} trained twice\n"
-          f"jaxflow: train-step compiles: {trainer.compiles} ({trainer.compile_s:.1f}s)\n{phase_line(result)}"
-          f"{reward_line}",
-          flush=True)
-    return 0
-
-
-def _train_loop(config, trainer: RLTrainer, service, params, coordinator: Coordinator, ckpt, ledger, run_log,
-                evaluator, start_step: int, base_accuracy: float, pool: RewardPool, reward_errors: RewardErrors,
-                reward_ref: str, step_done=None) -> dict[str, Any]:
-    t = config.trainer
-    rewards_before = pool.stats()
-    coordinator.start()
-    out: dict[str, Any] = {}
-    loop_start, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0
-    # CPU time of every thread of this process (the trainer, embedded JAX engines, XLA's thread pools);
-    # other processes (the reward pool's workers, vLLM servers, Ray actors) are not in it.
-    cpu_start, eval_cpu = time.process_time(), 0.0
-    # The train loop's wall time by what it was doing (the rollout runs beside it): `phase_line` prints it.
-    phases = dict.fromkeys(PHASES, 0.0)
-    accuracy = rollout_idle = None
-
-    saved = [start_step]
-
-    def save():
-        if saved[-1] != trainer.version:
-            save_from = time.monotonic()
-            trainer.checkpoint(ckpt, {"trajectories": service.snapshot(), "base_accuracy": base_accuracy})
-            saved.append(trainer.version)
-            phases["checkpoint"] += time.monotonic() - save_from
-
-    with StopRequest() as stop:
-        for step in range(start_step, t.steps):
-            before = time.monotonic()
-            consumed = _consume(service, step, stop)
-            if consumed is None:
-                break
-            phases["wait_rollout"] += time.monotonic() - before
-            if step == start_step:  # before any update: a reward that never works must not train on zeros
-                check_first_batch(pool, rewards_before, t.batch_groups * config.rollout.group_size,
-                                   reward_errors, reward_ref)
-            busy_from = time.monotonic()
-            metrics, staleness = trainer.train(consumed)
-            published_from = time.monotonic()
-            trainer.publish(service, params)
-            metrics["publish_s"] = time.monotonic() - published_from
-            metrics["trainer_busy_s"] = time.monotonic() - busy_from
-            batch_s = metrics.get("batch_s", 0.0)  # the trainer group's steps do not split it out
-            phases["batch"] += batch_s
-            phases["update"] += published_from - busy_from - batch_s
-            phases["publish"] += metrics["publish_s"]
-            ledger.record(step, [g.group_id for g in consumed.groups])
-            elapsed = time.monotonic() - loop_start
-            trained_tokens += metrics["trained_tokens"]
-            consumed_tokens += metrics["consumed_tokens"]
-            instances = coordinator.instances
-            idle = sum(i.idle_s for i in instances) / (elapsed * max(len(instances), 1))
-            counts = service.stats()["counts"]
-            metrics.update(trainer_idle_frac=phases["wait_rollout"] / elapsed, rollout_idle_frac=min(idle, 1.0),
-                           trained_tokens_per_s=trained_tokens / elapsed,
-                           consumed_tokens_per_s=consumed_tokens / elapsed,
-                           groups_aborted=float(counts["aborted"]), groups_failed=float(counts["failed"]),
-                           groups_surplus=float(counts["surplus"]),
-                           weight_syncs=float(coordinator.counts["syncs"]))
-            rollout_idle = metrics["rollout_idle_frac"]
-            metrics.update({k: float(coordinator.counts[k]) for k in _COORDINATION_METRICS})
-            reward_stats = pool.stats()
-            metrics.update({f"reward_{k}": float(reward_stats[k]) for k in REWARD_FAILURES})
-            # A time limit ends the run like its last step: a held-out eval, a checkpoint, the export.
-            done = step + 1 == t.steps or 0 < t.time_limit_s <= elapsed
-            if (step + 1) % config.eval.every == 0 or done:
-                eval_from, eval_cpu_from = time.monotonic(), time.process_time()
-                accuracy = evaluator()
-                metrics["eval_accuracy"] = accuracy
-                metrics.update(evaluator.extra())
-                metrics["eval_s"] = time.monotonic() - eval_from
-                eval_cpu += time.process_time() - eval_cpu_from
-                phases["eval"] += metrics["eval_s"]
-            run_log.log_step(step, metrics, staleness=staleness)
-            if step_done is not None:  # the cluster driver times its recoveries by it
-                step_done(step)
-            if (step + 1) % config.checkpoint.every == 0 or done or stop.requested:
-                save()
-            if stop.requested or done:
-                break
-        if stop.requested:
-            save()
-    out["interrupted"] = stop.requested
-    out["final_accuracy"] = accuracy
-    out["wall_s"] = time.monotonic() - loop_start
-    out["eval_s"] = phases["eval"]
-    out["cpu_s"], out["eval_cpu_s"] = time.process_time() - cpu_start, eval_cpu
-    out["cores"] = usable_cores()
-    phases["other"] = max(out["wall_s"] - sum(phases.values()), 0.0)  # metrics, logging, the ledger
-    out["phases_s"] = {k: round(x, 3) for k, x in phases.items()}
-    out["rollout_idle_frac"] = rollout_idle
-    return out
+    return conclude(config, result, parts, never_worked, export)

@@ -1,7 +1,7 @@
 """The RL job on a Ray cluster with its trainer as N processes forming one mesh, and how it survives faults.
 
 `jaxflow.jobs.rl.run` hands over to `run` here when `cluster.trainer_processes` > 0. The job's process
-(the driver) keeps the train loop (`rl._train_loop`, the same one as embedded) and places the rest, each
+(the driver) keeps the train loop (`jaxflow.jobs.train_loop`, the same as embedded) and places the rest, each
 a Ray actor named after the run (`jaxflow.cluster.names`):
 
     jaxflow-<tag>-data          the trajectory service and the weight publisher (manifests of the newest
@@ -48,10 +48,11 @@ from jaxflow.cluster.trainer_group import TrainerGroup, TrainerGroupFailed
 from jaxflow.cluster.weights import PUBLISHER_METHODS, ManifestSource, RayWeightPublisher
 from jaxflow.coordination import Coordination
 from jaxflow.data.trajectory_service import TrajectoryService
-from jaxflow.jobs import rl
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked
+from jaxflow.jobs.prompts import prompt_source
 from jaxflow.jobs.ray_rollout import start_fleet
 from jaxflow.jobs.run_log import RunLog
+from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards import RewardPool
 
@@ -90,7 +91,7 @@ class _Cluster:
     def new_service(self, snapshot: dict | None) -> TrajectoryService:
         config, t = self.config, self.config.trainer
         strategy = Coordination.from_config(config.rollout.coordination)
-        service = TrajectoryService(rl.prompt_source(config, self.train_records),
+        service = TrajectoryService(prompt_source(config, self.train_records),
                                     batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
                                     batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
                                     reserve_groups=strategy.reserve_groups(t.batch_groups))
@@ -169,7 +170,7 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
     reward_errors = RewardErrors(failed_value=0.0)
     pool = RewardPool(num_workers=1, timeout_s=r.reward_timeout_s, failed_value=0.0, on_failure=reward_errors)
     cleanup.callback(pool.close)
-    evaluator = rl._Evaluator(config, group, ManifestSource(publisher), task, tokenizer, pool, model=str(base_dir))
+    evaluator = Evaluator(config, group, ManifestSource(publisher), task, tokenizer, pool, model=str(base_dir))
     cleanup.callback(evaluator.close)
     where = ray.get(cluster.host.where.remote())
     result: dict[str, Any] = {"base_accuracy": base_accuracy, "recoveries": [], "cluster": {
@@ -181,7 +182,6 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
                         tokenizer.eos_id, resources=_resources(config, "rollout"), rewards=rewards)
     result["cluster"]["rollout_actors"] = fleet.placed
     cleanup.callback(fleet.stop)
-    ckpt = None  # the trainer processes write the checkpoints
     never_worked = None
     while True:
         ledger = Ledger(workdir / "ledger.jsonl", version)
@@ -193,10 +193,13 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
         def step_done(step: int, pending=pending) -> None:
             if pending is not None and "recovered_s" not in pending:
                 pending["recovered_s"] = round(time.time() - pending["detected_at"], 2)
+        # ckpt None: the trainer processes write the checkpoints.
+        parts = LoopParts(trainer=group, service=trajectories, params=publisher, coordinator=fleet, ckpt=None,
+                          ledger=ledger, run_log=run_log, evaluator=evaluator, rewards=rewards,
+                          reward_errors=reward_errors, reward_ref=task.reward_ref)
         try:
-            result.update(rl._train_loop(config, group, trajectories, publisher, fleet, ckpt, ledger, run_log,
-                                         evaluator, version, result["base_accuracy"], rewards, reward_errors,
-                                         task.reward_ref, step_done=step_done))
+            result.update(train_loop(config, parts, start_step=version, base_accuracy=result["base_accuracy"],
+                                     step_done=step_done))
             break
         except RewardNeverWorked as e:
             never_worked = str(e)
@@ -222,8 +225,8 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
             ledger.close()
             run_log.close()
     result["coordination"] = {k: v for k, v in fleet.stats().items() if k != "instances"}
-    return rl._conclude(config, result, trajectories, ledger, rewards, never_worked, group,
-                        lambda: group.export(workdir / "export", base_dir, workdir / "adapter"))
+    return conclude(config, result, parts, never_worked,
+                    lambda: group.export(workdir / "export", base_dir, workdir / "adapter"))
 
 
 def _recover(cluster: _Cluster, kind: str) -> tuple[int, dict, TrainerGroup]:

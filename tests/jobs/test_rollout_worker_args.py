@@ -1,8 +1,8 @@
-"""The rollout worker CLI and `make_engine` refuse bad engine options before connecting or loading anything."""
+"""The rollout worker CLI refuses bad engine options before connecting or loading anything."""
 
 import pytest
 
-from jaxflow.jobs.rollout_worker import main, make_engine
+from jaxflow.jobs.rollout_worker import main
 
 SERVICES = ["--trajectories", "127.0.0.1:1", "--params", "127.0.0.1:2", "--model", "/nonexistent"]
 
@@ -19,7 +19,3 @@ def test_bad_engine_option_is_named(args, says, capsys):
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
 
-
-def test_make_engine_names_an_unknown_kind():
-    with pytest.raises(ValueError, match="unknown engine 'sglang'; valid: jax, vllm"):
-        make_engine("sglang", "/nonexistent", 64, 4)

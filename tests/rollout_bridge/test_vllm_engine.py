@@ -28,7 +28,7 @@ from jaxflow.models.hf_io import iter_hf_tensors, load_model  # noqa: E402
 from rollout_bridge.engine import EngineError, Request, SamplingParams  # noqa: E402
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
 
-MAX_MODEL_LEN = 256
+MAX_LEN = 256
 # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order.
 ATOL = 1e-4
 
@@ -59,7 +59,7 @@ def base_tensors(base_model):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    eng = VllmEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=32, kv_cache_gib=1.0,
+    eng = VllmEngine(model_dir, max_len=MAX_LEN, max_slots=32, kv_cache_gib=1.0,
                      enforce_eager=True)
     # vLLM's engine core and worker run in child processes. multiprocessing's resource tracker, started
     # with the first spawned child, serves this process until it exits: not vLLM's to stop.
@@ -331,16 +331,16 @@ def test_bad_weights_are_rejected_and_nothing_changes(engine, base_tensors, gree
 
 
 def test_too_long_prompt_is_a_per_request_error(engine, greedy_reference):
-    reqs = [Request("long", list(range(3, 3 + MAX_MODEL_LEN)), GREEDY)]
+    reqs = [Request("long", list(range(3, 3 + MAX_LEN)), GREEDY)]
     reqs += [Request(f"ok{i}", p, GREEDY) for i, p in enumerate(prompts())]
     reqs += [Request("bad", [3, 10_000], GREEDY)]
     out = engine.generate(reqs)
     assert out[0].sample.finish_reason == "error" and out[0].sample.tokens == []
-    assert f"{MAX_MODEL_LEN} tokens" in out[0].error and str(MAX_MODEL_LEN - 1) in out[0].error
+    assert f"{MAX_LEN} tokens" in out[0].error and str(MAX_LEN - 1) in out[0].error
     assert [c.sample.tokens for c in out[1:-1]] == greedy_reference
     assert out[-1].sample.finish_reason == "error" and "vocab" in out[-1].error
     # A prompt that just fits generates one token.
-    c = engine.generate([Request("fits", list(range(3, 2 + MAX_MODEL_LEN)), GREEDY)])[0]
+    c = engine.generate([Request("fits", list(range(3, 2 + MAX_LEN)), GREEDY)])[0]
     assert len(c.sample.tokens) == 1 and c.sample.finish_reason == "length"
 
 
@@ -375,10 +375,10 @@ def test_engine_death_surfaces_as_engine_error(model_dir):
     """vLLM's engine core dies mid-generation: poll and submit raise EngineError, abort still hands back
     the partial sample, and close() cleans up."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}  # the module engine's
-    eng = VllmEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, kv_cache_gib=0.25,
+    eng = VllmEngine(model_dir, max_len=MAX_LEN, max_slots=8, kv_cache_gib=0.25,
                      enforce_eager=True)
     try:
-        eng.submit(Request("x", [5, 6, 7], SamplingParams(max_tokens=MAX_MODEL_LEN - 8, temperature=0.0)))
+        eng.submit(Request("x", [5, 6, 7], SamplingParams(max_tokens=MAX_LEN - 8, temperature=0.0)))
         wait_running(eng, 1)
         spawned = [p for p in psutil.Process().children(recursive=True)
                    if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
@@ -391,7 +391,7 @@ def test_engine_death_surfaces_as_engine_error(model_dir):
         (partial,) = eng.abort(["x"])
         s = partial.sample
         assert partial.request_id == "x" and s.finish_reason == "abort"
-        assert 0 < len(s.tokens) < MAX_MODEL_LEN - 8 and len(s.logprobs) == len(s.versions) == len(s.tokens)
+        assert 0 < len(s.tokens) < MAX_LEN - 8 and len(s.logprobs) == len(s.versions) == len(s.tokens)
     finally:
         eng.close()
     _, alive = psutil.wait_procs(spawned, timeout=30)  # the worker does not outlive its engine core

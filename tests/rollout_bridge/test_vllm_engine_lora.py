@@ -33,7 +33,7 @@ def base_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(base_dir):
-    eng = VllmEngine(base_dir, max_model_len=128, max_num_seqs=8, kv_cache_gib=0.5, enforce_eager=True, lora=SPEC)
+    eng = VllmEngine(base_dir, max_len=128, max_slots=8, kv_cache_gib=0.5, enforce_eager=True, lora=SPEC)
     yield eng
     eng.close()
 

@@ -1,0 +1,65 @@
+"""Building engines: `make_engine` (a JAX or a vLLM engine by name, with the same limits for both) and
+`with_episodes` (an environment's episodes over it, when the `rollout.env` section names one).
+
+The RL job's engines, its evaluator's, its rollout actors' and the rollout worker CLI's all come from
+here, so every engine of a run is built the same way.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from jaxflow.config import ConfigError
+from jaxflow.envs.config import env_problems, environment_factory, turn_stop_ids
+
+__all__ = ["make_engine", "runs_episodes", "with_episodes"]
+
+
+def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0, decode_chunk: int = 16,
+                kv_cache_gib: float | None = 1.0, version: int = 0, lora=None, episodes: bool = True):
+    """The engine named by `kind` ("jax" or "vllm") serving `model` (an HF directory; a JAX engine also
+    takes a `Transformer`) at policy `version`, with `max_slots` sequences of up to `max_len` tokens
+    (prompt + completion) at once and sampling seeded by `seed`. jax: a `JaxEngine` decoding
+    `decode_chunk` tokens a call. vllm: a `VllmEngine` with a KV cache of `kv_cache_gib` GiB (None:
+    vLLM's own sizing) and CUDA graphs off (`enforce_eager`, as the RL job's engines: no graph capture at
+    start, and on CPU no torch.compile). lora (a `LoRASpec`): either engine serves LoRA adapters over the
+    base, and each version is the adapters alone (PEFT-named tensors). episodes: False when no request
+    continues an earlier one (no environment): a JAX engine then keeps no finished turns and compiles no
+    extend programs."""
+    if kind == "jax":
+        from rollout_bridge.jax_engine import JaxEngine
+
+        if lora is not None and not hasattr(model, "layers"):
+            from jaxflow.models import hf_io
+            model = hf_io.load_model(model, lora=lora)
+        return JaxEngine(model, max_slots=max_slots, max_len=max_len, decode_chunk=decode_chunk, version=version,
+                         seed=seed, reuse_turns=episodes)
+    if kind == "vllm":
+        from rollout_bridge.vllm_engine import VllmEngine
+
+        return VllmEngine(model, version=version, max_len=max_len, max_slots=max_slots,
+                          kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True, lora=lora)
+    raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")
+
+
+def runs_episodes(env) -> bool:
+    """Whether the `rollout.env` section `env` (a ConfigDict, its dict, or None) names an environment."""
+    return env is not None and env.get("ref") is not None
+
+
+def with_episodes(env, tokenizer):
+    """engine -> the engine itself, or (the `rollout.env` section `env` names an environment: a ConfigDict
+    or its dict) an EpisodeEngine running that environment's episodes on it. ConfigError when the section
+    is bad (its turn_stop not one token of `tokenizer`, ...)."""
+    if not runs_episodes(env):
+        return lambda engine: engine
+    if isinstance(env, dict):
+        env = ml_collections.ConfigDict(env)
+    problems = env_problems(env, tokenizer)
+    if problems:
+        raise ConfigError("bad config: " + "; ".join(problems))
+    from rollout_bridge.episodes import EpisodeEngine
+    make_env, stops = environment_factory(env), turn_stop_ids(env, tokenizer)
+    return lambda engine: EpisodeEngine(engine, make_env, tokenizer, turn_stop_ids=stops,
+                                        step_timeout_s=env.step_timeout_s, max_turns=env.max_turns,
+                                        env_name=env.ref)
