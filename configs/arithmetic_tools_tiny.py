@@ -19,7 +19,6 @@ import pathlib
 import ml_collections
 
 from jaxflow.config import base_config
-
 from jaxflow.envs.config import env_section
 
 

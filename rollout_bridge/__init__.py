@@ -1,1 +1,2 @@
-"""Rollout side of jaxflow: the `Engine` interface (engine.py) and its engines (vLLM, jaxflow's JAX engine); the driver that runs them is `jaxflow.coordination`."""
+"""Rollout side of jaxflow: the `Engine` interface (engine.py) and its engines (vLLM, jaxflow's JAX engine);
+the driver that runs them is `jaxflow.coordination`."""

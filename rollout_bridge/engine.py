@@ -199,7 +199,7 @@ class Engine(abc.ABC):
     def abort(self, request_ids: Iterable[str]) -> list[Completion]:
         """Stops the given requests; returns their partial samples (finish_reason "abort")."""
 
-    def release(self, request_ids: Iterable[str]) -> None:
+    def release(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - a no-op unless an engine keeps caches
         """Says that these finished requests will not continue (their episodes ended), so an engine that
         keeps a finished turn's cache for the same request's next turn (the JAX engine) frees it now
         instead of holding it until the room is needed. Unknown ids are ignored; by default a no-op."""
@@ -243,7 +243,7 @@ class Engine(abc.ABC):
     def load(self) -> EngineLoad:
         """Current load, for routing."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op for an engine that holds nothing
         """Stops the engine's loop and frees its resources."""
 
     # ----- shared admission (see the module docstring) -----

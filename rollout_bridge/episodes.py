@@ -44,8 +44,7 @@ import numpy as np
 from jaxflow.data.records import Sample
 from jaxflow.envs import base
 from jaxflow.envs.render import ObservationRenderer
-from rollout_bridge.engine import (Completion, Engine, EngineLoad, Request, SamplingParams, copy_prefix,
-                                   in_flight_copy)
+from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams, copy_prefix, in_flight_copy
 
 log = logging.getLogger(__name__)
 

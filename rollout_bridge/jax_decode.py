@@ -27,8 +27,7 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.models.config import ModelConfig
-from jaxflow.models.transformer import (MASK_VALUE, attention, attention_mask, decoder_layer, rms_norm,
-                                        rope_inv_freq)
+from jaxflow.models.transformer import MASK_VALUE, attention, attention_mask, decoder_layer, rms_norm, rope_inv_freq
 
 # SlotState.finish_b codes.
 RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -83,16 +82,16 @@ def cache_sharding(cfg: ModelConfig, num_slots: int, max_len: int, mesh: jax.sha
                    rules=None) -> KVCache:
     """The keys' and values' shardings: slots over the batch axes (data, fsdp), kv heads over tensor,
     each only where it divides."""
-    l, b, g, s, k = cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim
-    return KVCache(sharding.named_sharding(K_AXES, (l, b, g, k, s), mesh, rules),
-                   sharding.named_sharding(V_AXES, (l, b, g, s, k), mesh, rules))
+    n, b, g, s, k = cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim
+    return KVCache(sharding.named_sharding(K_AXES, (n, b, g, k, s), mesh, rules),
+                   sharding.named_sharding(V_AXES, (n, b, g, s, k), mesh, rules))
 
 
 def init_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype, out_sharding: KVCache) -> KVCache:
     """A zeroed cache, created directly in its sharding."""
-    l, b, g, s, k = cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim
-    return KVCache(jax.jit(lambda: jnp.zeros((l, b, g, k, s), dtype), out_shardings=out_sharding.k_lbgks)(),
-                   jax.jit(lambda: jnp.zeros((l, b, g, s, k), dtype), out_shardings=out_sharding.v_lbgsk)())
+    n, b, g, s, k = cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim
+    return KVCache(jax.jit(lambda: jnp.zeros((n, b, g, k, s), dtype), out_shardings=out_sharding.k_lbgks)(),
+                   jax.jit(lambda: jnp.zeros((n, b, g, s, k), dtype), out_shardings=out_sharding.v_lbgsk)())
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "out_sharding"), donate_argnames=("cache",))

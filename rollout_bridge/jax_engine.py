@@ -51,13 +51,23 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import sharding
-from jaxflow.models import hf_io, lora
-from jaxflow.models.transformer import Transformer
 from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
+from jaxflow.models import hf_io, lora
+from jaxflow.models.transformer import Transformer
 from rollout_bridge import jax_decode, jax_slots, jax_warmup
-from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
-                                   WeightsRejected, check_pause_mode, in_flight_copy, request_error)
+from rollout_bridge.engine import (
+    Completion,
+    Engine,
+    EngineError,
+    EngineLoad,
+    Request,
+    SamplingParams,
+    WeightsRejected,
+    check_pause_mode,
+    in_flight_copy,
+    request_error,
+)
 
 # Window of recent decode calls that `load().tokens_per_s` averages over.
 _RATE_WINDOW_S = 5.0

@@ -62,13 +62,23 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from jaxflow.models import lora as lora_lib
-from jaxflow.models.lora import LoRASpec
-from jaxflow.models.config import from_hf_config, read_hf_config
 from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
-from rollout_bridge.engine import (Completion, Engine, EngineError, EngineLoad, Request, SamplingParams,
-                                   WeightsRejected, check_pause_mode, in_flight_copy, request_error)
+from jaxflow.models import lora as lora_lib
+from jaxflow.models.config import from_hf_config, read_hf_config
+from jaxflow.models.lora import LoRASpec
+from rollout_bridge.engine import (
+    Completion,
+    Engine,
+    EngineError,
+    EngineLoad,
+    Request,
+    SamplingParams,
+    WeightsRejected,
+    check_pause_mode,
+    in_flight_copy,
+    request_error,
+)
 from rollout_bridge.vllm_weights import check_weights, expected_hf_tensors, weight_payloads
 
 log = logging.getLogger(__name__)
@@ -106,7 +116,7 @@ class _Live:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-def _stat_logger_factory(engine: "VllmEngine"):
+def _stat_logger_factory(engine: VllmEngine):
     """A vLLM stat-logger factory that keeps the latest KV-cache usage on `engine` (for `load()`).
 
     vLLM calls `record` on its asyncio loop after every batch of outputs; SchedulerStats is documented
@@ -354,7 +364,7 @@ class VllmEngine(Engine):
         with self._lock:
             self._finished.notify_all()
 
-    def __enter__(self) -> "VllmEngine":
+    def __enter__(self) -> VllmEngine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -136,7 +136,7 @@ def _assembled(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
     wanted = [(blocks[key][n], device) for device, pieces in plan for _, key, n in pieces]
     moved = iter(jax.device_put([b for b, _ in wanted], [d for _, d in wanted]))
     shards = []
-    for device, pieces in plan:
+    for _device, pieces in plan:
         here = [next(moved) for _ in pieces]
         shards.append(here[0] if len(here) == 1 else _glue(tuple(here), tuple(o for o, _, _ in pieces)))
     return jax.make_array_from_single_device_arrays(shape, target, shards)

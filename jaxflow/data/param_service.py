@@ -73,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxflow.data import checks
 from jaxflow.data.param_storage import (
     _SHM_DIR,
     ALIGNMENT,
@@ -80,12 +81,11 @@ from jaxflow.data.param_storage import (
     _Buffer,
     _Coverage,
     _layout,
-    _Slot,
     _Pool,
+    _Slot,
     _unlink_all,
     _views,
 )
-from jaxflow.data import checks
 from jaxflow.data.timeouts import check_timeout
 
 __all__ = ["ALIGNMENT", "DEFAULT_CHUNK_BYTES", "DTYPES", "RPC_METHODS", "ParameterService", "UnknownVersionError"]
@@ -373,7 +373,8 @@ class ParameterService:
         version's segment lasts until it names the segment in `release` (here or in `release_reader`).
         release: segment names this reader no longer reads (unknown ones are ignored), released first.
         The manifest gains "live": the names of the segments the service still has (kept, being written,
-        spare or still read), which it may write into again: a reader may unmap any other. Without shared memory, the same as `manifest` (no segment, no hold).
+        spare or still read), which it may write into again: a reader may unmap any other. Without shared memory,
+        the same as `manifest` (no segment, no hold).
         """
         checks.check_str("reader", reader, empty_ok=False)
         release = self._check_names(release)

@@ -14,7 +14,7 @@ from typing import Any
 from jaxflow.data.records import GroupTask, Sample
 
 
-class GroupState(str, enum.Enum):
+class GroupState(str, enum.Enum):  # noqa: UP042 - not StrEnum: str() of a state keeps its class name
     REQUEUED = "requeued"  # holds a reservation, waiting for a worker (after an abort or a restore)
     RUNNING = "running"  # dispatched to a worker
     FINISHED = "finished"  # all samples done, waiting for rewards
@@ -24,7 +24,7 @@ class GroupState(str, enum.Enum):
     SURPLUS = "surplus"  # redundant: every buffer it could occupy filled first (or was released)
 
 
-class BufferState(str, enum.Enum):
+class BufferState(str, enum.Enum):  # noqa: UP042 - as GroupState
     PENDING = "pending"  # may still receive groups
     READY = "ready"  # full
     READY_WITH_CAPACITY = "ready_with_capacity"  # not full, but the batch rule lets it be consumed

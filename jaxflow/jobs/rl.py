@@ -49,29 +49,27 @@ import jax
 import ml_collections
 
 from jaxflow import sharding
-from jaxflow.config import ConfigError, check_int, number_problems
-
 from jaxflow.cluster.config import cluster_problems
-from jaxflow.jobs import warm_start
-from jaxflow.jobs.config import (BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection,
-                                 RolloutConfig)
-from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked
-from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
+from jaxflow.config import ConfigError, check_int, number_problems
 from jaxflow.coordination import Coordination, Coordinator
-from jaxflow.envs.config import env_problems
-from jaxflow.models import hf_io, lora
-from jaxflow.models.lora import LoRASpec
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.param_service import ParameterService
+from jaxflow.data.trajectory_service import TrajectoryService
+from jaxflow.envs.config import env_problems
+from jaxflow.jobs import warm_start
+from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked
+from jaxflow.jobs.config import BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection, RolloutConfig
+from jaxflow.jobs.prompts import prompt_source, train_records
+from jaxflow.jobs.run_log import RunLog
+from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
+from jaxflow.models import hf_io, lora
+from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
 from jaxflow.tasks import get_task
-from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
-from jaxflow.jobs.prompts import prompt_source, train_records
-from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
-from jaxflow.jobs.run_log import RunLog
 from jaxflow.tokenizer import Tokenizer
+from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
+from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
 from jaxflow.trainer.state import abstract_train_state
-from jaxflow.data.trajectory_service import TrajectoryService
 from rollout_bridge.engine import SamplingParams
 from rollout_bridge.factory import make_engine, runs_episodes, with_episodes
 

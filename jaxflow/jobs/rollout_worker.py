@@ -24,11 +24,11 @@ import os
 import signal
 import threading
 
+from jaxflow.coordination import Coordination, Coordinator
+from jaxflow.coordination.config import SYNC_MODES
 from jaxflow.models.lora import LORA_TARGETS, LoRASpec
 from jaxflow.transport import rpc
 from jaxflow.transport.param_client import ParameterClient
-from jaxflow.coordination import Coordination, Coordinator
-from jaxflow.coordination.config import SYNC_MODES
 from rollout_bridge.engine import SamplingParams
 from rollout_bridge.factory import make_engine
 

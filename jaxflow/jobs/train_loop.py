@@ -16,7 +16,8 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ml_collections
 

@@ -31,13 +31,13 @@ import optax
 from flax import nnx
 
 from jaxflow import sharding
-from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models import hf_io
 from jaxflow.models.config import from_hf_config, read_hf_config
 from jaxflow.models.safetensors_io import INDEX_FILE_NAME, SINGLE_FILE_NAME
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.tasks import Task, get_task
 from jaxflow.tokenizer import Tokenizer
+from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.trainer.step import token_logprobs
 
 INFO_FILE = "base_info.json"

@@ -22,9 +22,9 @@ from typing import Any
 
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.data.prompt_source import PromptSource
+from jaxflow.data.trajectory_service import BufferState, TrajectoryService
 from jaxflow.sim.fleet import InstanceSpec, SimFleet
 from jaxflow.sim.workload import LengthModel, Workload
-from jaxflow.data.trajectory_service import BufferState, TrajectoryService
 from rollout_bridge.engine import SamplingParams
 
 

@@ -172,10 +172,8 @@ def last_number(text: Any) -> Fraction | None:
     """The value of the last number written in `text` (thousands commas allowed), or None if it has none."""
     if not isinstance(text, str):
         return None
-    match = None
-    for match in _NUMBER_IN_TEXT.finditer(text):
-        pass
-    return None if match is None else parse_number(match.group(0))
+    matches = _NUMBER_IN_TEXT.findall(text)
+    return parse_number(matches[-1]) if matches else None
 
 
 def canonical_number(value: Fraction | int) -> str:

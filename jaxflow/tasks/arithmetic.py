@@ -17,6 +17,7 @@ product never exceeds `max_value`, so every value is an integer of a few digits.
 from __future__ import annotations
 
 import hashlib
+import operator
 import random
 
 from jaxflow.tasks import Task, answer_tagged, extract_answer, parse_number, sample_skewed, scored
@@ -47,7 +48,7 @@ def evaluation_steps(tokens: list) -> list[list]:
         # Precedence: the first * or / if any, else the first + or -; both left-associative.
         i = next((k for k, op in enumerate(ops) if op in "*/"), 0)
         a, op, b = tokens[2 * i:2 * i + 3]
-        value = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a // b}[op]()
+        value = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}[op](a, b)
         tokens[2 * i:2 * i + 3] = [value]
         steps.append(list(tokens))
     return steps

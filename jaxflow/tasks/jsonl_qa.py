@@ -23,8 +23,18 @@ import pathlib
 import re
 from typing import Any
 
-from jaxflow.tasks import (Task, answer_tagged, canonical_number, check_split, extract_answer, last_number,
-                           parse_number, scored, split_of, split_rng)
+from jaxflow.tasks import (
+    Task,
+    answer_tagged,
+    canonical_number,
+    check_split,
+    extract_answer,
+    last_number,
+    parse_number,
+    scored,
+    split_of,
+    split_rng,
+)
 
 NAME = "jsonl_qa"
 ANSWER_MODES = ("tag", "last_number")
@@ -105,8 +115,7 @@ def _parquet_rows(path: pathlib.Path, columns: list[str]):
     missing = [c for c in columns if c not in schema.names]
     if missing:
         raise ValueError(f"{path}: no column(s) {', '.join(missing)}; the file has {', '.join(schema.names)}")
-    for number, row in enumerate(pq.read_table(path, columns=columns).to_pylist(), start=1):
-        yield number, row
+    yield from enumerate(pq.read_table(path, columns=columns).to_pylist(), start=1)
 
 
 def load_qa(path: str | os.PathLike, *, question_field: str = "question", answer_field: str = "answer",

@@ -11,7 +11,8 @@ trainer can log how much of the batch was wasted (DAPO's dynamic sampling filter
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

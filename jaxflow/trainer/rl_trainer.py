@@ -41,17 +41,16 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.config import ConfigError, Section, check_bool, check_choice, check_float, check_int
+from jaxflow.data import checks
+from jaxflow.data.device_params import DeviceParamSource
+from jaxflow.data.records import ConsumedBatch, FinishedGroup
+from jaxflow.data.trajectory_service import BATCH_RULES
+from jaxflow.models import hf_io, lora
 from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
-from jaxflow.models import hf_io, lora
-from jaxflow.data import checks
-from jaxflow.data.device_params import DeviceParamSource
-from jaxflow.data.records import FinishedGroup
 from jaxflow.trainer.state import TrainState, create_train_state, frozen_state, train_state_shardings, trainable
 from jaxflow.trainer.step import PROX_MODES, StepConfig, TrainStep, make_optimizer
-from jaxflow.data.records import ConsumedBatch
-from jaxflow.data.trajectory_service import BATCH_RULES
 
 SCHEDULES = ("constant", "cosine")
 

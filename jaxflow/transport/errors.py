@@ -112,7 +112,8 @@ def _known_error(name: Any) -> type[BaseException] | None:
 
 
 def exception_from_payload(error: Any) -> BaseException:
-    """Rebuilds the exception described by an error payload, by the rules in the `jaxflow.transport.rpc.Client` docstring."""
+    """Rebuilds the exception described by an error payload, by the rules in the `jaxflow.transport.rpc.Client`
+    docstring."""
     if not isinstance(error, dict):
         return RemoteError("unknown", f"malformed error payload {error!r}")
     remote_type = str(error.get("type", "unknown"))

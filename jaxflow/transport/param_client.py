@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxflow.data.param_service import DEFAULT_CHUNK_BYTES
 from jaxflow.data.param_storage import (
     ALIGNMENT,
     _Buffer,
@@ -27,7 +28,6 @@ from jaxflow.data.param_storage import (
     _slots_of,
     _views,
 )
-from jaxflow.data.param_service import DEFAULT_CHUNK_BYTES
 from jaxflow.data.timeouts import check_timeout
 
 # Held segments still viewed that make it worth a garbage collection before a pull (see `_unread`): a

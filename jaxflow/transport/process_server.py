@@ -21,10 +21,9 @@ from typing import Any
 from jaxflow import refs
 from jaxflow.data.timeouts import check_timeout
 from jaxflow.refs import RefError
-from jaxflow.transport import wire
-from jaxflow.transport import rpc
-from jaxflow.transport.rpc import Server, check_bind
+from jaxflow.transport import rpc, wire
 from jaxflow.transport.errors import error_payload, exception_from_payload, register_remote_error
+from jaxflow.transport.rpc import Server, check_bind
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ def _subprocess_main(factory: str, kwargs_message: bytes, methods: list[str], to
     except BaseException as exc:
         report.send_bytes(wire.encode({"ok": False, "error": error_payload(exc)}))
         report.close()
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     report.send_bytes(wire.encode({"ok": True, "address": list(server.address)}))
     report.close()
     try:

@@ -41,6 +41,7 @@ import msgpack
 import numpy as np
 
 from jaxflow.data import records
+
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 
 # Arrays at least this big go to the tensor region rather than inline in the msgpack header: below it, the
