@@ -10,10 +10,13 @@ session, started on first use and shut down by the session fixture in conftest.p
 import contextlib
 import os
 
+import pytest
+
 from jaxflow.cluster import ray_actors  # Ray itself is imported only where a placement needs it
 from waiting import wait_until
 
-PLACEMENTS = ["embedded", "server", "ray"]
+# For parametrize and fixture params: the Ray placement starts a local Ray, so it is in the slow tier only.
+PLACEMENTS = ["embedded", "server", pytest.param("ray", marks=pytest.mark.slow)]
 
 # The allow-list every placement serves: the library's own (the RL job serves the same on Ray).
 SERVICE_METHODS = {"TrajectoryService": list(ray_actors.TRAJECTORY_SERVICE_METHODS)}

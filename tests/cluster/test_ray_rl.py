@@ -23,6 +23,8 @@ from small_runs import records, small_config
 from tolerances import assert_engines_served_the_trainers_weights
 from waiting import wait_until
 
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 ETA = 2
 # What these runs change in the small run (tests/small_runs.py): a base warm-started longer on one-operation
 # problems, a reward any policy learns in a few steps (an even answer): the run must show learning, fast.

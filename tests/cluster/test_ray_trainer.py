@@ -13,6 +13,8 @@ from jaxflow.trainer import distributed
 from distributed_setup import BOUND, TIMINGS, buffer, trainer_section
 from service_placements import ray_session
 
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 
 def group_of(tmp_path, model_dir, **mesh):
     spec = TrainerGroup.spec(str(model_dir), trainer_section(), seq_len=64, max_sequences=16,

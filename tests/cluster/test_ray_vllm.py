@@ -24,6 +24,8 @@ from service_placements import ray_session_end  # noqa: E402
 from small_runs import records, small_config  # noqa: E402
 from tolerances import assert_engines_served_the_trainers_weights  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 ETA, STEPS, GROUPS = 1, 3, 2
 # What this run changes in the small run (tests/small_runs.py), which is 2 groups of 4 a step already: shorter
 # answers and evals, a smaller KV cache; head_dim 32 is the config's (vLLM's CPU attention rejects less). A

@@ -18,6 +18,8 @@ from jaxflow.cluster.weights import (  # noqa: E402
     put_shards,
 )
 
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 
 @pytest.fixture(scope="module")
 def local_ray():

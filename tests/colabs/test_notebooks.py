@@ -12,6 +12,8 @@ import pytest
 
 from jaxflow.config import load_config
 
+pytestmark = pytest.mark.slow  # executes the notebooks end to end
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 

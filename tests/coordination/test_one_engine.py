@@ -27,6 +27,8 @@ from rollout_bridge.jax_engine import JaxEngine
 from service_placements import SERVICE_METHODS
 from waiting import wait_until
 
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

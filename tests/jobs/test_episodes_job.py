@@ -11,6 +11,8 @@ from jaxflow.jobs import rl
 
 from small_runs import records, small_config
 
+pytestmark = pytest.mark.slow  # runs of the RL job end to end
+
 ENV_MODULE = '''
     from jaxflow.tasks.arithmetic import reward
 

@@ -7,6 +7,7 @@ import subprocess
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxflow.jobs import rl
@@ -15,6 +16,8 @@ from jaxflow.models import hf_io
 from engine_helpers import require_vllm
 from tolerances import assert_engines_served_the_trainers_weights
 from small_runs import check_each_step_once, job_command, records, small_config
+
+pytestmark = pytest.mark.slow  # runs of the RL job end to end
 
 LEARNS = {"base.steps": "300", "base.num_examples": "2000", "task.max_ops": "1",
           "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward", "trainer.batch_groups": "8",

@@ -19,6 +19,8 @@ from jaxflow.models.hf_io import load_model
 from small_runs import CONFIG, check_each_step_once, job_command, records, small_config, start_until_step
 from tolerances import assert_engines_served_the_trainers_weights
 
+pytestmark = pytest.mark.slow  # runs of the RL job end to end
+
 def test_missing_base_model_says_how_to_build_it(tmp_path, capsys):
     config = small_config(tmp_path, tmp_path / "nowhere", **{"base.build_if_missing": False})
     with pytest.raises(warm_start.BaseModelMissing, match=r"does not exist.*--config\.job=warm_start"):

@@ -16,6 +16,8 @@ from jaxflow.tasks import get_task
 
 from small_runs import records, small_config
 
+pytestmark = pytest.mark.slow  # runs of the RL job end to end
+
 # A reward of the user's: the task's own reward, but every other call in a worker raises (a realistic bug:
 # a missing key), so about half of a run's samples fail. `always` fails every call.
 REWARD_MODULE = """

@@ -19,6 +19,8 @@ from rollout_bridge.jax_engine import JaxEngine
 from engine_helpers import lively_tiny_model, poll_all
 from waiting import wait_until
 
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
+
 MAX_TOKENS = 120
 
 

@@ -21,6 +21,8 @@ import engine_helpers
 from engine_helpers import GREEDY, counting_lowerings, lively_tiny_model, perturbed, poll_all, prompts, run
 from jax_engine_setup import ENGINE_KW, forward_logits, pause_after_decode, teacher_forced
 
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
+
 
 @pytest.fixture(scope="module")
 def engine(qwen3_dir):

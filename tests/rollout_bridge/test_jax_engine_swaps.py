@@ -4,6 +4,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 
 from jaxflow.models.hf_io import iter_hf_tensors
 from rollout_bridge import jax_decode
@@ -12,6 +13,8 @@ from rollout_bridge.jax_engine import JaxEngine
 
 from engine_helpers import perturbed, poll_all, prompts
 from jax_engine_setup import ENGINE_KW, pause_after_decode, teacher_forced
+
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 
 
 def _run_with_a_swap(monkeypatch, eng, reqs, version, tensors, **kw):

@@ -29,6 +29,8 @@ from rollout_bridge.engine import EngineError, Request, SamplingParams  # noqa: 
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.slow  # vLLM engines, their own processes
+
 MAX_MODEL_LEN = 256
 # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order.
 ATOL = 1e-4

@@ -21,6 +21,8 @@ from rollout_bridge.engine import Request, SamplingParams, WeightsRejected  # no
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.slow  # vLLM engines, their own processes
+
 SPEC = LoRASpec(rank=8, alpha=16.0)
 ATOL = 1e-4  # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order
 ASKED = prompts(seed=3, lens=(3, 9, 20))

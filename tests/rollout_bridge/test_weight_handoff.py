@@ -24,6 +24,8 @@ from rollout_bridge.jax_engine import JaxEngine
 
 from engine_helpers import lively_tiny_model, perturbed, poll_all, prompts, run
 
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
+
 ENGINE_KW = dict(max_slots=4, max_len=128, decode_chunk=8, prefill_buckets=(16, 32, 64))
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

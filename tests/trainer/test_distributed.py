@@ -17,6 +17,8 @@ from jaxflow.trainer import distributed
 from jaxflow.trainer.distributed import ProcessGroupError
 from distributed_setup import BOUND, TIMINGS, buffer, trainer_section
 
+pytestmark = pytest.mark.slow  # trainer processes forming one mesh
+
 
 def test_two_processes_train_like_one_process_with_all_the_devices(tmp_path):
     model_dir = write_tiny_model(tmp_path / "model")
