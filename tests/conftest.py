@@ -41,3 +41,17 @@ def shared_base(tmp_path_factory):
     import shared_bases
     root = shared_bases.shared_root(tmp_path_factory)
     return lambda config, into: shared_bases.shared_base(config, into, root)
+
+
+SLOW_MODULE_MARK = "\npytestmark = pytest.mark.slow"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under `-m "not slow"` (the fast tier, pyproject.toml), a test module marked slow as a whole is not even
+    imported: all of its tests would be deselected, and importing it (torch, vLLM, Ray) costs the fast tier
+    more than a minute of its collection on 2 cores. Any other selection collects everything."""
+    if config.getoption("markexpr", "").strip() != "not slow":
+        return None
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return SLOW_MODULE_MARK in collection_path.read_text() or None
+    return None

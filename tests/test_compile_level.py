@@ -6,12 +6,15 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
 from compile_level import SUITE_OPT_LEVEL
 from tolerances import forward_terms, sum_atol
+
+pytestmark = pytest.mark.slow  # compiles the model at two optimisation levels
 
 CFG = ModelConfig("Qwen3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)

@@ -21,6 +21,8 @@ from jaxflow.transport import rpc, wire
 from service_placements import SERVICE_METHODS
 from waiting import wait_until
 
+pytestmark = pytest.mark.slow  # a long randomised run against a served service
+
 ETA, BATCH, N, LEASE = 2, 3, 2, 0.2
 
 

@@ -13,6 +13,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import vs_incumbents  # noqa: E402
 
+pytestmark = pytest.mark.slow  # builds the benchmark's setup: tasks, tokenizer, transformers
+
 
 def test_time_to_target_is_the_first_window_mean_reaching_it():
     curve = [(1.0, 0.2), (2.0, 0.2), (3.0, 0.5), (4.0, 0.2), (5.0, 0.5)]

@@ -18,6 +18,8 @@ from jaxflow.rewards import RewardPool, group_reward_fn, resolve, score_inline
 from jaxflow.data.records import GroupTask, Sample
 from waiting import wait_until
 
+pytestmark = pytest.mark.slow  # reward worker processes, started and killed test by test
+
 psutil = pytest.importorskip("psutil")
 
 HERE = __name__  # the workers import this module by the name pytest gave it

@@ -14,6 +14,8 @@ from jaxflow.trainer.step import StepConfig, token_logprobs
 from tolerances import assert_sums_close, policy_loss_scale
 from train_step_setup import assert_grad_norms_close, assert_trees_close, one_device, run, setup
 
+pytestmark = pytest.mark.slow  # compiles and trains the model
+
 
 def groups(seed=0, num_groups=6, group_size=8, seq_len=64, with_env=True):
     """Groups of samples with one prompt each (2-12 tokens) and completions of 1-20 tokens; every sample's

@@ -18,6 +18,8 @@ from tolerances import assert_sums_close, policy_loss_scale
 from train_step_setup import (CFG, SEQ_LEN, assert_grad_norms_close, assert_trees_close, host, one_device, optimizer,
                               run, setup, trajectories)
 
+pytestmark = pytest.mark.slow  # compiles and trains the model
+
 
 @pytest.mark.parametrize("shape", [(2, 4, 1), (1, 4, 2), (2, 2, 2)], ids=["data2xfsdp4", "fsdp4xtensor2",
                                                                         "data2xfsdp2xtensor2"])
