@@ -95,6 +95,7 @@ def test_streamed_chunked_publish_equals_one_shot(service):
            {k: v for k, v in manifest.items() if k != "version" and k != "segment"}
 
 
+@pytest.mark.slow  # a model, or another process
 def test_hf_tensors_of_a_tiny_model_round_trip(tmp_path):
     import jax.numpy as jnp
 
@@ -426,6 +427,7 @@ _READER_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # a model, or another process
 def test_a_reader_process_attaches_without_resource_tracker_trouble(tmp_path):
     script = tmp_path / "shm_reader.py"
     script.write_text(_READER_SCRIPT)
@@ -443,6 +445,7 @@ def test_a_reader_process_attaches_without_resource_tracker_trouble(tmp_path):
 
 # --- a sharded policy ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a model, or another process
 def test_sharded_policy_publishes_the_same_hf_tensors(tmp_path):
     # The trainer's state lives sharded on a mesh; what it publishes must be the plain HF tensors.
     import jax

@@ -7,6 +7,8 @@ import pytest
 
 from jaxflow.jobs.run_log import RunLog, read_records
 
+pytestmark = pytest.mark.slow  # TensorBoard and matplotlib plots
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

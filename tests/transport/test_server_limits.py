@@ -214,6 +214,7 @@ HOSTILE_HEADERS = {
 }
 
 
+@pytest.mark.slow  # decodes megabytes of hostile input
 @pytest.mark.parametrize("name", list(HOSTILE_HEADERS))
 def test_hostile_msgpack_costs_a_bounded_multiple_of_its_size(name):
     message = _message_with_header(HOSTILE_HEADERS[name])
