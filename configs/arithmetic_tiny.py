@@ -7,6 +7,8 @@ held-out greedy evals along the way.
 Variants: `:async` (default, eta=4), `:sync` (eta=0: the synchronous baseline through the same code),
 `:vllm` (rollouts on vLLM instead of jaxflow's JAX engine), `:coordinated` (two JAX engines and every
 strategy of `jaxflow.coordination`; the others drive their one engine with the same coordinator).
+The option `small`, after a comma (`:async,small`, `:vllm,small`), shrinks any of them to a run of a few
+minutes on a CPU: what the tests and CI run.
 
 Commands:
   .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tiny.py
@@ -22,12 +24,16 @@ from jaxflow.jobs.config import BaseConfig, CheckpointConfig, DataConfig, EvalCo
 from jaxflow.trainer.rl_trainer import TrainerConfig
 
 VARIANTS = ("async", "sync", "vllm", "coordinated")
+OPTIONS = ("small",)  # combine with a variant after a comma: "async,small"
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    variant = arg or "async"
+    variant, *options = (arg or "async").split(",")
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    for option in options:
+        if option not in OPTIONS:
+            raise ValueError(f"unknown option {option!r} in {arg!r}; choose from {', '.join(OPTIONS)}")
     config = ml_collections.ConfigDict()
     # Which job jaxflow.main runs: "rl" (train) or "warm_start" (rebuild the base model only).
     config.job = "rl"
@@ -103,4 +109,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # Where the services run (jaxflow.cluster.config.ClusterConfig says each key): all in this process.
     config.cluster = ClusterConfig.section()
+    if "small" in options:
+        _small(config)
     return config
+
+
+def _small(config: ml_collections.ConfigDict) -> None:
+    """The `small` option: a 30-step warm start on 400 examples, 2 groups of 4 samples a step, answers of
+    up to 48 tokens, an eval of 16 prompts every 2 steps and a checkpoint every step."""
+    config.base.steps, config.base.num_examples = 30, 400
+    config.data.train_prompts = 400
+    config.trainer.batch_groups = 2
+    config.rollout.group_size, config.rollout.max_tokens = 4, 48
+    config.rollout.max_slots = config.rollout.coordination.max_running = 16
+    config.eval.num_prompts, config.eval.every = 16, 2
+    config.checkpoint.every = 1

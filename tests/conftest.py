@@ -8,12 +8,8 @@ import sys
 
 import pytest
 
-# XLA's CPU backend at LLVM optimisation level 0 instead of its default 3 (XLA's own HLO passes are unchanged;
-# JAX's `jax_disable_most_optimizations` flag sets the same level). Compiling is most of the suite's CPU
-# time on a cold cache: a fresh-clone run took 919 s of pytest and 1677 busy core-s at level 0 against 1112 s
-# and 2143 core-s at the default (2-core AMD EPYC, 2026-11-28); level 1 took 1005 s. Subprocesses the tests
-# start inherit it. tests/test_compile_level.py checks the model's forward and gradient against level 3.
-SUITE_OPT_LEVEL = 0
+from compile_level import SUITE_OPT_LEVEL  # why level 0: tests/compile_level.py
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     + f" --xla_backend_optimization_level={SUITE_OPT_LEVEL}").strip()
@@ -45,3 +41,17 @@ def shared_base(tmp_path_factory):
     import shared_bases
     root = shared_bases.shared_root(tmp_path_factory)
     return lambda config, into: shared_bases.shared_base(config, into, root)
+
+
+SLOW_MODULE_MARK = "\npytestmark = pytest.mark.slow"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under `-m "not slow"` (the fast tier, pyproject.toml), a test module marked slow as a whole is not even
+    imported: all of its tests would be deselected, and importing it (torch, vLLM, Ray) costs the fast tier
+    more than a minute of its collection on 2 cores. Any other selection collects everything."""
+    if config.getoption("markexpr", "").strip() != "not slow":
+        return None
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return SLOW_MODULE_MARK in collection_path.read_text() or None
+    return None

@@ -10,9 +10,13 @@ session, started on first use and shut down by the session fixture in conftest.p
 import contextlib
 import os
 
-from jaxflow.cluster import ray_actors  # Ray itself is imported only where a placement needs it
+import pytest
 
-PLACEMENTS = ["embedded", "server", "ray"]
+from jaxflow.cluster import ray_actors  # Ray itself is imported only where a placement needs it
+from waiting import wait_until
+
+# For parametrize and fixture params: the Ray placement starts a local Ray, so it is in the slow tier only.
+PLACEMENTS = ["embedded", "server", pytest.param("ray", marks=pytest.mark.slow)]
 
 # The allow-list every placement serves: the library's own (the RL job serves the same on Ray).
 SERVICE_METHODS = {"TrajectoryService": list(ray_actors.TRAJECTORY_SERVICE_METHODS)}
@@ -74,19 +78,18 @@ def kill_and_wait(handle, timeout=60.0):
     """`ray.kill(handle)`, then returns once a call on the actor fails. The kill travels through Ray's
     control store while a call goes straight to the actor, so a call made just after the kill can still
     run; a test that needs the actor dead waits here."""
-    import time
     import ray
     ray.kill(handle)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def dead():
         try:
-            ray.get(handle.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            ray.get(handle.__ray_ready__.remote(), timeout=timeout)
         except ray.exceptions.RayActorError:
-            return
+            return True
         except ray.exceptions.GetTimeoutError:
-            break
-        time.sleep(0.05)
-    raise TimeoutError(f"the actor still answered {timeout}s after ray.kill")
+            raise TimeoutError(f"the actor neither answered nor died within {timeout}s of ray.kill") from None
+        return False
+    wait_until(dead, timeout, "the actor to fail calls after ray.kill", interval=0.05)
 
 
 @contextlib.contextmanager

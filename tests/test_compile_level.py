@@ -1,4 +1,4 @@
-"""The suite compiles at LLVM optimisation level 0 (tests/conftest.py), users' runs at XLA's default 3: the
+"""The suite compiles at LLVM optimisation level 0 (tests/compile_level.py), users' runs at XLA's default 3: the
 model's forward pass and its gradient must be the same functions at both levels, within float32 rounding."""
 
 import os
@@ -6,13 +6,15 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
+from compile_level import SUITE_OPT_LEVEL
 from tolerances import forward_terms, sum_atol
 
-from conftest import SUITE_OPT_LEVEL
+pytestmark = pytest.mark.slow  # compiles the model at two optimisation levels
 
 CFG = ModelConfig("Qwen3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)

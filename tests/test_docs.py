@@ -155,6 +155,7 @@ def _imported_top_modules() -> set[str]:
     return names
 
 
+@pytest.mark.slow  # imports every dependency
 def test_declared_dependencies_are_imported_and_imports_declared():
     import importlib.metadata as md
     import sys

@@ -39,6 +39,7 @@ def test_main_reports_errors_without_traceback(capsys):
     assert "configs/nope.py does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # writes and reloads a tiny model, twice
 def test_main_job_runs(tmp_path, capsys):
     assert main([f"--config={CONFIG}:llama", f"--config.workdir={tmp_path}", "--config.repeats=1"]) == 0
     out = capsys.readouterr().out

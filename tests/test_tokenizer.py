@@ -142,6 +142,7 @@ def test_chat_template_matches_transformers(tiny_dir, tiny, conversation, add_ge
     assert tiny.encode_chat(messages, add_generation_prompt) == expected_ids
 
 
+@pytest.mark.slow  # imports transformers
 def test_vllm_style_auto_tokenizer_gives_the_same_ids(tmp_path, tiny_dir, tiny):
     """vLLM loads tokenizers with AutoTokenizer, which for a qwen2 model swaps in Qwen2Tokenizer and rebuilds the
     tokenizer from vocab and merges with Qwen2's own pre-tokenizer. The tiny tokenizer uses that same pre-tokenizer

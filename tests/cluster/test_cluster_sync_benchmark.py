@@ -8,8 +8,10 @@ import pathlib
 import subprocess
 import sys
 
-
+import pytest
 import ray  # noqa: F401  (the `cluster` extra, which the setup script installs: never skipped)
+
+pytestmark = pytest.mark.slow  # Ray clusters and actors
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -15,6 +15,8 @@ from jaxflow.data.trajectory_service import TrajectoryService  # noqa: E402
 
 from service_placements import SERVICE_METHODS, kill_and_wait, ray_session  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 METHODS = SERVICE_METHODS["TrajectoryService"]
 
 

@@ -15,26 +15,27 @@ import ray  # the `cluster` extra, which the setup script installs: a missing Ra
 from ray.cluster_utils import Cluster
 
 from jaxflow.cluster import names, ray_actors
-from jaxflow.config import load_config
 from jaxflow.jobs import rl
 from jaxflow.models import hf_io, lora
 
 from service_placements import ray_session_end
+from small_runs import records, small_config
 from tolerances import assert_engines_served_the_trainers_weights
+from waiting import wait_until
 
-CONFIG = "configs/arithmetic_tiny.py"
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 ETA = 2
-SMALL = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2,
-         "base.steps": 300, "base.num_examples": 2000, "trainer.batch_groups": 4, "task.max_ops": 1,
-         # A reward any policy learns in a few steps (an even answer): the run must show learning, fast.
-         "trainer.lr": 3e-4, "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward",
-         "rollout.group_size": 4, "rollout.max_slots": 16, "rollout.coordination.max_running": 16,
-         "rollout.max_tokens": 48, "eval.num_prompts": 16, "eval.every": 1000, "checkpoint.every": 1,
-         "data.train_prompts": 2000, "trainer.eta": ETA, "rollout.lease_s": 5.0,
-         "cluster.mode": "ray", "cluster.rollout_actors": 2, "cluster.trainer_processes": 2,
-         "cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, "cluster.trainer_mesh.tensor": 2,
-         "cluster.node_resource.data": "data", "cluster.node_resource.rewards": "data",
-         "cluster.node_resource.trainer": "trainer", "cluster.node_resource.rollout": "rollout"}
+# What these runs change in the small run (tests/small_runs.py): a base warm-started longer on one-operation
+# problems, a reward any policy learns in a few steps (an even answer): the run must show learning, fast.
+# Then a cluster of two rollout actors and a trainer mesh over two processes, each piece on its own node.
+OVERRIDES = {"base.steps": 300, "base.num_examples": 2000, "task.max_ops": 1, "data.train_prompts": 2000,
+             "trainer.lr": 3e-4, "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward",
+             "trainer.batch_groups": 4, "eval.every": 1000, "trainer.eta": ETA, "rollout.lease_s": 5.0,
+             "cluster.mode": "ray", "cluster.rollout_actors": 2, "cluster.trainer_processes": 2,
+             "cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, "cluster.trainer_mesh.tensor": 2,
+             "cluster.node_resource.data": "data", "cluster.node_resource.rewards": "data",
+             "cluster.node_resource.trainer": "trainer", "cluster.node_resource.rollout": "rollout"}
 
 
 @pytest.fixture(scope="module")
@@ -55,28 +56,21 @@ def base_dir(tmp_path_factory, shared_base):
     """One warm-started base for the module's runs (each run building its own cost ~40 s here), the same as
     the job tests' that learn (tests/shared_bases.py)."""
     directory = tmp_path_factory.mktemp("base") / "model"
-    config = load_config(CONFIG, {k: str(v) for k, v in {
-        **SMALL, "base.dir": directory, "workdir": tmp_path_factory.mktemp("unused")}.items()})
+    config = small_config(tmp_path_factory.mktemp("unused"), directory, **OVERRIDES)
     return shared_base(config, directory)
 
 
 def config_for(cluster, tmp_path, base_dir, **more):
-    overrides = {**SMALL, "cluster.address": cluster.address, "base.dir": base_dir,
-                 "workdir": tmp_path / "run", **more}
-    return load_config(CONFIG, {k: str(v) for k, v in overrides.items()})
-
-
-def records(path):
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return small_config(tmp_path, base_dir, **{**OVERRIDES, "cluster.address": cluster.address, **more})
 
 
 def check_run(workdir: pathlib.Path, steps: int, groups_per_step: int = 4):
     """Each step once, each group trained once, the bound token by token, the accounting closed."""
-    trained = [r for r in records(workdir / "metrics.jsonl") if "loss" in r]
+    trained = [r for r in records(workdir) if "loss" in r]
     assert [r["step"] for r in trained] == list(range(steps))
     for r in trained:
         assert max(int(k) for k in r["staleness"]) <= ETA, r["staleness"]
-    ledger = [g for r in records(workdir / "ledger.jsonl") for g in r["groups"]]
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
     assert len(ledger) == len(set(ledger)) == steps * groups_per_step
     result = json.loads((workdir / "result.json").read_text())
     a = result["accounting"]
@@ -114,10 +108,8 @@ def _steps_trained(workdir: pathlib.Path) -> int:
 
 def _kill_when(workdir, steps, name, deadline_s=300):
     """Waits for `steps` trained steps, then kills the actor `name` (Ray may restart it)."""
-    deadline = time.monotonic() + deadline_s
-    while _steps_trained(workdir) < steps:
-        assert time.monotonic() < deadline, f"the run did not reach step {steps}"
-        time.sleep(0.2)
+    wait_until(lambda: _steps_trained(workdir) >= steps, deadline_s, f"the run to reach step {steps}",
+               interval=0.2)
     ray.kill(ray.get_actor(name), no_restart=False)
     return time.time()
 

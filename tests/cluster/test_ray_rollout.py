@@ -18,6 +18,8 @@ from jaxflow.models.tiny import write_tiny_model  # noqa: E402
 
 from service_placements import ray_session_end  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 ETA, BATCH, STEPS = 1, 2, 3
 
 

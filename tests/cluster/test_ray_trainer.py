@@ -10,8 +10,10 @@ from jaxflow.cluster.trainer_group import TrainerGroup, TrainerGroupFailed
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.trainer import distributed
 
+from distributed_setup import BOUND, TIMINGS, buffer, trainer_section
 from service_placements import ray_session
-from trainer.test_distributed import BOUND, TIMINGS, buffer, trainer_section
+
+pytestmark = pytest.mark.slow  # Ray clusters and actors
 
 
 def group_of(tmp_path, model_dir, **mesh):

@@ -18,28 +18,24 @@ require_vllm("the vLLM rollout actor test")
 
 import psutil  # noqa: E402  (a vLLM dependency: imported once vLLM is known to be there)
 
-from jaxflow.config import load_config  # noqa: E402
 from jaxflow.jobs import rl  # noqa: E402
 
 from service_placements import ray_session_end  # noqa: E402
+from small_runs import records, small_config  # noqa: E402
 from tolerances import assert_engines_served_the_trainers_weights  # noqa: E402
 
-CONFIG = "configs/arithmetic_tiny.py"
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 ETA, STEPS, GROUPS = 1, 3, 2
-# As small as the job allows: 2 groups of 4 a step, short answers; head_dim 32 is the config's (vLLM's CPU
-# attention rejects less). A warm start long enough for the answer format, and a reward that format alone
-# earns half the time (an even answer), so that every step's update moves the weights: each version differs.
-SMALL = {"model.hidden_size": 64, "model.intermediate_size": 128, "model.num_layers": 2,
-         "base.steps": 300, "base.num_examples": 2000, "task.max_ops": 1,
-         "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward", "trainer.lr": 3e-4,
-         "trainer.batch_groups": GROUPS, "trainer.steps": STEPS, "trainer.eta": ETA, "rollout.group_size": 4,
-         "rollout.max_slots": 16, "rollout.coordination.max_running": 16, "rollout.max_tokens": 32,
-         "rollout.kv_cache_gib": 0.25, "eval.num_prompts": 4, "eval.every": 1000, "checkpoint.every": 1000,
-         "data.train_prompts": 400, "rollout.engine": "vllm", "cluster.mode": "ray", "cluster.rollout_actors": 1}
-
-
-def records(path):
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+# What this run changes in the small run (tests/small_runs.py), which is 2 groups of 4 a step already: shorter
+# answers and evals, a smaller KV cache; head_dim 32 is the config's (vLLM's CPU attention rejects less). A
+# warm start long enough for the answer format, and a reward that format alone earns half the time (an even
+# answer), so that every step's update moves the weights: each version differs.
+OVERRIDES = {"base.steps": 300, "base.num_examples": 2000, "task.max_ops": 1,
+             "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward", "trainer.lr": 3e-4,
+             "trainer.batch_groups": GROUPS, "trainer.steps": STEPS, "trainer.eta": ETA, "rollout.max_tokens": 32,
+             "rollout.kv_cache_gib": 0.25, "eval.num_prompts": 4, "eval.every": 1000, "checkpoint.every": 1000,
+             "rollout.engine": "vllm", "cluster.mode": "ray", "cluster.rollout_actors": 1}
 
 
 def vllm_processes_in_ray_actors() -> list[psutil.Process]:
@@ -57,13 +53,12 @@ def vllm_processes_in_ray_actors() -> list[psutil.Process]:
 
 def test_a_vllm_rollout_actor_keeps_the_bound_the_weights_and_the_accounting(tmp_path, shared_base):
     ray_session_end()  # the job starts a local Ray of its own (and stops it at the end)
-    overrides = {**SMALL, "base.dir": tmp_path / "base", "workdir": tmp_path / "run"}
-    config = load_config(CONFIG, {k: str(v) for k, v in overrides.items()})
+    config = small_config(tmp_path, tmp_path / "base", **OVERRIDES)
     shared_base(config, tmp_path / "base")  # the base the job tests that learn use (tests/shared_bases.py)
     before = {p.pid for p in vllm_processes_in_ray_actors()}
     assert rl.run(config) == 0
     workdir = pathlib.Path(config.workdir)
-    trained = [r for r in records(workdir / "metrics.jsonl") if "loss" in r]
+    trained = [r for r in records(workdir) if "loss" in r]
     assert [r["step"] for r in trained] == list(range(STEPS))
     versions = set()
     for r in trained:
@@ -79,7 +74,7 @@ def test_a_vllm_rollout_actor_keeps_the_bound_the_weights_and_the_accounting(tmp
     # Tokens that vLLM labelled with a version the trainer published after the start were trained: the
     # actor's engine took new weights mid-run (with ETA 1, step 2 can only train versions >= 1).
     assert max(versions) >= 1, versions
-    ledger = [g for r in records(workdir / "ledger.jsonl") for g in r["groups"]]
+    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
     assert len(ledger) == len(set(ledger)) == STEPS * GROUPS
     result = json.loads((workdir / "result.json").read_text())
     a, c = result["accounting"], result["coordination"]

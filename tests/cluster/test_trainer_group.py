@@ -8,6 +8,8 @@ from jaxflow.cluster.trainer_group import _flat_start, hf_pieces
 from jaxflow.models.hf_io import iter_hf_tensors, load_model
 from jaxflow.models.tiny import write_tiny_model
 
+pytestmark = pytest.mark.slow  # Ray clusters and actors
+
 
 @pytest.mark.parametrize("fsdp,tensor", [(4, 2), (2, 4), (8, 1), (1, 1)])
 def test_the_pieces_of_a_sharded_policy_assemble_to_its_hf_tensors(tmp_path, fsdp, tensor):

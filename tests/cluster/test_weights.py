@@ -1,7 +1,6 @@
 """Weights through Ray's object store: a pulled version is bit-identical, old versions are let go, and bad
 manifests and unknown versions are clear errors. The test session's local Ray (2 CPUs)."""
 
-import time
 
 import ml_dtypes
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
 
 from service_placements import kill_and_wait, ray_session  # noqa: E402
+from waiting import wait_until  # noqa: E402
 from jaxflow.cluster.weights import (  # noqa: E402
     RayWeightPublisher,
     UnknownVersionError,
@@ -17,6 +17,8 @@ from jaxflow.cluster.weights import (  # noqa: E402
     pull,
     put_shards,
 )
+
+pytestmark = pytest.mark.slow  # Ray clusters and actors
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +163,5 @@ def test_a_version_whose_owner_died_is_unknown(local_ray):
         {"start": [0], "shape": [n], "ref": ref, "item": None}]}}}
     kill_and_wait(trainer)
     # News of the owner's death reaches this process a moment later; until then the local copy still reads.
-    deadline = time.monotonic() + 60
     with pytest.raises(UnknownVersionError, match="version 1: a tensor's object is gone"):
-        while time.monotonic() < deadline:
-            pull(manifest, timeout=60)
-            time.sleep(0.1)
+        wait_until(lambda: pull(manifest, timeout=60) and False, 60, "the pull to fail", interval=0.1)

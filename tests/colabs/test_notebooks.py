@@ -12,20 +12,21 @@ import pytest
 
 from jaxflow.config import load_config
 
+pytestmark = pytest.mark.slow  # executes the notebooks end to end
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COLABS = ROOT / "colabs"
-# The base settings of quickstart's and staleness_lab's SMALL size (configs/arithmetic_tiny.py, a 30-step
-# warm start on 400 examples): the job tests' base. Copied into the notebook's base folder before it runs,
-# its warm-start cell finds it built for its settings instead of building it again. Should the notebooks'
-# settings change, the cell rebuilds it: slower, never wrong.
-SMALL_BASE = {"base.steps": "30", "base.num_examples": "400"}
 
 
 def copy_small_base(shared_base, into: pathlib.Path) -> None:
-    shared_base(load_config(str(ROOT / "configs" / "arithmetic_tiny.py"), SMALL_BASE), into)
+    """The base of quickstart's and staleness_lab's SMALL size, which is the `small` option's (a 30-step warm
+    start on 400 examples: the job tests' base), copied into the notebook's base folder before it runs: its
+    warm-start cell finds it built for its settings instead of building it again. Should the notebooks'
+    settings change, the cell rebuilds it: slower, never wrong."""
+    shared_base(load_config(str(ROOT / "configs" / "arithmetic_tiny.py") + ":async,small"), into)
 
 
 def execute(name: str, parameters: str, timeout: int = 900):

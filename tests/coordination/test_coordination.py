@@ -464,6 +464,7 @@ def test_simulate_keeps_the_bound_for_every_strategy(name, strategy):
             assert r["groups_consumed"] == 8 * 8
 
 
+@pytest.mark.slow  # a subprocess per hash seed
 def test_abort_mode_sync_is_deterministic_across_hash_seeds():
     """The coordinator must not depend on set order (str hashes vary per process): a simulation with
     abort-mode syncs and migration gives the same figures under two PYTHONHASHSEEDs."""

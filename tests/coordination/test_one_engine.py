@@ -25,6 +25,9 @@ from rollout_bridge.engine import Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
 
 from service_placements import SERVICE_METHODS
+from waiting import wait_until
+
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +108,12 @@ class FakeClock:
 
 
 def run_until(coordinator, condition, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out; coordinator stats {coordinator.stats()}"
+    def stepped():
+        if condition():
+            return True
         coordinator.step()
-        time.sleep(0.005)
+        return False
+    wait_until(stepped, timeout, lambda: f"the condition; coordinator stats {coordinator.stats()}", interval=0.005)
 
 
 def reset(engine, weights):

@@ -14,6 +14,8 @@ from jaxflow.models import hf_io
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
 
+pytestmark = pytest.mark.slow  # compiles and trains the model
+
 CFG = ModelConfig("Qwen3ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=True,
                   dtype="float32")

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from param_helpers import SHM, W, WireLoopback, assert_same, sample_tensors
+from waiting import wait_until
 
 from jaxflow.transport import wire
 from jaxflow.transport.param_client import ParameterClient, attach_shared
@@ -94,6 +95,7 @@ def test_streamed_chunked_publish_equals_one_shot(service):
            {k: v for k, v in manifest.items() if k != "version" and k != "segment"}
 
 
+@pytest.mark.slow  # a model, or another process
 def test_hf_tensors_of_a_tiny_model_round_trip(tmp_path):
     import jax.numpy as jnp
 
@@ -220,9 +222,8 @@ def test_shared_segments_are_unlinked_on_eviction_and_close():
     assert_same(attached, sample_tensors(0))
     assert not any(a.flags.writeable for a in attached.values())
     svc.publish(1, sample_tensors(1))
-    deadline = time.monotonic() + 5
-    while os.path.exists(f"/dev/shm/{manifest['segment']}") and time.monotonic() < deadline:
-        time.sleep(0.01)  # evicted segments are unlinked on a background thread
+    # Evicted segments are unlinked on a background thread.
+    wait_until(lambda: not os.path.exists(f"/dev/shm/{manifest['segment']}"), 5, "the evicted segment unlinked")
     with pytest.raises(FileNotFoundError):
         attach_shared(manifest)
     assert_same(attached, sample_tensors(0))  # an existing mapping outlives the name
@@ -362,7 +363,8 @@ def test_wait_for_version():
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    time.sleep(0.05)
+    # Closed only once the waiter waits (on the service's condition), so that close() has to wake it.
+    wait_until(lambda: len(svc._lock._waiters) == 1, 10, "the waiter blocked in wait_for_version")
     svc.close()
     thread.join(timeout=5)
     assert len(failures) == 1 and "closed" in str(failures[0])
@@ -375,6 +377,7 @@ _READER_SCRIPT = textwrap.dedent('''
     import numpy as np
     from jaxflow.transport.param_client import attach_shared
     from jaxflow.data.param_service import ParameterService
+    from waiting import wait_until  # tests/ is on PYTHONPATH
 
     def tensors(v):
         rng = np.random.default_rng(v)
@@ -404,10 +407,7 @@ _READER_SCRIPT = textwrap.dedent('''
         assert got == digest(tensors(1)) and not writable
         svc.publish(2, tensors(2))
         svc.publish(3, tensors(3))
-        deadline = time.monotonic() + 10
-        while os.path.exists("/dev/shm/" + first["segment"]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not os.path.exists("/dev/shm/" + first["segment"])
+        wait_until(lambda: not os.path.exists("/dev/shm/" + first["segment"]), 10, "the evicted segment unlinked")
         conn.send(svc.manifest(3))
         assert conn.recv() == digest(tensors(1))
         child.join(30)
@@ -427,11 +427,13 @@ _READER_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # a model, or another process
 def test_a_reader_process_attaches_without_resource_tracker_trouble(tmp_path):
     script = tmp_path / "shm_reader.py"
     script.write_text(_READER_SCRIPT)
     root = str(pathlib.Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    tests = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, tests, os.environ.get("PYTHONPATH")])),
                PYTHONWARNINGS="default")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           env=env, cwd=root)
@@ -443,6 +445,7 @@ def test_a_reader_process_attaches_without_resource_tracker_trouble(tmp_path):
 
 # --- a sharded policy ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a model, or another process
 def test_sharded_policy_publishes_the_same_hf_tensors(tmp_path):
     # The trainer's state lives sharded on a mesh; what it publishes must be the plain HF tensors.
     import jax

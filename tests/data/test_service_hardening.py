@@ -16,6 +16,7 @@ from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.transport import rpc
 
 from service_placements import PLACEMENTS, SERVICE_METHODS, placed
+from waiting import wait_until
 
 
 def records(n):
@@ -309,9 +310,8 @@ def test_consume_retry_after_a_lost_reply_gets_the_same_batch_counted_once():
             impatient.consume(0, timeout=5)  # the client gives up after 1 s; the server keeps waiting
         for t in worker.dispatch("w", 0, 2):
             worker.finish(t.group_id, "w", done(t), [1.0, 0.0])
-        deadline = time.monotonic() + 10
-        while worker.stats()["v_train"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the server's consume ran and its reply was lost
+        # The server's consume runs, and its reply is lost.
+        wait_until(lambda: worker.stats()["v_train"] != 0, 10, "the server's consume")
         again = impatient.consume(0, timeout=5)
         assert len(again.groups) == 2 and again.step == 0
         assert impatient.consume(0, timeout=5).groups == again.groups  # asking twice is harmless

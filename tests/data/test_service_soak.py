@@ -10,7 +10,6 @@ test advances, so expiry is deterministic; RPC timeouts are real (the lost repli
 import math
 import random
 import socket
-import time
 
 import pytest
 
@@ -20,6 +19,9 @@ from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.transport import rpc, wire
 
 from service_placements import SERVICE_METHODS
+from waiting import wait_until
+
+pytestmark = pytest.mark.slow  # a long randomised run against a served service
 
 ETA, BATCH, N, LEASE = 2, 3, 2, 0.2
 
@@ -150,9 +152,7 @@ class Soak:
                 wire.send_message(sock, {"token": "t"})
                 wire.recv_message(sock, 1 << 20)
                 wire.send_message(sock, {"id": 1, "method": "consume", "args": [self.v], "kwargs": {"timeout": 1}})
-            deadline = time.monotonic() + 10
-            while self.client.progress()[0] == self.v and time.monotonic() < deadline:
-                time.sleep(0.001)
+            wait_until(lambda: self.client.progress()[0] != self.v, 10, "the server's consume", interval=0.001)
             assert self.client.progress()[0] == self.v + 1  # consumed on the server, reply lost
             self.ops["lost_reply"] += 1
         batch = self.client.consume(self.v, timeout=5)

@@ -342,8 +342,12 @@ TestInterleavingsEmbedded = _machine_for("embedded")
 TestInterleavingsEmbeddedPartialBatches = _machine_for(
     "embedded", batch_rule="ready_with_capacity", min_fill=0.5, patience_s=0.0)
 TestInterleavingsServer = _machine_for("server")
+# Each a few hundred random interleavings; over RPC, or with partial batches, the slow tier's.
+TestInterleavingsServer.pytestmark = [pytest.mark.slow]
+TestInterleavingsEmbeddedPartialBatches.pytestmark = [pytest.mark.slow]
 
 
+@pytest.mark.slow  # a long random run
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("rule_kw", [{"batch_rule": "full"},
                                      {"batch_rule": "ready_with_capacity", "min_fill": 0.5, "patience_s": 0.0}],

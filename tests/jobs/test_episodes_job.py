@@ -9,7 +9,9 @@ import pytest
 from jaxflow.config import ConfigError
 from jaxflow.jobs import rl
 
-from test_rl_job import base_dir, records, small_config  # noqa: F401,F811 - the base model fixture
+from small_runs import records, small_config
+
+pytestmark = pytest.mark.slow  # runs of the RL job end to end
 
 ENV_MODULE = '''
     from jaxflow.tasks.arithmetic import reward
@@ -44,7 +46,7 @@ def user_env(tmp_path, monkeypatch):
     return "user_env:AreYouSure"
 
 
-def test_an_rl_run_trains_two_turn_episodes(tmp_path, base_dir, user_env):  # noqa: F811
+def test_an_rl_run_trains_two_turn_episodes(tmp_path, base_dir, user_env):
     config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "eval.every": "3",
                                                  "rollout.env.ref": user_env, "rollout.max_tokens": "96",
                                                  "rollout.max_len": "192"})
@@ -76,7 +78,7 @@ def test_bad_env_sections_are_named(tmp_path, overrides, match):
         rl.check_config(config)
 
 
-def test_a_turn_stop_of_several_tokens_is_refused_before_the_run(tmp_path, base_dir, capsys):  # noqa: F811
+def test_a_turn_stop_of_several_tokens_is_refused_before_the_run(tmp_path, base_dir, capsys):
     config = small_config(tmp_path, base_dir, **{"rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv",
                                                  "rollout.env.turn_stop": "</not-one-token>"})
     assert rl.run(config) == 2
@@ -107,7 +109,7 @@ def test_a_skyrl_gym_environment_trains_through_the_adapter(tmp_path, monkeypatc
     assert last > first, [round(x, 3) for x in rewards]
 
 
-def test_episodes_run_in_a_ray_rollout_actor(tmp_path, base_dir, monkeypatch):  # noqa: F811
+def test_episodes_run_in_a_ray_rollout_actor(tmp_path, base_dir, monkeypatch):
     """The same SkyRL-gym environment in a Ray rollout actor (the trainer in the job, the data services in
     their own actor): the actor runs its episodes, their samples cross Ray with their environment spans
     (masked out of the loss), the bound holds per token and the accounting closes. The environment's module

@@ -7,6 +7,7 @@ import subprocess
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxflow.jobs import rl
@@ -14,7 +15,9 @@ from jaxflow.models import hf_io
 
 from engine_helpers import require_vllm
 from tolerances import assert_engines_served_the_trainers_weights
-from test_rl_job import base_dir, check_each_step_once, job_command, records, small_config  # noqa: F401
+from small_runs import check_each_step_once, job_command, records, small_config
+
+pytestmark = pytest.mark.slow  # runs of the RL job end to end
 
 LEARNS = {"base.steps": "300", "base.num_examples": "2000", "task.max_ops": "1",
           "task.reward_ref": "jaxflow.tasks.arithmetic:even_answer_reward", "trainer.batch_groups": "8",

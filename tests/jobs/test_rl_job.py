@@ -8,8 +8,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
@@ -18,35 +16,10 @@ from jaxflow.config import ConfigError, flat_keys, load_config
 from jaxflow.main import main
 from jaxflow.models.hf_io import load_model
 
+from small_runs import CONFIG, check_each_step_once, job_command, records, small_config, start_until_step
 from tolerances import assert_engines_served_the_trainers_weights
 
-CONFIG = "configs/arithmetic_tiny.py"
-# Small enough for CI: a 2-layer 64-wide model, a short warm start, a few train steps.
-SMALL = {"model.hidden_size": "64", "model.intermediate_size": "128", "model.num_layers": "2",
-         "base.steps": "30", "base.num_examples": "400", "trainer.batch_groups": "2",
-         "rollout.group_size": "4", "rollout.max_slots": "16", "rollout.coordination.max_running": "16",
-         "rollout.max_tokens": "48", "eval.num_prompts": "16", "eval.every": "2", "checkpoint.every": "1",
-         "data.train_prompts": "400"}
-
-
-def small_config(tmp_path, base_dir, **more):
-    overrides = {**SMALL, "base.dir": str(base_dir), "workdir": str(tmp_path / "run"), **more}
-    return load_config(CONFIG, {k: str(v) for k, v in overrides.items()})
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, shared_base):
-    """The module's copy of the small base (built once per test run: tests/shared_bases.py)."""
-    directory = tmp_path_factory.mktemp("base") / "model"
-    config = small_config(tmp_path_factory.mktemp("unused"), directory)
-    info = warm_start.read_info(shared_base(config, directory))
-    assert 0.0 <= info["eval_accuracy"] <= 1.0 and info["fingerprint"] == warm_start.fingerprint(config)
-    return directory
-
-
-def records(workdir, name="metrics.jsonl"):
-    return [json.loads(line) for line in (workdir / name).read_text().splitlines() if line.strip()]
-
+pytestmark = pytest.mark.slow  # runs of the RL job end to end
 
 def test_missing_base_model_says_how_to_build_it(tmp_path, capsys):
     config = small_config(tmp_path, tmp_path / "nowhere", **{"base.build_if_missing": False})
@@ -329,35 +302,6 @@ def test_rollout_actors_on_ray_keep_the_bound_and_the_accounting(tmp_path, base_
     assert result["trained_params"] < 50_000  # the adapters alone
     assert_engines_served_the_trainers_weights([r for r in records(tmp_path / "run") if "loss" in r])
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
-
-
-def job_command(base_dir, workdir, **more):
-    """The RL job's command line on the small config, and an environment with unbuffered output."""
-    args = {**SMALL, "base.dir": base_dir, "workdir": workdir, "eval.every": 100, **more}
-    cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}", *[f"--config.{k}={v}" for k, v in args.items()]]
-    return cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def start_until_step(cmd, env, workdir, steps, **popen):
-    """Starts the job and returns its process once metrics.jsonl holds `steps` train steps (or it ended)."""
-    proc = subprocess.Popen(cmd, env=env, **popen)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        metrics = workdir / "metrics.jsonl"
-        if metrics.exists() and sum('"loss"' in ln for ln in metrics.read_text().splitlines()) >= steps:
-            break
-        time.sleep(0.1)
-    return proc
-
-
-def check_each_step_once(workdir, steps, groups_per_step):
-    """Every step once, in order, in the metrics; each trained group once in the ledger; accounting closes."""
-    assert [r["step"] for r in records(workdir) if "loss" in r] == list(range(steps))
-    ledger = [g for r in records(workdir, "ledger.jsonl") for g in r["groups"]]
-    assert len(ledger) == steps * groups_per_step and len(set(ledger)) == len(ledger)
-    a = json.loads((workdir / "result.json").read_text())["accounting"]
-    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
-    assert a["consumed"] == len(ledger)
 
 
 def test_ctrl_c_then_resume_loses_no_group_and_trains_none_twice(tmp_path, base_dir):

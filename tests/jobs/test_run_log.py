@@ -7,6 +7,8 @@ import pytest
 
 from jaxflow.jobs.run_log import RunLog, read_records
 
+pytestmark = pytest.mark.slow  # TensorBoard and matplotlib plots
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -52,7 +54,8 @@ def test_log_step_writes_jsonl_tb_console_and_plots(tmp_path, capsys):
     assert records[1]["reward_mean"] == pytest.approx(0.1)
     assert records[1]["custom_metric"] == 7.0
     assert records[1]["staleness"] == {"0": 70, "1": 30}
-    assert records[-1] == {"step": 2, "time_s": records[-1]["time_s"], "eval_accuracy": 0.5, "eval_n": 20.0}
+    eval_record = {k: v for k, v in records[-1].items() if k != "time_s"}  # times: checked below
+    assert eval_record == {"step": 2, "eval_accuracy": 0.5, "eval_n": 20.0}
     times = [r["time_s"] for r in records]
     assert times == sorted(times) and times[0] >= 0
     assert run.staleness_total == {0: 210, 1: 90}

@@ -14,7 +14,9 @@ from jaxflow.config import ConfigError
 from jaxflow.jobs import rl, warm_start
 from jaxflow.tasks import get_task
 
-from test_rl_job import base_dir, records, small_config  # noqa: F401 - base_dir is a fixture
+from small_runs import records, small_config
+
+pytestmark = pytest.mark.slow  # runs of the RL job end to end
 
 # A reward of the user's: the task's own reward, but every other call in a worker raises (a realistic bug:
 # a missing key), so about half of a run's samples fail. `always` fails every call.
@@ -47,7 +49,7 @@ def user_rewards(tmp_path, monkeypatch):
     return "user_rewards"
 
 
-def given_model(tmp_path, base_dir):  # noqa: F811
+def given_model(tmp_path, base_dir):
     """A copy of the warm-started model without base_info.json: as a downloaded HF checkpoint looks."""
     mine = tmp_path / "my_model"
     shutil.copytree(base_dir, mine)
@@ -59,7 +61,7 @@ def snapshot(directory):
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-def test_an_hf_model_the_warm_start_did_not_build_is_used_as_given(tmp_path, base_dir):  # noqa: F811
+def test_an_hf_model_the_warm_start_did_not_build_is_used_as_given(tmp_path, base_dir):
     mine = given_model(tmp_path, base_dir)
     before = snapshot(mine)
     # Settings the model was not built with, and building allowed: still used as given, never rebuilt.
@@ -80,7 +82,7 @@ def test_an_hf_model_the_warm_start_did_not_build_is_used_as_given(tmp_path, bas
     (["model.safetensors"], "no weights (model.safetensors or model.safetensors.index.json)"),
     (["config.json", "tokenizer.json"], "no config.json, no tokenizer.json"),
 ])
-def test_an_incomplete_model_directory_is_named_with_what_it_lacks(tmp_path, base_dir, capsys, remove,  # noqa: F811
+def test_an_incomplete_model_directory_is_named_with_what_it_lacks(tmp_path, base_dir, capsys, remove,
                                                                    says):
     mine = given_model(tmp_path, base_dir)
     for name in remove:
@@ -95,7 +97,7 @@ def test_an_incomplete_model_directory_is_named_with_what_it_lacks(tmp_path, bas
     assert snapshot(mine) == before
 
 
-def test_a_warm_start_that_died_half_way_is_rebuilt_not_taken_as_given(tmp_path, base_dir):  # noqa: F811
+def test_a_warm_start_that_died_half_way_is_rebuilt_not_taken_as_given(tmp_path, base_dir):
     half = tmp_path / "half"
     shutil.copytree(base_dir, half)
     (half / warm_start.INFO_FILE).write_text(json.dumps({"fingerprint": None, "building": True}))
@@ -140,7 +142,7 @@ def test_a_bad_reward_ref_is_one_config_error_before_anything_starts(tmp_path, u
     assert not (tmp_path / "base").exists() and not (tmp_path / "run").exists()
 
 
-def test_reward_failures_are_printed_once_counted_and_the_run_goes_on(tmp_path, base_dir, user_rewards,  # noqa: F811
+def test_reward_failures_are_printed_once_counted_and_the_run_goes_on(tmp_path, base_dir, user_rewards,
                                                                       capsys):
     config = small_config(tmp_path, given_model(tmp_path, base_dir),
                           **{"task.reward_ref": f"{user_rewards}:flaky", "trainer.steps": "2", "eval.every": "100"})
@@ -160,7 +162,7 @@ def test_reward_failures_are_printed_once_counted_and_the_run_goes_on(tmp_path, 
            f"{a['reward_raised']}, timed out 0, crashed 0, invalid 0" in captured.out
 
 
-def test_a_reward_that_fails_on_the_whole_first_batch_stops_the_run(tmp_path, base_dir, user_rewards,  # noqa: F811
+def test_a_reward_that_fails_on_the_whole_first_batch_stops_the_run(tmp_path, base_dir, user_rewards,
                                                                     capsys):
     config = small_config(tmp_path, base_dir, **{"task.reward_ref": f"{user_rewards}:always", "trainer.steps": "3"})
     assert rl.run(config) == 2

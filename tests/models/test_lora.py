@@ -14,6 +14,8 @@ from jaxflow.models.lora import LoRASpec
 from jaxflow.models.tiny import write_tiny_model
 from tolerances import forward_terms, sum_atol
 
+pytestmark = pytest.mark.slow  # the model against transformers and PEFT
+
 
 SPEC = LoRASpec(rank=4, alpha=8.0)
 

@@ -17,6 +17,8 @@ from jaxflow.models.hf_io import export_model, load_model
 from jaxflow.models.safetensors_io import CheckpointError, SafetensorsFile, write_safetensors
 from jaxflow.models.transformer import positions_from_mask
 
+pytestmark = pytest.mark.slow  # the model against transformers and PEFT
+
 
 @nnx.jit
 def _forward(model, tokens, positions, segment_ids):

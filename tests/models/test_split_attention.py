@@ -10,6 +10,8 @@ from jaxflow.models.transformer import (attention, attention_mask, attention_uni
                                         split_index)
 from jaxflow.trainer.batch import Trajectory, make_batch
 
+pytestmark = pytest.mark.slow  # compiles attention at several lengths and layouts
+
 
 def packed_segments(lengths_per_row: list[list[int]], t: int) -> np.ndarray:
     seg = np.zeros((len(lengths_per_row), t), np.int32)

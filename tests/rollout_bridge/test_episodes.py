@@ -17,6 +17,9 @@ from rollout_bridge.episodes import EpisodeEngine, model_turns
 from rollout_bridge.jax_engine import JaxEngine
 
 from engine_helpers import lively_tiny_model, poll_all
+from waiting import wait_until
+
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 
 MAX_TOKENS = 120
 
@@ -265,11 +268,12 @@ def test_a_coordinator_trains_episodes_on_their_environments_rewards(model_dir, 
                     sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0),
                     reward_fn=lambda task, samples: [-7.0] * len(samples))
     try:
-        deadline = time.monotonic() + 300
-        while traj.buffer_state() != "ready":
-            assert time.monotonic() < deadline, w.stats()
+        def stepped():
+            if traj.buffer_state() == "ready":
+                return True
             w.step()
-            time.sleep(0.005)
+            return False
+        wait_until(stepped, 300, lambda: f"a ready buffer; coordinator stats {w.stats()}", interval=0.005)
         batch = traj.consume(0, timeout=1)
     finally:
         w.stop(abort_in_flight=True)

@@ -12,34 +12,16 @@ import torch
 import transformers
 
 from jaxflow import sharding
-from jaxflow.models.hf_io import iter_hf_tensors, load_model
+from jaxflow.models.hf_io import iter_hf_tensors
 from rollout_bridge import jax_decode
 from rollout_bridge.engine import EngineError, Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
 
 import engine_helpers
 from engine_helpers import GREEDY, counting_lowerings, lively_tiny_model, perturbed, poll_all, prompts, run
+from jax_engine_setup import ENGINE_KW, forward_logits, pause_after_decode, teacher_forced
 
-# Small enough to compile fast, with more prompts than slots and prompts in several prefill buckets.
-ENGINE_KW = dict(max_slots=4, max_len=128, decode_chunk=8, prefill_buckets=(16, 32, 64))
-
-
-def forward_logits(model, prompt, completion):
-    return engine_helpers.forward_logits(model, prompt, completion, pad_to=ENGINE_KW["max_len"])
-
-
-def teacher_forced(model, prompt, completion):
-    return engine_helpers.teacher_forced(model, prompt, completion, pad_to=ENGINE_KW["max_len"])
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return lively_tiny_model(tmp_path_factory.mktemp("qwen3"), "Qwen3ForCausalLM")
-
-
-@pytest.fixture(scope="module")
-def qwen3_model(qwen3_dir):
-    return load_model(qwen3_dir)
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 
 
 @pytest.fixture(scope="module")
@@ -55,26 +37,6 @@ def greedy_reference(engine):
     out = [c.sample.tokens for c in run(engine, prompts())]
     assert all(len(set(tokens)) > 5 for tokens in out)  # not a degenerate repeat
     return out
-
-
-def _pause_after_decode(monkeypatch, engine, call: int) -> threading.Event:
-    """Holds the engine loop right after its `call`-th decode call until another thread has queued a
-    command (a swap, an abort), so that the command lands at a known chunk boundary instead of racing the
-    loop. Returns an event set when the loop is held there."""
-    real, calls, held = jax_decode.decode, [], threading.Event()
-
-    def wrapped(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == call:
-            held.set()
-            deadline = time.monotonic() + 30
-            while not engine._commands and time.monotonic() < deadline:
-                time.sleep(0.001)
-        return out
-
-    monkeypatch.setattr(jax_decode, "decode", wrapped)
-    return held
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
@@ -230,7 +192,7 @@ def test_abort_and_resume_equals_uninterrupted(engine, greedy_reference, monkeyp
     ps = prompts()
     aborted = {}
     # 6 requests on 4 slots: after the first decode call, 4 run and 2 wait; abort one of each.
-    held = _pause_after_decode(monkeypatch, engine, 1)
+    held = pause_after_decode(monkeypatch, engine, 1)
     for i, p in enumerate(ps):
         engine.submit(Request(f"a{i}", p, params))
     assert held.wait(30)
@@ -470,7 +432,7 @@ def test_pause_keep_then_update_weights_then_resume(qwen3_dir, qwen3_model, monk
     new_model, new = perturbed(qwen3_model, seed=3)
     params = SamplingParams(max_tokens=40, temperature=0.0)
     ps = prompts(2, lens=(5, 20, 9))
-    held = _pause_after_decode(monkeypatch, eng, 2)
+    held = pause_after_decode(monkeypatch, eng, 2)
     for i, p in enumerate(ps):
         eng.submit(Request(f"k{i}", p, params))
     assert held.wait(30)
@@ -502,7 +464,7 @@ def test_pause_abort_hands_back_everything_and_resume_continues(engine, greedy_r
     """AReaL's update: pause aborting everything in flight (running and waiting), resubmit from the
     prefixes while paused, resume: the same tokens as an uninterrupted run."""
     ps = prompts()
-    held = _pause_after_decode(monkeypatch, engine, 1)
+    held = pause_after_decode(monkeypatch, engine, 1)
     for i, p in enumerate(ps):
         engine.submit(Request(f"p{i}", p, GREEDY))
     assert held.wait(30)

@@ -4,6 +4,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 
 from jaxflow.models.hf_io import iter_hf_tensors
 from rollout_bridge import jax_decode
@@ -11,7 +12,9 @@ from rollout_bridge.engine import Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
 
 from engine_helpers import perturbed, poll_all, prompts
-from test_jax_engine import ENGINE_KW, _pause_after_decode, qwen3_dir, qwen3_model, teacher_forced  # noqa: F401
+from jax_engine_setup import ENGINE_KW, pause_after_decode, teacher_forced
+
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 
 
 def _run_with_a_swap(monkeypatch, eng, reqs, version, tensors, **kw):
@@ -34,7 +37,7 @@ def _run_with_a_swap(monkeypatch, eng, reqs, version, tensors, **kw):
 
     monkeypatch.setattr(jax_decode, "prefill", counting)
     monkeypatch.setattr(eng, "_swap_weights", counted_swap)
-    held = _pause_after_decode(monkeypatch, eng, 2)
+    held = pause_after_decode(monkeypatch, eng, 2)
     for r in reqs:
         eng.submit(r)
     assert held.wait(30)

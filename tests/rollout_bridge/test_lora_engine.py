@@ -17,6 +17,8 @@ from rollout_bridge.jax_engine import JaxEngine
 
 from engine_helpers import lively_tiny_model, prompts, run
 
+pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
+
 ENGINE_KW = dict(max_slots=4, max_len=128, decode_chunk=8, prefill_buckets=(16, 32, 64))
 SPEC = LoRASpec(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "down_proj"))
 

@@ -21,6 +21,8 @@ import vllm.distributed.weight_transfer.nccl_engine as nccl_engine  # noqa: E402
 
 from rollout_bridge.nccl_weights import HFTensorSource, NcclWeightSender, TensorSpec, plan  # noqa: E402
 
+pytestmark = pytest.mark.slow  # vLLM engines, their own processes
+
 
 def tensors():
     rng = np.random.default_rng(0)

@@ -7,6 +7,8 @@ import pytest
 
 from rollout_bridge.jax_decode import SlotState, _inverse_cdf, sample_tokens
 
+pytestmark = pytest.mark.slow  # the sampler's frequencies over many seeds
+
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -30.0], np.float32)
 
 

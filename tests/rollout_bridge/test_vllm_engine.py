@@ -27,6 +27,9 @@ from engine_helpers import (GREEDY, lively_tiny_model, perturbed, poll_all, prom
 from jaxflow.models.hf_io import iter_hf_tensors, load_model  # noqa: E402
 from rollout_bridge.engine import EngineError, Request, SamplingParams  # noqa: E402
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
+from waiting import wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow  # vLLM engines, their own processes
 
 MAX_LEN = 256
 # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order.
@@ -35,10 +38,8 @@ ATOL = 1e-4
 
 def wait_running(engine, n, timeout=60.0):
     """Waits until `n` requests have produced tokens (they are mid-generation)."""
-    deadline = time.monotonic() + timeout
-    while engine.load().running < n:
-        assert time.monotonic() < deadline, engine.load()
-        time.sleep(0.002)
+    wait_until(lambda: engine.load().running >= n, timeout, lambda: f"{n} running requests; {engine.load()}",
+               interval=0.002)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ bad adapters refused with the engine still serving.
 Skipped when vLLM is not importable, except under CI, where vLLM must run.
 """
 
-import time
 
 import numpy as np
 import pytest
@@ -20,6 +19,9 @@ from jaxflow.models import hf_io, lora  # noqa: E402
 from jaxflow.models.lora import LoRASpec  # noqa: E402
 from rollout_bridge.engine import Request, SamplingParams, WeightsRejected  # noqa: E402
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
+from waiting import wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow  # vLLM engines, their own processes
 
 SPEC = LoRASpec(rank=8, alpha=16.0)
 ATOL = 1e-4  # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order
@@ -78,20 +80,14 @@ def test_requests_in_flight_finish_on_their_adapter(engine, base_dir):
     engine.update_weights(4, lora.peft_tensors(models[4].layers))
     long = SamplingParams(max_tokens=100, temperature=0.0)
     engine.submit(Request("long", ASKED[0], long))
-    deadline = time.monotonic() + 60
-    while not engine.progress(["long"])[0].sample.tokens:  # mid-generation
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+    wait_until(lambda: engine.progress(["long"])[0].sample.tokens, 60, "the long request mid-generation",
+               interval=0.002)
     engine.pause("keep")  # holds it mid-generation while the next version's adapter arrives
     assert 0 < len(engine.progress(["long"])[0].sample.tokens) < 100
     engine.update_weights(5, lora.peft_tensors(models[5].layers))
     engine.resume()
     fresh = run(engine, [ASKED[0]], GREEDY, tag="fresh")[0]
-    deadline, out = time.monotonic() + 120, []
-    while not out:
-        out = engine.poll()
-        assert time.monotonic() < deadline
-    c = out[0]
+    c = wait_until(engine.poll, 120, "the long request's completion", interval=0)[0]
     assert c.request_id == "long" and c.sample.versions == [4] * len(c.sample.tokens)
     logp, argmax = teacher_forced(models[4], ASKED[0], c.sample.tokens, pad_to=128)
     assert c.sample.tokens == argmax.tolist()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from engine_helpers import adapted, lively_tiny_model, prompts, require_vllm, teacher_forced
 
@@ -19,6 +20,8 @@ require_vllm("the vLLM LoRA test")
 
 from jaxflow.models import hf_io, lora  # noqa: E402
 from jaxflow.models.lora import LoRASpec  # noqa: E402
+
+pytestmark = pytest.mark.slow  # vLLM engines, their own processes
 
 SPEC = LoRASpec(rank=8, alpha=16.0)
 ATOL = 1e-4  # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order

@@ -39,6 +39,7 @@ def test_floor_arithmetic_with_fixed_lengths():
         keep_all_floor(sc, -1)
 
 
+@pytest.mark.slow  # simulates full runs
 def test_runs_that_keep_every_sample_stay_above_the_floor_and_dropping_goes_below():
     """A tail-bound scenario: long samples (up to 2048 tokens) in most cohorts, a fast trainer. Both
     keep-every-sample systems step no faster than the floor; dropping the slowest groups steps faster."""

@@ -138,7 +138,7 @@ def test_prompts_render_with_the_chat_template_and_fit(made, tokenizer, name):
     # Records go over the wire (msgpack) and into checkpoints (JSON) unchanged, and feed a PromptSource.
     assert msgpack.unpackb(msgpack.packb(records)) == records
     assert json.loads(json.dumps(records)) == records
-    assert PromptSource(records).next() is not None
+    assert PromptSource(records).next()["prompt"] in [r["prompt"] for r in records]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -174,7 +174,9 @@ def test_rewards_refuse_garbage_quickly(made, name):
     for response in GARBAGE:
         start = time.perf_counter()
         assert task.reward(response, meta) == 0.0
-        assert time.perf_counter() - start < 0.5, f"{response[:40]!r} took too long"
+        # The danger is unbounded work (evaluating 9**9**9, a backtracking regex on 100k characters): hours,
+        # not the milliseconds a bounded parse takes; the bound tells them apart on any machine.
+        assert time.perf_counter() - start < 5.0, f"{response[:40]!r} took too long"
 
 
 @settings(max_examples=300, deadline=None)

@@ -38,6 +38,7 @@ def random_batch(rng, num_groups=7, max_size=6):
     return rewards.astype(np.float32), ids.astype(np.int32)
 
 
+@pytest.mark.slow  # compiles per estimator and group layout
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 @pytest.mark.parametrize("scale_by_std", [True, False])
 def test_matches_numpy_reference_with_variable_group_sizes(estimator, scale_by_std):
@@ -93,6 +94,7 @@ def test_jit_and_num_groups():
         assert int(stats_jit["num_groups"]) == int(stats["num_groups"]) == 5
 
 
+@pytest.mark.slow  # compiles per estimator and group layout
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 0.5, 1.0, 2.0])), min_size=1, max_size=12),
        st.sampled_from(["grpo", "dr_grpo", "rloo"]))

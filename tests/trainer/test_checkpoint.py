@@ -20,6 +20,8 @@ from jaxflow.models.hf_io import abstract_model
 from jaxflow.models.transformer import Transformer
 from jaxflow.trainer.state import abstract_train_state, create_train_state
 
+pytestmark = pytest.mark.slow  # compiles and trains the model
+
 CFG = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=256, hidden_size=64,
                   intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                   qk_norm=True)

@@ -398,6 +398,7 @@ def test_token_weights_make_micro_batches_exact(seed, agg, split):
         np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow  # compiles per packed layout
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from(AGGS))
 def test_token_weights_with_sequence_ids_for_packed_rows(seed, agg):
@@ -443,6 +444,7 @@ def test_empty_mask_raises_eagerly_and_gives_zero_weights_under_jit():
 
 # -------------------------------------------------------------------------------------------- robustness
 
+@pytest.mark.slow  # compiles per packed layout
 def test_masked_extreme_values_give_no_nan_and_no_effect():
     c = cases("clamp")[0][0]
     m = c["mask"] > 0

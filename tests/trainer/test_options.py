@@ -27,6 +27,8 @@ from jaxflow.trainer.advantages import compute_advantages
 from jaxflow.trainer.rl_trainer import (RLTrainer, check_trainer_config, optimizer_config, step_config)
 from jaxflow.trainer.step import StepConfig, make_optimizer
 
+pytestmark = pytest.mark.slow  # compiles and trains the model
+
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "arithmetic_tiny.py"
 MODEL = ModelConfig("Qwen3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)

@@ -13,6 +13,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import profile_step  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the profiling benchmark at a tiny size
+
 
 def _op(name, ts, dur, tid=1, run="r1", module="jit_decode"):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid,

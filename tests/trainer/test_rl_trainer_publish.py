@@ -15,6 +15,8 @@ from jaxflow.models.hf_io import load_model
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.trainer.rl_trainer import RLTrainer
 
+pytestmark = pytest.mark.slow  # compiles and trains the model
+
 
 class Calls:
     """A trajectory service and a parameter service that only record, in one shared order."""

@@ -11,8 +11,10 @@ from jaxflow.models import transformer
 from jaxflow.trainer.batch import Trajectory, make_batch, validate_batch
 from jaxflow.trainer.losses import LossConfig
 from jaxflow.trainer.step import StepConfig, token_logprobs
-from test_train_step import assert_grad_norms_close, assert_trees_close, one_device, run, setup
 from tolerances import assert_sums_close, policy_loss_scale
+from train_step_setup import assert_grad_norms_close, assert_trees_close, one_device, run, setup
+
+pytestmark = pytest.mark.slow  # compiles and trains the model
 
 
 def groups(seed=0, num_groups=6, group_size=8, seq_len=64, with_env=True):

@@ -14,87 +14,21 @@ from jaxflow.transport import process_server
 
 from jaxflow.transport import wire
 from jaxflow.data.records import Sample
-
-METHODS = ["add", "echo", "fail", "fail_custom", "open_missing", "slow", "samples", "unencodable"]
-
-_ERRORS = {cls.__name__: cls for cls in (ValueError, KeyError, TypeError, TimeoutError, RuntimeError,
-                                         IndexError, FileNotFoundError, PermissionError, LookupError)}
-
-
-class ToyError(ValueError):
-    """Unregistered: crosses the wire as its nearest known base, ValueError."""
-
-
-class WeirdError(Exception):
-    """Unregistered and not under a known type: crosses the wire as RemoteError."""
-
-
-@rpc.register_remote_error
-class StaleGroupError(RuntimeError):
-    """Registered, with an __init__ that takes other parameters than its args."""
-
-    def __init__(self, group_id: int, lag: int):
-        super().__init__(f"group {group_id} is {lag} versions stale")
-        self.group_id = group_id
-        self.lag = lag
-
-
-class Toy:
-    """The object under test; `scale` shows that factory kwargs arrive."""
-
-    def __init__(self, scale: int = 1):
-        self.scale = scale
-        self.closed = False
-
-    def add(self, a, b=0):
-        return (a + b) * self.scale
-
-    def echo(self, *args, **kwargs):
-        return {"args": args, "kwargs": kwargs}
-
-    def fail(self, kind: str, message: str):
-        raise _ERRORS[kind](message)
-
-    def fail_custom(self, kind: str):
-        if kind == "toy":
-            raise ToyError("bad toy")
-        if kind == "stale":
-            raise StaleGroupError(7, 5)
-        raise WeirdError("something odd")
-
-    def open_missing(self, path: str):
-        with open(path):
-            pass
-
-    def slow(self, seconds: float):
-        time.sleep(seconds)
-        return seconds
-
-    def samples(self, n: int):
-        return [Sample([i], [-0.5], [0], "stop") for i in range(n)]
-
-    def unencodable(self):
-        return object()
-
-    def hidden(self):
-        return "not served"
-
-    def close(self):
-        self.closed = True
-
-
-def make_toy(scale: int) -> Toy:
-    """The factory serve_in_subprocess imports in the child."""
-    return Toy(scale)
-
-
-def make_failing(scale: int) -> Toy:
-    raise ValueError(f"bad config: scale={scale} is not allowed")
+from toy_service import ERRORS, METHODS, StaleGroupError, Toy
+from waiting import wait_until
 
 
 @pytest.fixture
-def server():
-    with rpc.Server(Toy(), METHODS).start() as srv:
+def served():
+    """The object the `server` fixture serves."""
+    obj = Toy()
+    yield obj
+    obj.release.set()  # ends a hold() call the test left running
+
+
+@pytest.fixture
+def server(served):
+    with rpc.Server(served, METHODS).start() as srv:
         yield srv
 
 
@@ -130,14 +64,14 @@ def test_calls_work(toy):
     assert out["kwargs"] == {"key": None}
 
 
-@pytest.mark.parametrize("kind", sorted(_ERRORS))
+@pytest.mark.parametrize("kind", sorted(ERRORS))
 def test_exceptions_keep_type_and_message(toy, kind):
     embedded = None
     try:
         Toy().fail(kind, "unknown group 5")
     except Exception as exc:
         embedded = exc
-    with pytest.raises(_ERRORS[kind], match="unknown group 5") as info:
+    with pytest.raises(ERRORS[kind], match="unknown group 5") as info:
         toy.fail(kind, "unknown group 5")
     assert type(info.value) is type(embedded)
     assert str(info.value) == str(embedded)
@@ -241,7 +175,7 @@ def test_non_loopback_bind_needs_a_token():
         rpc.Server(Toy(), METHODS, host=host)
     rpc.Server(Toy(), METHODS, host="0.0.0.0", token="s3cret")  # constructed, not bound
     with pytest.raises(ValueError, match="without a token"):
-        process_server.serve_in_subprocess(f"{__name__}:make_toy", {"scale": 1}, METHODS, host="0.0.0.0")
+        process_server.serve_in_subprocess("toy_service:make_toy", {"scale": 1}, METHODS, host="0.0.0.0")
 
 
 def test_token_authentication():
@@ -258,32 +192,33 @@ def test_token_authentication():
             assert cli.add(40, 2) == 42
 
 
-def test_a_blocked_call_does_not_block_other_calls(client, server):
-    # Another thread of the same client, and another client, both get through while one call sleeps.
-    started = time.perf_counter()
-    blocked = threading.Thread(target=client.slow, args=(2.0,))
+def test_a_blocked_call_does_not_block_other_calls(client, server, served):
+    # Another thread of the same client, and another client, both get through while one call is in flight.
+    blocked = threading.Thread(target=client.hold)
     blocked.start()
-    time.sleep(0.1)
+    wait_until(served.holding.is_set, 30, "the held call to reach the served object")
     with rpc.Client(server.address) as other:
         assert other.add(1, 1) == 2
     assert client.add(2, 2) == 4
-    assert time.perf_counter() - started < 1.5
+    assert blocked.is_alive()  # still in flight: the calls above went around it
+    served.release.set()
     blocked.join()
 
 
-def test_client_timeout_and_server_close(server):
+def test_client_timeout_and_server_close(server, served):
     with rpc.Client(server.address, timeout=0.2) as cli:
         with pytest.raises(TimeoutError):
             cli.slow(1.0)
         assert cli.add(1, 1) == 2, "a fresh connection replaces the timed-out one"
     cli = rpc.Client(server.address)
     errors = []
-    waiter = threading.Thread(target=lambda: errors.append(pytest.raises(ConnectionError, cli.slow, 5.0)))
+    waiter = threading.Thread(target=lambda: errors.append(pytest.raises(ConnectionError, cli.hold, 60.0)))
     waiter.start()
-    time.sleep(0.2)
+    wait_until(served.holding.is_set, 30, "the held call to reach the served object")
     server.close()
-    waiter.join(timeout=2.0)
-    assert not waiter.is_alive() and errors, "a call in flight fails promptly when the server closes"
+    # The call would run for 60 s; closing the server ends it long before (the bound is slack, not speed).
+    waiter.join(timeout=30.0)
+    assert not waiter.is_alive() and errors, "a call in flight fails when the server closes"
 
 
 def test_many_threads_share_one_client(client):
@@ -313,7 +248,7 @@ def test_trivial_call_throughput(client):
 # --- a server in its own process ----------------------------------------------------------------------
 
 def test_serve_in_subprocess():
-    process, address = process_server.serve_in_subprocess(f"{__name__}:make_toy", {"scale": 3}, METHODS, token="t0k")
+    process, address = process_server.serve_in_subprocess("toy_service:make_toy", {"scale": 3}, METHODS, token="t0k")
     try:
         with rpc.Client(address, token="t0k") as cli:
             assert cli.add(1, 2) == 9
@@ -325,10 +260,13 @@ def test_serve_in_subprocess():
 
 
 def test_failing_factory_raises_promptly():
+    start_timeout = 60
     started = time.perf_counter()
     with pytest.raises(ValueError, match="bad config: scale=4") as info:
-        process_server.serve_in_subprocess(f"{__name__}:make_failing", {"scale": 4}, METHODS, start_timeout=60)
+        process_server.serve_in_subprocess("toy_service:make_failing", {"scale": 4}, METHODS,
+                                           start_timeout=start_timeout)
     assert "make_failing" in info.value.remote_traceback
     with pytest.raises(ValueError, match="factory .*no_such_factory"):  # jaxflow.refs.RefError
         process_server.serve_in_subprocess(f"{__name__}:no_such_factory", {}, METHODS)
-    assert time.perf_counter() - started < 30
+    # The failure is reported as soon as the child says so, not when the start timeout runs out.
+    assert time.perf_counter() - started < start_timeout
