@@ -7,7 +7,6 @@ import pathlib
 import sys
 
 import pytest
-
 from compile_level import SUITE_OPT_LEVEL  # why level 0: tests/compile_level.py
 
 os.environ["XLA_FLAGS"] = (

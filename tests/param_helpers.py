@@ -6,8 +6,8 @@ import collections
 import ml_dtypes
 import numpy as np
 
-from jaxflow.transport import wire
 from jaxflow.data.param_service import DTYPES, RPC_METHODS
+from jaxflow.transport import wire
 
 SHM = ["private", "shm"]  # the two storage placements a ParameterService has
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -39,8 +39,8 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None
 
 
 class WireLoopback:
-    """Stands in for a jaxflow.transport.rpc.Client: arguments and results cross jaxflow.transport.wire encoding, and the calls
-    of each method are counted."""
+    """Stands in for a jaxflow.transport.rpc.Client: arguments and results cross jaxflow.transport.wire
+    encoding, and the calls of each method are counted."""
 
     def __init__(self, service, on_call=None):
         self.service = service

@@ -11,9 +11,9 @@ import contextlib
 import os
 
 import pytest
+from waiting import wait_until
 
 from jaxflow.cluster import ray_actors  # Ray itself is imported only where a placement needs it
-from waiting import wait_until
 
 # For parametrize and fixture params: the Ray placement starts a local Ray, so it is in the slow tier only.
 PLACEMENTS = ["embedded", "server", pytest.param("ray", marks=pytest.mark.slow)]

@@ -12,9 +12,9 @@ import subprocess
 import sys
 
 import ml_collections
+from waiting import wait_until
 
 from jaxflow.config import load_config
-from waiting import wait_until
 
 CONFIG = "configs/arithmetic_tiny.py"
 SMALL = f"{CONFIG}:async,small"

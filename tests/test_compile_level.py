@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_level import SUITE_OPT_LEVEL
 from flax import nnx
+from tolerances import forward_terms, sum_atol
 
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
-from compile_level import SUITE_OPT_LEVEL
-from tolerances import forward_terms, sum_atol
 
 pytestmark = pytest.mark.slow  # compiles the model at two optimisation levels
 

@@ -198,7 +198,7 @@ def test_from_dir_errors(tmp_path, tiny_dir):
     bare = Tokenizer.from_dir(tmp_path)  # no tokenizer_config.json: ids work, eos and template do not
     assert bare.encode(COUNTDOWN) == Tokenizer.from_dir(tiny_dir).encode(COUNTDOWN)
     with pytest.raises(ValueError, match=f"{tmp_path}: no eos_token"):
-        bare.eos_id
+        _ = bare.eos_id
     with pytest.raises(ValueError, match=f"{tmp_path}: no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "hi"}])
 

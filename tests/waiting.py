@@ -5,7 +5,8 @@ slow; one that polls is neither. The timeout is a safety net against a hang, nev
 """
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 

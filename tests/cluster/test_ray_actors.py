@@ -5,15 +5,13 @@ as ConnectionError, a proxy handed to another Ray worker, and token authenticati
 import threading
 
 import pytest
-
 import ray  # noqa: F401  (the `cluster` extra, which the setup script installs: never skipped)
+from service_placements import SERVICE_METHODS, kill_and_wait, ray_session  # noqa: E402
 
 from jaxflow.cluster import ray_actors  # noqa: E402
 from jaxflow.data.prompt_source import PromptSource  # noqa: E402
 from jaxflow.data.records import Sample  # noqa: E402
 from jaxflow.data.trajectory_service import TrajectoryService  # noqa: E402
-
-from service_placements import SERVICE_METHODS, kill_and_wait, ray_session  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray clusters and actors
 
@@ -80,7 +78,7 @@ def test_only_allow_listed_methods_are_served(proxy):
     with pytest.raises(AttributeError, match="'_recount' is not served"):
         proxy.call("_recount")  # the actor refuses it, not just the proxy
     with pytest.raises(AttributeError, match="'source' is not served"):
-        proxy.source
+        _ = proxy.source
     with pytest.raises(ValueError, match="TrajectoryService has no method.*nope"):
         ray_actors.host(make(), ["dispatch", "nope"], on=ray_session())
 
@@ -99,7 +97,6 @@ def test_a_closed_service_and_a_dead_actor():
 
 
 def test_a_proxy_works_from_another_ray_worker(proxy):
-    import ray
 
     @ray.remote(num_cpus=0)
     def rollout(service):

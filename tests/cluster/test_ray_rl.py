@@ -10,18 +10,16 @@ import time
 
 import numpy as np
 import pytest
-
 import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
 from ray.cluster_utils import Cluster
-
-from jaxflow.cluster import names, ray_actors
-from jaxflow.jobs import rl
-from jaxflow.models import hf_io, lora
-
 from service_placements import ray_session_end
 from small_runs import records, small_config
 from tolerances import assert_engines_served_the_trainers_weights
 from waiting import wait_until
+
+from jaxflow.cluster import names, ray_actors
+from jaxflow.jobs import rl
+from jaxflow.models import hf_io, lora
 
 pytestmark = pytest.mark.slow  # Ray clusters and actors
 
@@ -141,7 +139,7 @@ def test_the_run_survives_a_rollout_actor_a_trainer_process_and_the_data_service
     assert result["coordination"]["actor_restarts"] >= 1  # the rollout actor's process was replaced
     recoveries = result["recoveries"]
     assert [r["kind"] for r in recoveries] == ["trainer", "data"], recoveries
-    for (kind, at), r in zip(killed, recoveries):
+    for (_kind, at), r in zip(killed, recoveries):
         assert r["detected_at"] >= at - 1 and r["recovered_s"] > 0
         assert r["step"] <= steps
     spec, adapters = lora.read_adapter(workdir / "adapter")

@@ -5,8 +5,8 @@ keeps the staleness bound token by token, and the accounting closes."""
 
 import numpy as np
 import pytest
-
 import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
+from service_placements import ray_session_end  # noqa: E402
 
 from jaxflow.cluster import ray_actors  # noqa: E402
 from jaxflow.data.param_service import ParameterService  # noqa: E402
@@ -15,8 +15,6 @@ from jaxflow.data.trajectory_service import TrajectoryService  # noqa: E402
 from jaxflow.jobs.ray_rollout import start_rollout_actor  # noqa: E402
 from jaxflow.models.hf_io import iter_hf_tensors, load_model  # noqa: E402
 from jaxflow.models.tiny import write_tiny_model  # noqa: E402
-
-from service_placements import ray_session_end  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray clusters and actors
 

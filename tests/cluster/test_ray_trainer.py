@@ -3,15 +3,13 @@
 import jax
 import numpy as np
 import pytest
-
 import ray  # noqa: F401 - the `cluster` extra, which the setup script installs: missing Ray fails, never skips
+from distributed_setup import BOUND, TIMINGS, buffer, trainer_section
+from service_placements import ray_session
 
 from jaxflow.cluster.trainer_group import TrainerGroup, TrainerGroupFailed
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.trainer import distributed
-
-from distributed_setup import BOUND, TIMINGS, buffer, trainer_section
-from service_placements import ray_session
 
 pytestmark = pytest.mark.slow  # Ray clusters and actors
 

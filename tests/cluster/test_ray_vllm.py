@@ -11,18 +11,16 @@ import os
 import pathlib
 
 import pytest
-
 from engine_helpers import require_vllm  # noqa: E402
 
 require_vllm("the vLLM rollout actor test")
 
 import psutil  # noqa: E402  (a vLLM dependency: imported once vLLM is known to be there)
-
-from jaxflow.jobs import rl  # noqa: E402
-
 from service_placements import ray_session_end  # noqa: E402
 from small_runs import records, small_config  # noqa: E402
 from tolerances import assert_engines_served_the_trainers_weights  # noqa: E402
+
+from jaxflow.jobs import rl  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray clusters and actors
 

@@ -5,11 +5,10 @@ manifests and unknown versions are clear errors. The test session's local Ray (2
 import ml_dtypes
 import numpy as np
 import pytest
-
 import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
-
 from service_placements import kill_and_wait, ray_session  # noqa: E402
 from waiting import wait_until  # noqa: E402
+
 from jaxflow.cluster.weights import (  # noqa: E402
     RayWeightPublisher,
     UnknownVersionError,

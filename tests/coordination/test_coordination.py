@@ -31,9 +31,9 @@ from jaxflow.coordination import (
     CostModel,
 )
 from jaxflow.data.prompt_source import PromptSource
+from jaxflow.data.trajectory_service import BufferState, TrajectoryService
 from jaxflow.sim import InstanceSpec, LengthModel, SimFleet, Workload
 from jaxflow.sim.loop import Scenario, TrainerModel, simulate
-from jaxflow.data.trajectory_service import BufferState, TrajectoryService
 from rollout_bridge.engine import SamplingParams
 
 BLOCK = 16  # block_tokens: samples are generated (and migrated) in blocks of this many tokens

@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 import pytest
+from service_placements import SERVICE_METHODS
+from waiting import wait_until
 
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.data.param_service import RPC_METHODS, ParameterService
@@ -23,9 +25,6 @@ from jaxflow.transport import rpc
 from rollout_bridge import jax_decode
 from rollout_bridge.engine import Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
-
-from service_placements import SERVICE_METHODS
-from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 
@@ -359,6 +358,7 @@ def test_worker_process_serves_lora_adapters_published_alone(model_dir, tmp_path
     with trainer.lora publishes to engines that apply adapters): its samples' behaviour log-probs are
     jaxflow's forward with those adapters, not the base's."""
     from engine_helpers import adapted, teacher_forced
+
     from jaxflow.models import lora
     from jaxflow.models.lora import LoRASpec
 

@@ -18,9 +18,9 @@ import pytest
 from param_helpers import SHM, W, WireLoopback, assert_same, sample_tensors
 from waiting import wait_until
 
+from jaxflow.data.param_service import ALIGNMENT, ParameterService, UnknownVersionError
 from jaxflow.transport import wire
 from jaxflow.transport.param_client import ParameterClient, attach_shared
-from jaxflow.data.param_service import ALIGNMENT, ParameterService, UnknownVersionError
 
 
 def _segment_files(prefix: str) -> list[str]:

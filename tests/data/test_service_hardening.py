@@ -9,14 +9,13 @@ import threading
 import time
 
 import pytest
+from service_placements import PLACEMENTS, SERVICE_METHODS, placed
+from waiting import wait_until
 
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import Sample
 from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.transport import rpc
-
-from service_placements import PLACEMENTS, SERVICE_METHODS, placed
-from waiting import wait_until
 
 
 def records(n):
@@ -81,7 +80,8 @@ def test_bad_sample_is_refused_before_anything_changes(place, name, bad, match):
 
 @pytest.mark.parametrize("rewards,match", [
     ([math.nan, 1.0], r"rewards\[0\]"), ([1.0, math.inf], r"rewards\[1\]"), (["1", 0.0], r"rewards\[0\]"),
-    ([True, 0.0], r"rewards\[0\]"), ([1.0], "1 rewards for 2 samples"), (1.0, "rewards must be a list"), ([None, 1.0], r"rewards\[0\]")])
+    ([True, 0.0], r"rewards\[0\]"), ([1.0], "1 rewards for 2 samples"), (1.0, "rewards must be a list"),
+    ([None, 1.0], r"rewards\[0\]")])
 def test_bad_rewards_are_refused_at_finish_and_reward(place, rewards, match):
     svc = place(make())
     t1, t2 = svc.dispatch("w0", 0, 2)

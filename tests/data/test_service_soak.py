@@ -12,14 +12,13 @@ import random
 import socket
 
 import pytest
+from service_placements import SERVICE_METHODS
+from waiting import wait_until
 
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import Sample
 from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.transport import rpc, wire
-
-from service_placements import SERVICE_METHODS
-from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a long randomised run against a served service
 

@@ -9,12 +9,11 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from service_placements import PLACEMENTS, placed
 
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import Sample
 from jaxflow.data.trajectory_service import TrajectoryService
-
-from service_placements import PLACEMENTS, placed
 
 
 def records(n):

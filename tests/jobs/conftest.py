@@ -1,10 +1,9 @@
 """Fixtures of the job tests: the small run's base model (tests/small_runs.py), one copy per module."""
 
 import pytest
+from small_runs import small_config
 
 from jaxflow.jobs import warm_start
-
-from small_runs import small_config
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,8 @@ def test_unwritable_workdir_fails_before_the_base_model(tmp_path, capsys):
     ({"cluster.mode": "ray", "cluster.trainer_processes": "2"},
      "cluster.trainer_processes=2 needs cluster.rollout_actors >= 1"),
     ({"cluster.mode": "ray", "cluster.trainer_processes": "-1"}, "cluster.trainer_processes must be >= 0, got -1"),
-    ({"cluster.mode": "ray", "cluster.trainer_cpu_devices": "0"}, "cluster.trainer_cpu_devices must be None or >= 1, got 0"),
+    ({"cluster.mode": "ray", "cluster.trainer_cpu_devices": "0"},
+     "cluster.trainer_cpu_devices must be None or >= 1, got 0"),
     ({"cluster.mode": "ray", "cluster.trainer_mesh.tensor": "0"}, "cluster.trainer_mesh.tensor must be >= 1, got 0"),
     ({"cluster.mode": "ray", "cluster.node_resource.trainer": " "}, "cluster.node_resource.trainer must be None"),
     ({"cluster.mode": "ray", "cluster.rollout_actors": "2", "cluster.trainer_processes": "2",
@@ -160,7 +161,8 @@ def test_ray_mode_without_ray_says_how_to_install_it(monkeypatch):
 @pytest.mark.parametrize("overrides, says", [
     ({"trainer.lora.rank": "-2"}, "trainer.lora.rank must be an int >= 0 (0: no LoRA), got -2"),
     ({"trainer.lora.rank": "4", "trainer.lora.alpha": "0"}, "trainer.lora.alpha must be a number > 0, got 0.0"),
-    ({"trainer.lora.rank": "4", "trainer.lora.targets": "('q_proj', 'qkv')"}, "trainer.lora.targets: 'qkv' not a projection"),
+    ({"trainer.lora.rank": "4", "trainer.lora.targets": "('q_proj', 'qkv')"},
+     "trainer.lora.targets: 'qkv' not a projection"),
     ({"trainer.lora.rank": "4", "trainer.lora.targets": "()"}, "trainer.lora.targets is empty"),
 ])
 def test_bad_lora_settings_are_named_before_anything_starts(overrides, says):

@@ -5,11 +5,10 @@ import json
 import textwrap
 
 import pytest
+from small_runs import records, small_config
 
 from jaxflow.config import ConfigError
 from jaxflow.jobs import rl
-
-from small_runs import records, small_config
 
 pytestmark = pytest.mark.slow  # runs of the RL job end to end
 

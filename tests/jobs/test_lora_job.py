@@ -8,14 +8,13 @@ import subprocess
 import jax
 import numpy as np
 import pytest
+from engine_helpers import require_vllm
 from flax import nnx
+from small_runs import check_each_step_once, job_command, records, small_config
+from tolerances import assert_engines_served_the_trainers_weights
 
 from jaxflow.jobs import rl
 from jaxflow.models import hf_io
-
-from engine_helpers import require_vllm
-from tolerances import assert_engines_served_the_trainers_weights
-from small_runs import check_each_step_once, job_command, records, small_config
 
 pytestmark = pytest.mark.slow  # runs of the RL job end to end
 

@@ -10,14 +10,13 @@ import signal
 import subprocess
 
 import pytest
-
-from jaxflow.jobs import warm_start
-from jaxflow.config import ConfigError, flat_keys, load_config
-from jaxflow.main import main
-from jaxflow.models.hf_io import load_model
-
 from small_runs import CONFIG, check_each_step_once, job_command, records, small_config, start_until_step
 from tolerances import assert_engines_served_the_trainers_weights
+
+from jaxflow.config import ConfigError, flat_keys, load_config
+from jaxflow.jobs import warm_start
+from jaxflow.main import main
+from jaxflow.models.hf_io import load_model
 
 pytestmark = pytest.mark.slow  # runs of the RL job end to end
 
@@ -78,9 +77,8 @@ def test_each_train_step_makes_minibatches_optimizer_updates(tmp_path, base_dir,
     import numpy as np
 
     from jaxflow import sharding
+    from jaxflow.data.records import ConsumedBatch, FinishedGroup, Sample
     from jaxflow.trainer.rl_trainer import RLTrainer
-    from jaxflow.data.records import FinishedGroup, Sample
-    from jaxflow.data.records import ConsumedBatch
 
     config = small_config(tmp_path, base_dir, **{"trainer.minibatches": minibatches})
     mesh = sharding.make_mesh(devices=jax.devices()[:1])

@@ -9,12 +9,11 @@ import shutil
 import textwrap
 
 import pytest
+from small_runs import records, small_config
 
 from jaxflow.config import ConfigError
 from jaxflow.jobs import rl, warm_start
 from jaxflow.tasks import get_task
-
-from small_runs import records, small_config
 
 pytestmark = pytest.mark.slow  # runs of the RL job end to end
 

@@ -95,6 +95,7 @@ def test_an_incumbents_run_reads_the_setup_logs_steps_and_scores_with_the_tasks_
     """incumbent_io.Run, what TRL's and Tunix's runners share (standard library only), driven as they
     drive it, with a stand-in for the incumbent's trainer and generator."""
     import incumbent_io
+
     from jaxflow.models.tiny import write_tiny_model
     from jaxflow.tokenizer import Tokenizer
 

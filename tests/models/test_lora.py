@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerances import forward_terms, sum_atol
 
 from jaxflow.models import hf_io, lora
 from jaxflow.models.lora import LoRASpec
 from jaxflow.models.tiny import write_tiny_model
-from tolerances import forward_terms, sum_atol
 
 pytestmark = pytest.mark.slow  # the model against transformers and PEFT
 
@@ -71,7 +71,8 @@ def test_peft_loads_the_exported_adapter_and_gives_the_same_logits(base_dir, tmp
     np.testing.assert_allclose(ours, theirs, atol=2e-5 * max(1.0, np.abs(ours).max()), rtol=0)
     # The merged export is the model as it computes: transformers loads it and agrees with PEFT's merge.
     hf_io.export_model(model, tmp_path / "merged", tokenizer_dir=base_dir)
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32, attn_implementation="eager")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                               attn_implementation="eager")
     with torch.no_grad():
         from_merged = merged(torch.from_numpy(np.array(tokens()))).logits.numpy()
     np.testing.assert_allclose(from_merged, theirs, atol=2e-5 * max(1.0, np.abs(ours).max()), rtol=0)

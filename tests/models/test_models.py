@@ -9,8 +9,8 @@ import safetensors.torch
 import torch
 import transformers
 from flax import nnx
-
 from hf_reference import CASES, hf_logits, make_hf_model, padded_batch
+
 from jaxflow import sharding
 from jaxflow.models.config import ModelConfigError
 from jaxflow.models.hf_io import export_model, load_model

@@ -9,7 +9,8 @@ import pytest
 import safetensors.numpy as safetensors_numpy
 import safetensors.torch as safetensors_torch
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxflow.models.safetensors_io import (
     INDEX_FILE_NAME,

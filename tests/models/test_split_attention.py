@@ -6,8 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflow.models.transformer import (attention, attention_mask, attention_units, row_splits, split_attention,
-                                        split_index)
+from jaxflow.models.transformer import (
+    attention,
+    attention_mask,
+    attention_units,
+    row_splits,
+    split_attention,
+    split_index,
+)
 from jaxflow.trainer.batch import Trajectory, make_batch
 
 pytestmark = pytest.mark.slow  # compiles attention at several lengths and layouts

@@ -1,10 +1,9 @@
 """Fixtures of the rollout engine tests: a tiny Qwen3 model with lively weights, built once per module."""
 
 import pytest
+from engine_helpers import lively_tiny_model
 
 from jaxflow.models.hf_io import load_model
-
-from engine_helpers import lively_tiny_model
 
 
 @pytest.fixture(scope="module")

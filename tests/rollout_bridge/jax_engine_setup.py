@@ -4,8 +4,9 @@ a small engine, jaxflow's teacher-forced forward at its length, and a hold on it
 import threading
 
 import engine_helpers
-from rollout_bridge import jax_decode
 from waiting import wait_until
+
+from rollout_bridge import jax_decode
 
 # Small enough to compile fast, with more prompts than slots and prompts in several prefill buckets.
 ENGINE_KW = dict(max_slots=4, max_len=128, decode_chunk=8, prefill_buckets=(16, 32, 64))

@@ -5,9 +5,12 @@ uninterrupted greedy episode."""
 
 import asyncio
 import collections
+import concurrent.futures
 import time
 
 import pytest
+from engine_helpers import lively_tiny_model, poll_all
+from waiting import wait_until
 
 from jaxflow.data.records import Sample
 from jaxflow.envs.base import Step
@@ -15,9 +18,6 @@ from jaxflow.tokenizer import Tokenizer
 from rollout_bridge.engine import Request, SamplingParams
 from rollout_bridge.episodes import EpisodeEngine, model_turns
 from rollout_bridge.jax_engine import JaxEngine
-
-from engine_helpers import lively_tiny_model, poll_all
-from waiting import wait_until
 
 pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 
@@ -220,7 +220,7 @@ def test_a_turn_that_finishes_after_its_episode_was_handed_back_is_dropped(model
         answered = list(envs[0].seen)
         aborted.sample.finish_reason = "stop"  # as if the turn had ended just before the abort
         late = asyncio.run_coroutine_threadsafe(engine._turn_done(ep, aborted), engine._loop)
-        with pytest.raises(BaseException):  # cancelled: the episode is gone
+        with pytest.raises(concurrent.futures.CancelledError):  # cancelled: the episode is gone
             late.result(timeout=10)
         assert engine.poll(timeout=0.2) == []
     finally:

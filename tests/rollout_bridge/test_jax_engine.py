@@ -5,21 +5,20 @@ import dataclasses
 import threading
 import time
 
+import engine_helpers
 import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+from engine_helpers import GREEDY, counting_lowerings, lively_tiny_model, perturbed, poll_all, prompts, run
+from jax_engine_setup import ENGINE_KW, forward_logits, pause_after_decode, teacher_forced
 
 from jaxflow import sharding
 from jaxflow.models.hf_io import iter_hf_tensors
 from rollout_bridge import jax_decode
 from rollout_bridge.engine import EngineError, Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
-
-import engine_helpers
-from engine_helpers import GREEDY, counting_lowerings, lively_tiny_model, perturbed, poll_all, prompts, run
-from jax_engine_setup import ENGINE_KW, forward_logits, pause_after_decode, teacher_forced
 
 pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 

@@ -5,14 +5,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+from engine_helpers import perturbed, poll_all, prompts
+from jax_engine_setup import ENGINE_KW, pause_after_decode, teacher_forced
 
 from jaxflow.models.hf_io import iter_hf_tensors
 from rollout_bridge import jax_decode
 from rollout_bridge.engine import Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
-
-from engine_helpers import perturbed, poll_all, prompts
-from jax_engine_setup import ENGINE_KW, pause_after_decode, teacher_forced
 
 pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 

@@ -5,6 +5,7 @@ started from the adapted model serves (tokens and log-probs); bad adapters are r
 import jax
 import numpy as np
 import pytest
+from engine_helpers import lively_tiny_model, prompts, run
 from flax import nnx
 
 from jaxflow import sharding
@@ -14,8 +15,6 @@ from jaxflow.models.hf_io import load_model
 from jaxflow.models.lora import LoRASpec
 from rollout_bridge.engine import WeightsRejected
 from rollout_bridge.jax_engine import JaxEngine
-
-from engine_helpers import lively_tiny_model, prompts, run
 
 pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 

@@ -11,7 +11,6 @@ import socket
 import ml_dtypes
 import numpy as np
 import pytest
-
 from engine_helpers import require_vllm
 
 require_vllm("the NCCL weight sender tests")
@@ -206,7 +205,7 @@ def _worker(conn):
         elif msg[0] == "update":
             info, got = msg[1], {}
 
-            def keep(pairs):
+            def keep(pairs, got=got):
                 got.update({n: x.float().cpu().numpy() for n, x in pairs})
 
             packed_nccl_broadcast_consumer(

@@ -14,20 +14,18 @@ import weakref
 
 import numpy as np
 import pytest
-
 from engine_helpers import require_vllm  # noqa: E402
 
 require_vllm("the vLLM engine tests")
 
-import psutil  # noqa: E402  (a vLLM dependency)
-
 import engine_helpers  # noqa: E402
-from engine_helpers import (GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run,  # noqa: E402
-                            teacher_forced)
+import psutil  # noqa: E402  (a vLLM dependency)
+from engine_helpers import GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run, teacher_forced  # noqa: E402
+from waiting import wait_until  # noqa: E402
+
 from jaxflow.models.hf_io import iter_hf_tensors, load_model  # noqa: E402
 from rollout_bridge.engine import EngineError, Request, SamplingParams  # noqa: E402
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
-from waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow  # vLLM engines, their own processes
 

@@ -9,17 +9,17 @@ Skipped when vLLM is not importable, except under CI, where vLLM must run.
 
 import numpy as np
 import pytest
-
 from engine_helpers import require_vllm
 
 require_vllm("the vLLM LoRA engine tests")
 
 from engine_helpers import GREEDY, adapted, lively_tiny_model, prompts, run, teacher_forced  # noqa: E402
+from waiting import wait_until  # noqa: E402
+
 from jaxflow.models import hf_io, lora  # noqa: E402
 from jaxflow.models.lora import LoRASpec  # noqa: E402
 from rollout_bridge.engine import Request, SamplingParams, WeightsRejected  # noqa: E402
 from rollout_bridge.vllm_engine import VllmEngine  # noqa: E402
-from waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow  # vLLM engines, their own processes
 
@@ -71,6 +71,7 @@ def test_versions_are_adapters_and_bad_adapters_are_refused(engine, base_dir):
     for what, tensors in bad.items():
         with pytest.raises(WeightsRejected, match="adapters of version 3"):
             engine.update_weights(3, tensors)
+            pytest.fail(f"the {what} adapters were taken")
     assert engine.version == 2
     check_served(run(engine, ASKED, GREEDY, tag="after"), models[2], 2)  # still serving version 2
 

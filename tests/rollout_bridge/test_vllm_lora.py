@@ -13,7 +13,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from engine_helpers import adapted, lively_tiny_model, prompts, require_vllm, teacher_forced
 
 require_vllm("the vLLM LoRA test")

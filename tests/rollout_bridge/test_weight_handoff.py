@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from engine_helpers import lively_tiny_model, perturbed, poll_all, prompts, run
 from flax import nnx
 
 from jaxflow import sharding
@@ -21,8 +22,6 @@ from jaxflow.models.hf_io import load_model
 from jaxflow.models.tiny import write_tiny_model
 from rollout_bridge.engine import Request, SamplingParams, WeightsRejected
 from rollout_bridge.jax_engine import JaxEngine
-
-from engine_helpers import lively_tiny_model, perturbed, poll_all, prompts, run
 
 pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 

@@ -12,11 +12,11 @@ import subprocess
 import time
 
 import pytest
-
-from jaxflow.rewards import reaper as rewards  # MARKER_ENV, _kill_marked
-from jaxflow.rewards import RewardPool, group_reward_fn, resolve, score_inline
-from jaxflow.data.records import GroupTask, Sample
 from waiting import wait_until
+
+from jaxflow.data.records import GroupTask, Sample
+from jaxflow.rewards import RewardPool, group_reward_fn, resolve, score_inline
+from jaxflow.rewards import reaper as rewards  # MARKER_ENV, _kill_marked
 
 pytestmark = pytest.mark.slow  # reward worker processes, started and killed test by test
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 
 from jaxflow import tasks
-from jaxflow.models.tiny import IM_START, write_tiny_tokenizer
 from jaxflow.data.prompt_source import PromptSource
+from jaxflow.models.tiny import IM_START, write_tiny_tokenizer
 from jaxflow.tasks import arithmetic, countdown, get_task, jsonl_qa
 
 GENERATED = ("arithmetic", "countdown")
@@ -367,8 +367,10 @@ def test_jsonl_qa_bad_rows_name_the_line(tmp_path, line, message):
 def test_jsonl_qa_non_utf8_byte_names_the_line(tmp_path, bad, column):
     good = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}).encode()
     path = tmp_path / "latin.jsonl"
-    path.write_bytes(good + b"\n" + good + b"\n" + b'{"question": "' + bad + b'?", "answer": "#### 3"}\n' + good + b"\n")
-    with pytest.raises(ValueError, match=rf"latin\.jsonl:3: not valid UTF-8 \(byte 0x{bad[0]:02x} at column {column}\)"):
+    bad_line = b'{"question": "' + bad + b'?", "answer": "#### 3"}\n'
+    path.write_bytes(good + b"\n" + good + b"\n" + bad_line + good + b"\n")
+    with pytest.raises(ValueError,
+                       match=rf"latin\.jsonl:3: not valid UTF-8 \(byte 0x{bad[0]:02x} at column {column}\)"):
         jsonl_qa.load_qa(path)
 
 

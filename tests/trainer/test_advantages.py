@@ -3,10 +3,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tolerances import sum_atol
 
 from jaxflow.trainer import advantages as A
+
+
 def np_advantages(rewards, ids, estimator, scale_by_std=True, eps=1e-6):
     """Float64 reference: loops over groups; identical rewards in a group (incl. a singleton) give 0."""
     rewards = np.asarray(rewards, np.float64)
@@ -52,7 +55,8 @@ def test_matches_numpy_reference_with_variable_group_sizes(estimator, scale_by_s
         np.testing.assert_allclose(adv, want, rtol=1e-5, atol=adv_atol)
         assert int(stats["zero_variance_groups"]) == zero_var
         assert int(stats["num_groups"]) == num_groups
-        np.testing.assert_allclose(stats["adv_mean"], want.mean(), atol=adv_atol + sum_atol(len(want), np.abs(want).max()))
+        np.testing.assert_allclose(stats["adv_mean"], want.mean(),
+                                   atol=adv_atol + sum_atol(len(want), np.abs(want).max()))
         np.testing.assert_allclose(stats["adv_abs_max"], np.abs(want).max(), rtol=1e-5)
 
 

@@ -13,11 +13,10 @@ import pytest
 from flax import nnx
 
 from jaxflow import sharding
-from jaxflow.trainer.checkpoint import Checkpointer
-CheckpointDamaged = Exception
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.hf_io import abstract_model
 from jaxflow.models.transformer import Transformer
+from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.trainer.state import abstract_train_state, create_train_state
 
 pytestmark = pytest.mark.slow  # compiles and trains the model

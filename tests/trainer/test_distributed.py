@@ -9,13 +9,13 @@ import threading
 import jax
 import numpy as np
 import pytest
+from distributed_setup import BOUND, TIMINGS, buffer, trainer_section
 from flax import nnx
 
 from jaxflow.models.hf_io import load_model
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.trainer import distributed
 from jaxflow.trainer.distributed import ProcessGroupError
-from distributed_setup import BOUND, TIMINGS, buffer, trainer_section
 
 pytestmark = pytest.mark.slow  # trainer processes forming one mesh
 

@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxflow.trainer import losses as L
+
 CLAMP = 20.0  # MAX_LOG_RATIO, part of the documented formula
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 MEANS = ("token_mean", "seq_mean_token_mean")  # the aggregations whose weights sum to 1
@@ -197,14 +199,14 @@ def make_case(rng, cfg, extreme=True):
             return case
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cases(cfg_id):
     rng = np.random.default_rng(list(CFGS).index(cfg_id))
     cs = [make_case(rng, CFGS[cfg_id], extreme=i % 2 == 0) for i in range(N_CASES)]
     return cs, {k: np.stack([c[k] for c in cs]) for k in cs[0]}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_jax(name, cfg_id):
     """jit(vmap over cases (vmap over the 3 aggregations' weights)) of loss_and_metrics and its gradient."""
     cfg = CFGS[cfg_id]
@@ -245,7 +247,7 @@ def test_loss_and_grad_match_numpy_reference(name, cfg_id):
                                        err_msg=f"case {i} {agg} grad")
             assert np.all(grad[i, j][c["mask"] == 0] == 0)
         m = c["mask"] > 0
-        mean = lambda x: x[m].mean()
+        mean = lambda x, m=m: x[m].mean()
         expect = {
             "behav_weight_mean": mean(tok["behav_weight"]), "behav_weight_max": tok["behav_weight"][m].max(),
             "behav_capped_frac": mean(tok["behav_capped"]), "clip_low_frac": mean(tok["clip_low"]),
@@ -451,7 +453,7 @@ def test_masked_extreme_values_give_no_nan_and_no_effect():
     weights = np_token_weights(c["mask"], "token_mean").astype(np.float32)
     cfg = CFGS["clamp"]
     for name in L.POLICY_LOSSES:
-        def f(lp, case):
+        def f(lp, case, name=name):
             return L.loss_and_metrics(name, cfg, lp, case["behav"], case["prox"], case["adv"], case["mask"],
                                       weights, case["ref"])
         (loss, met), g = jax.value_and_grad(f, has_aux=True)(c["logp"], c)

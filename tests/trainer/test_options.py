@@ -24,7 +24,7 @@ from jaxflow.models.transformer import Transformer
 from jaxflow.trainer import losses as L
 from jaxflow.trainer import step as step_module
 from jaxflow.trainer.advantages import compute_advantages
-from jaxflow.trainer.rl_trainer import (RLTrainer, check_trainer_config, optimizer_config, step_config)
+from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config, optimizer_config, step_config
 from jaxflow.trainer.step import StepConfig, make_optimizer
 
 pytestmark = pytest.mark.slow  # compiles and trains the model
@@ -244,7 +244,7 @@ def test_optimizer_keys_shape_the_update(overrides):
         got.append(u)
     want = _adamw_reference(cfg, grads, params)
     default = _adamw_reference(optimizer_config(trainer_section()), grads, params)
-    for g_t, w_t, d_t in zip(got, want, default):
+    for g_t, w_t, _d_t in zip(got, want, default):
         for k in params:
             # Each update element is at most ~lr·(1 + weight_decay·|p|) in size.
             tol = 1e-5 * cfg.lr * (1 + cfg.weight_decay * np.abs(params[k]).max())

@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerances import assert_sums_close, policy_loss_scale
+from train_step_setup import assert_grad_norms_close, assert_trees_close, one_device, run, setup
 
 from jaxflow.models import transformer
 from jaxflow.trainer.batch import Trajectory, make_batch, validate_batch
 from jaxflow.trainer.losses import LossConfig
 from jaxflow.trainer.step import StepConfig, token_logprobs
-from tolerances import assert_sums_close, policy_loss_scale
-from train_step_setup import assert_grad_norms_close, assert_trees_close, one_device, run, setup
 
 pytestmark = pytest.mark.slow  # compiles and trains the model
 

@@ -6,17 +6,27 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from tolerances import assert_sums_close, policy_loss_scale
+from train_step_setup import (
+    CFG,
+    SEQ_LEN,
+    assert_grad_norms_close,
+    assert_trees_close,
+    host,
+    one_device,
+    optimizer,
+    run,
+    setup,
+    trajectories,
+)
 
 from jaxflow import sharding
+from jaxflow.models.transformer import Transformer
 from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.trainer.checkpoint import Checkpointer
 from jaxflow.trainer.losses import LossConfig
-from jaxflow.models.transformer import Transformer
 from jaxflow.trainer.state import abstract_train_state, create_train_state, train_state_shardings
 from jaxflow.trainer.step import StepConfig, TrainStep, token_logprobs
-from tolerances import assert_sums_close, policy_loss_scale
-from train_step_setup import (CFG, SEQ_LEN, assert_grad_norms_close, assert_trees_close, host, one_device, optimizer,
-                              run, setup, trajectories)
 
 pytestmark = pytest.mark.slow  # compiles and trains the model
 
@@ -99,7 +109,8 @@ def test_learning_is_real(loss_name):
     before = _completion_logp(model, batch)
     batch = dataclasses.replace(batch, behav_logp=np.where(batch.loss_mask > 0, before[None], 0).astype(np.float32))
     for v in range(5):
-        state, metrics = step(state, dataclasses.replace(batch, versions=np.where(batch.loss_mask > 0, v, -1).astype(np.int32)))
+        versions = np.where(batch.loss_mask > 0, v, -1).astype(np.int32)
+        state, metrics = step(state, dataclasses.replace(batch, versions=versions))
     nnx.update(model, state.params)
     after = _completion_logp(model, batch)
     mask = batch.loss_mask[0] > 0
@@ -292,6 +303,6 @@ def test_lora_steps_train_the_adapters_alone_on_a_sharded_mesh():
     # Step 2: A has a gradient through the moved B: it moves beyond the decay (and float32 rounding, ~1e-8).
     assert np.abs(a_2 - a_1 * (1 - 1e-3 * 0.01)).max() > 1e-5
     _, eight = run(sharding.make_mesh(fsdp=4, tensor=2))
-    for (a, b, loss), (a8, b8, loss8) in zip(one, eight):
+    for (a, b, _), (a8, b8, _) in zip(one, eight):
         np.testing.assert_allclose(a8, a, atol=1e-5, rtol=0)
         np.testing.assert_allclose(b8, b, atol=1e-5, rtol=0)

@@ -5,6 +5,7 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
+from tolerances import F32_EPS
 
 from jaxflow import sharding
 from jaxflow.models.config import ModelConfig
@@ -12,7 +13,6 @@ from jaxflow.models.transformer import Transformer
 from jaxflow.trainer.batch import Trajectory
 from jaxflow.trainer.state import create_train_state, train_state_shardings
 from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer
-from tolerances import F32_EPS
 
 CFG = ModelConfig("Qwen3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
@@ -27,7 +27,8 @@ def optimizer(lr=1e-3, eps=1e-3):
         weight_decay=0.01, max_grad_norm=1.0)))
 
 
-def setup(mesh, step_cfg=StepConfig(), tx=None, seed=0):
+def setup(mesh, step_cfg=None, tx=None, seed=0):
+    step_cfg = StepConfig() if step_cfg is None else step_cfg
     model = Transformer(CFG, rngs=nnx.Rngs(seed))
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.device_put(params, sharding.state_shardings(params, mesh)))
@@ -70,7 +71,7 @@ def assert_grad_norms_close(actual, desired, num_tokens):
     np.testing.assert_allclose(actual, desired, rtol=4 * num_tokens * F32_EPS)
 
 
-def run(mesh, batch, step_cfg=StepConfig(), steps=1):
+def run(mesh, batch, step_cfg=None, steps=1):
     state, step, _ = setup(mesh, step_cfg)
     metrics = []
     for _ in range(steps):

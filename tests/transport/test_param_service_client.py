@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 from param_helpers import SHM, W, WireLoopback, assert_same, sample_tensors
 
-from jaxflow.transport import rpc
-
-from jaxflow.transport import process_server
-from jaxflow.transport.param_client import ParameterClient, attach_shared
 from jaxflow.data.param_service import RPC_METHODS, ParameterService, UnknownVersionError
+from jaxflow.transport import process_server, rpc
+from jaxflow.transport.param_client import ParameterClient, attach_shared
 
 # --- over a wire loopback -----------------------------------------------------------------------------------
 

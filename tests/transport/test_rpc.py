@@ -7,15 +7,11 @@ import time
 
 import numpy as np
 import pytest
-
-from jaxflow.transport import rpc
-
-from jaxflow.transport import process_server
-
-from jaxflow.transport import wire
-from jaxflow.data.records import Sample
 from toy_service import ERRORS, METHODS, StaleGroupError, Toy
 from waiting import wait_until
+
+from jaxflow.data.records import Sample
+from jaxflow.transport import process_server, rpc, wire
 
 
 @pytest.fixture
@@ -109,7 +105,7 @@ def test_unknown_exception_type_becomes_remote_error(client):
 def test_only_allow_listed_methods(client):
     assert client.methods == frozenset(METHODS)
     with pytest.raises(AttributeError, match="'hidden' is not served"):
-        client.hidden
+        _ = client.hidden
     with pytest.raises(AttributeError, match="'hidden' is not served.*allowed: add, echo"):
         client.call("hidden")
     with pytest.raises(AttributeError, match="'__class__' is not served"):

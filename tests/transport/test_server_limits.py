@@ -11,13 +11,13 @@ import tracemalloc
 
 import msgpack
 import pytest
+from waiting import wait_until
 
 from jaxflow.data.param_service import ParameterService
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.transport import client as rpc_client
 from jaxflow.transport import rpc, wire
-from waiting import wait_until
 
 MB = 1 << 20
 
@@ -304,7 +304,7 @@ def test_the_parameter_client_refuses_a_bad_timeout_before_calling():
     from jaxflow.transport.param_client import ParameterClient
     client = ParameterClient(NoCalls(), shared_memory=False)
     for kw in ({"timeout": math.nan}, {"timeout": -3}, {"poll_s": 0}, {"poll_s": math.inf}):
-        exc = _raised_within(lambda: client.wait_for_version(1, **kw))
+        exc = _raised_within(lambda kw=kw: client.wait_for_version(1, **kw))
         assert isinstance(exc, ValueError) and list(kw)[0] in str(exc), repr(exc)
 
 
@@ -351,7 +351,7 @@ def test_serve_in_subprocess_checks_and_applies_the_limits():
     for kw, match in (({"max_connections": 0}, "max_connections"),
                       ({"idle_timeout_s": math.nan}, "idle_timeout_s"),
                       ({"start_timeout": math.nan}, "start_timeout"), ({"start_timeout": -1}, "start_timeout")):
-        exc = _raised_within(lambda: process_server.serve_in_subprocess(factory, {"scale": 1}, ["add"], **kw))
+        exc = _raised_within(lambda kw=kw: process_server.serve_in_subprocess(factory, {"scale": 1}, ["add"], **kw))
         assert isinstance(exc, ValueError) and match in str(exc), repr(exc)
     process, address = process_server.serve_in_subprocess(factory, {"scale": 2}, ["add"], max_connections=1)
     try:

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jaxflow.transport import wire
 from jaxflow.data.records import FinishedGroup, GroupTask, Sample
+from jaxflow.transport import wire
 
 # Bit patterns are generated as unsigned ints of the same width and viewed as the dtype, so every float
 # (NaNs with payloads, infinities, subnormals, -0.0) is covered and compared bit for bit.

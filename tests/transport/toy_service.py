@@ -4,8 +4,8 @@
 import threading
 import time
 
-from jaxflow.transport import rpc
 from jaxflow.data.records import Sample
+from jaxflow.transport import rpc
 
 METHODS = ["add", "echo", "fail", "fail_custom", "open_missing", "slow", "hold", "samples", "unencodable"]
 
