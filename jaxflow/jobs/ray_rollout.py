@@ -31,29 +31,46 @@ log = logging.getLogger(__name__)
 
 
 class RolloutActor:
-    """The body of a rollout actor. trajectories / params: proxies of the two services (params: any weight
-    source with `latest` / `pull`). model: the HF directory the engine starts from (on the actor's node).
-    engine, max_len, slots, seed, decode_chunk, kv_cache_gib: `make_engine`'s (a vLLM engine takes the
-    pulled versions' HF-named host tensors, as every weight source's `pull` returns them).
-    reward_ref: "module:function" scoring (response text, meta), or None to leave rewarding to the
-    trainer's side; rewards: the proxy of a `RewardPool` in its own actor to score it in (its time limit
-    and crash isolation), or None to score in this actor. coordination: `Coordination` options
-    (max_running defaults to slots; stuck buffers are the trainer's business, so `stuck` is "wait").
-    index: the actor's place in its fleet (in its reports). env: the `rollout.env` section as a dict, to
-    run that environment's episodes on the engine (`with_episodes`; scored by their environments), or
-    None for single answers."""
+    """The body of a rollout actor: one engine and the coordinator that drives it, fed by the trajectory
+    service and synced from the parameter service.
+
+    Args:
+      name: the actor's name (in its reports and logs).
+      trajectories: a proxy of the trajectory service.
+      params: a proxy of any weight source with `latest` / `pull` (a vLLM engine takes the pulled versions'
+        HF-named host tensors, as every weight source's `pull` returns them).
+      model: the HF directory the engine starts from (on the actor's node).
+      engine: "jax" or "vllm" (`rollout_bridge.factory.make_engine`).
+      max_len: the engine's context (prompt + completion) in tokens.
+      max_slots: sequences the engine runs at once.
+      seed: the engine's sampling seed.
+      decode_chunk: JAX engine only: decode steps per jitted call.
+      kv_cache_gib: vLLM only: GiB of KV cache.
+      max_tokens: tokens a sample may generate.
+      temperature: the sampling temperature.
+      stop_token_ids: tokens that end a sample besides the tokenizer's end of sequence.
+      reward_ref: "module:function" scoring (response text, meta), or None to leave rewarding to the
+        trainer's side.
+      rewards: the proxy of a `RewardPool` in its own actor to score in (its time limit and crash
+        isolation), or None to score in this actor.
+      coordination: `Coordination` options (max_running defaults to max_slots; stuck buffers are the
+        trainer's business, so `stuck` is "wait").
+      index: the actor's place in its fleet (in its reports).
+      env: the `rollout.env` section as a dict, to run that environment's episodes on the engine
+        (`with_episodes`; scored by their environments), or None for single answers.
+    """
 
     def __init__(self, name: str, trajectories: Any, params: Any, model: str, *, engine: str = "jax",
-                 max_len: int = 256, slots: int = 8, seed: int = 0, decode_chunk: int = 16,
+                 max_len: int = 256, max_slots: int = 8, seed: int = 0, decode_chunk: int = 16,
                  kv_cache_gib: float | None = 1.0, max_tokens: int = 64, temperature: float = 1.0,
                  stop_token_ids: tuple[int, ...] = (), reward_ref: str | None = None, rewards: Any = None,
                  coordination: dict[str, Any] | None = None, index: int = 0, env: dict | None = None):
-        options = {"max_running": slots, "sync": "all", **(coordination or {}), "stuck": "wait"}
+        options = {"max_running": max_slots, "sync": "all", **(coordination or {}), "stuck": "wait"}
         strategy = Coordination.from_config(options)
         from jaxflow.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_dir(model)
         self.engine = with_episodes(env, tokenizer)(
-            make_engine(engine, model, max_len, slots, seed=seed, decode_chunk=decode_chunk,
+            make_engine(engine, model, max_len, max_slots, seed=seed, decode_chunk=decode_chunk,
                         kv_cache_gib=kv_cache_gib, episodes=runs_episodes(env)))
         reward_fn = None
         if reward_ref is not None:
@@ -258,7 +275,7 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
     tag = names.run_tag(config.workdir)
     actors = [start_rollout_actor(names.rollout(tag, i), trajectories, params, str(model), index=i,
                                   resources=resources,
-                                  engine=r.engine, max_len=r.max_len, slots=r.max_slots, seed=config.seed + i,
+                                  engine=r.engine, max_len=r.max_len, max_slots=r.max_slots, seed=config.seed + i,
                                   decode_chunk=r.decode_chunk, kv_cache_gib=r.kv_cache_gib,
                                   max_tokens=r.max_tokens,
                                   temperature=r.temperature, stop_token_ids=(eos_id,), reward_ref=reward_ref,

@@ -47,7 +47,7 @@ def test_two_rollout_actors_on_their_own_nodes_keep_the_bound_and_the_accounting
     params = ray_actors.build(ParameterService, ray_actors.PARAMETER_SERVICE_METHODS, kwargs={"keep": 2}, on=on)
     params.publish(0, v0)
     actors = [start_rollout_actor(f"rollout-{i}", traj, params, str(model_dir), resources={"rollout": 1},
-                                  max_len=64, slots=4, max_tokens=6, reward_ref="jaxflow.tasks.arithmetic:reward")
+                                  max_len=64, max_slots=4, max_tokens=6, reward_ref="jaxflow.tasks.arithmetic:reward")
               for i in range(2)]
     placed = ray.get([a.start.remote() for a in actors], timeout=300)
     data_node = ray.get(on.where.remote())["node_id"]
