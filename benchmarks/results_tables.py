@@ -1,0 +1,182 @@
+"""The docs' result tables, generated from the committed result files (benchmarks/results/NAME.json).
+
+    .venv/bin/python benchmarks/results_tables.py            # rewrite the generated blocks
+    .venv/bin/python benchmarks/results_tables.py --check    # exit 1 and show the differences if out of date
+
+A result file is a benchmark's `--json` output (its figures and results_meta.py's `meta` block), written by
+
+    .venv/bin/python benchmarks/NAME.py --quick --json benchmarks/results/NAME.json
+
+docs/benchmarks.md holds one block per benchmark, between `<!-- results:NAME:begin -->` and
+`<!-- results:NAME:end -->`: a table of the benchmark's headline figures (HEADLINES below: which JSON fields,
+labelled how) and a line saying on which machine, when, from which commit and by which command they were
+measured. README.md's block `<!-- results:glance:begin -->`/`end` is a table of at most 8 of those figures
+(GLANCE below), each linking to its block. Everything between the markers is generated: edit the result files
+or the tables here, not the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+MARKER = re.compile(r"<!-- results:(?P<name>[a-z0-9_]+):begin -->\n(?P<body>.*?)<!-- results:(?P=name):end -->",
+                    re.DOTALL)
+GLANCE_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One headline figure: its label, the dotted path to it in the result file (list items by index), and
+    a format for its value (`{}` fields of str.format; None prints as "n/a")."""
+
+    label: str
+    path: str
+    fmt: str = "{:.3g}"
+
+    def value(self, result: dict):
+        node = result
+        for key in self.path.split("."):
+            if isinstance(node, list):
+                node = node[int(key)]
+            elif isinstance(node, dict) and key in node:
+                node = node[key]
+            else:
+                raise KeyError(f"{self.path!r}: no {key!r} in the result file")
+        return node
+
+    def text(self, result: dict) -> str:
+        value = self.value(result)
+        return "n/a" if value is None else self.fmt.format(value)
+
+
+# Each benchmark's headline figures: ratios and medians, the ones the docs quote.
+HEADLINES: dict[str, list[Figure]] = {
+    "async_vs_sync": [
+        Figure("trained tokens/s, eta = 4 over eta = 0", "throughput_ratio_eta4_vs_eta0", "{:.2f}x"),
+        Figure("eta = 0: trained tokens/s", "runs.0.trained_tokens_per_s", "{:,.0f}"),
+        Figure("eta = 4: trained tokens/s", "runs.1.trained_tokens_per_s", "{:,.0f}"),
+        Figure("final held-out accuracy gap, points", "final_accuracy_gap_points", "{:.1f}"),
+        Figure("eta = 4's CPU-bound ceiling over eta = 0", "throughput_ratio_cpu_bound_eta4_vs_eta0", "{:.2f}x"),
+        Figure("eta = 0: trainer idle", "runs.0.trainer_idle_frac", "{:.0%}"),
+        Figure("eta = 4: trainer idle", "runs.1.trainer_idle_frac", "{:.0%}"),
+        Figure("eta = 4: rollout idle", "runs.1.rollout_idle_frac", "{:.0%}"),
+    ],
+}
+
+# README's "at a glance": (benchmark, label of one of its HEADLINES, what it is), at most GLANCE_ROWS.
+GLANCE: list[tuple[str, str, str]] = [
+    ("async_vs_sync", "trained tokens/s, eta = 4 over eta = 0", "async (eta = 4) vs sync throughput, tool latency"),
+]
+
+
+def load_results(results_dir: pathlib.Path = RESULTS) -> dict[str, dict]:
+    """Every result file, by benchmark name (the file's stem)."""
+    out = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            out[path.stem] = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}: not JSON ({e})") from e
+    return out
+
+
+def provenance(meta: dict) -> str:
+    """The line under a table: machine, date, commit, load and command."""
+    m = meta["machine"]
+    machine = f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB"
+    if m.get("accelerator"):
+        machine += f", {m['accelerator']}"
+    commit = (meta["commit"] or "unknown")[:10] + (" (uncommitted changes)" if meta["dirty"] else "")
+    return (f"Machine: {machine}; date {meta['date']}; commit {commit}; load average "
+            f"{meta['load_1min_start']} at start, {meta['load_1min_end']} at end; {meta['wall_s']:.0f} s; "
+            f"command `{meta['command']}`.")
+
+
+def benchmark_block(name: str, result: dict | None) -> str:
+    """The generated text between benchmark NAME's markers."""
+    anchor = f'<a id="results-{name}"></a>\n\n'
+    if result is None:
+        return (f"{anchor}No result file committed (benchmarks/results/{name}.json): run "
+                f"`.venv/bin/python benchmarks/{name}.py --quick --json benchmarks/results/{name}.json`.\n")
+    if name not in HEADLINES:
+        raise SystemExit(f"benchmarks/results/{name}.json: results_tables.py's HEADLINES has no entry for {name!r}")
+    rows = "".join(f"| {f.label} | {f.text(result)} |\n" for f in HEADLINES[name])
+    return f"{anchor}| figure | value |\n| --- | ---: |\n{rows}\n{provenance(result['meta'])}\n"
+
+
+def glance_block(results: dict[str, dict]) -> str:
+    """README's table: one headline figure per row, with where and when it was measured."""
+    if len(GLANCE) > GLANCE_ROWS:
+        raise SystemExit(f"GLANCE has {len(GLANCE)} rows; README's table holds at most {GLANCE_ROWS}")
+    rows = []
+    for name, label, what in GLANCE:
+        if name not in results:
+            continue
+        figure = next((f for f in HEADLINES[name] if f.label == label), None)
+        if figure is None:
+            raise SystemExit(f"GLANCE names {label!r}, which is not one of HEADLINES[{name!r}]")
+        meta = results[name]["meta"]
+        rows.append(f"| {what} | {figure.text(results[name])} | {meta['date'][:10]} | {(meta['commit'] or '?')[:7]} "
+                    f"| {meta['machine']['cpu']}, {meta['machine']['cores']} cores "
+                    f"| [{name}](docs/benchmarks.md#results-{name}) |\n")
+    return "| what | figure | date | commit | machine | details |\n| --- | ---: | --- | --- | --- | --- |\n" + "".join(rows)
+
+
+def render(text: str, blocks) -> str:
+    """`text` with each marker pair's body replaced by blocks(name) (None leaves that body as it is)."""
+    def one(m: re.Match) -> str:
+        body = blocks(m["name"])
+        body = m["body"] if body is None else body
+        return f"<!-- results:{m['name']}:begin -->\n{body}<!-- results:{m['name']}:end -->"
+    return MARKER.sub(one, text)
+
+
+def generate(results: dict[str, dict], docs_text: str, readme_text: str) -> tuple[str, str]:
+    """docs/benchmarks.md's and README.md's texts with every generated block up to date."""
+    in_docs = {m["name"] for m in MARKER.finditer(docs_text)}
+    missing = sorted(set(results) - in_docs)
+    if missing:
+        raise SystemExit("docs/benchmarks.md has no marker pair for "
+                         + ", ".join(f"benchmarks/results/{n}.json" for n in missing)
+                         + ": add `<!-- results:NAME:begin -->` and `<!-- results:NAME:end -->` to it")
+    docs = render(docs_text, lambda name: None if name == "glance" else benchmark_block(name, results.get(name)))
+    readme = render(readme_text, lambda name: glance_block(results) if name == "glance" else None)
+    return docs, readme
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is out of date")
+    args = parser.parse_args(argv)
+    results = load_results()
+    stale = []
+    for path, new in zip((DOCS, README), generate(results, DOCS.read_text(), README.read_text())):
+        old = path.read_text()
+        if old == new:
+            continue
+        rel = path.relative_to(ROOT)
+        if args.check:
+            stale.append(rel)
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                       f"{rel} (as committed)", f"{rel} (generated)"))
+        else:
+            path.write_text(new)
+            print(f"rewrote the generated blocks of {rel}")
+    if stale:
+        print(f"\nout of date: {', '.join(map(str, stale))}; run .venv/bin/python benchmarks/results_tables.py")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
