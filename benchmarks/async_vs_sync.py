@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     steps = args.steps or (25 if args.quick else 150)
     stem = pathlib.Path(args.config).stem
     overrides = {**QUICK, "base.dir": f"runs/base/{stem}_quick"} if args.quick else {}
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(runs, args.workdir / "async_vs_sync.png")
     print(f"plot: {args.workdir / 'async_vs_sync.png'}")
     if args.json:
-        results_meta.write_json(args.json, out, started)
+        results_meta.write_json(args.json, out, meta_started)
 
 
 if __name__ == "__main__":

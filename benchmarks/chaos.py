@@ -277,12 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="jaxflow-chaos-"))
     out = run(args.quick, args.seed, workdir, args.steps)
     print_table(out)
     if args.json:
-        results_meta.write_json(args.json, out, started)
+        results_meta.write_json(args.json, out, meta_started)
     bad = [k for k in ("groups_lost", "groups_trained_twice", "staleness_violations") if out[k]]
     if bad:
         print(f"chaos: FAILED: {', '.join(f'{k}={out[k]}' for k in bad)}", file=sys.stderr)

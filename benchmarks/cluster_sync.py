@@ -256,7 +256,7 @@ def run_case(transport, engines, tensors, service, repeats: int, version: list[i
 
 def main(argv=None) -> int:
     args = parse(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # Inherited by the cluster's nodes and so by the engine actors: they import jaxflow from this tree.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     print(f"\nmemcpy {1e3 * memcpy:.1f} ms; best transport {best}: cluster_sync_vs_memcpy = {worst[best]:.2f} "
           f"(its worst engine count)")
     if args.json:
-        results_meta.write_json(args.json, figures, started)
+        results_meta.write_json(args.json, figures, meta_started)
         print(f"wrote {args.json}")
     return 0
 

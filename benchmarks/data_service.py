@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.steps, args.repeats = 15, 3
 
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
             "group_ops_per_s_embedded": groups["embedded"]["group_ops_per_s"],
             "group_ops_per_s_loopback": groups["loopback"]["group_ops_per_s"],
             "weight_sync_vs_memcpy": min(weights["embedded_vs_memcpy"], weights["shm_vs_memcpy"]),
-            "groups": groups, "weights": weights, "args": vars(args)}, started)
+            "groups": groups, "weights": weights, "args": vars(args)}, meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.requests, args.slots, args.repeats, args.max_tokens = 128, 32, 2, 256
 
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
             "jax_vs_vllm_by_workload": ratios,
             "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,
             "read_bandwidth_bytes_per_s": bandwidth,
-            "results": results, "startup_s": startup_s, "args": vars(args)}, started)
+            "results": results, "startup_s": startup_s, "args": vars(args)}, meta_started)
         print(f"wrote {args.json}")
     return 0
 

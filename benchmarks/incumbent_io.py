@@ -42,7 +42,7 @@ class Run:
 
     def __init__(self, description: str, argv: list[str] | None = None):
         args = build_parser(description).parse_args(argv)
-        self.started = results_meta.begin(argv)
+        self.meta_started = results_meta.begin(argv)
         self.out, self.seed, self.json = args.out, args.seed, args.json
         self.setup = json.loads((args.setup / "setup.json").read_text())
         self.settings = self.setup["settings"]
@@ -106,7 +106,7 @@ class Run:
                   "versions": versions, "settings": settings}
         (self.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         if self.json:
-            results_meta.write_json(self.json, result, self.started)
+            results_meta.write_json(self.json, result, self.meta_started)
         print(json.dumps({k: result[k] for k in ("steps", "first_step_s", "train_s", "eval_accuracy")}))
 
 

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.max_len, args.median, args.requests_per_slot = 256, 32, 2
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
               f"{r['tokens_per_s']:>11,.0f}{full:>12}{100 * r['mean_occupancy']:>10.0f}%")
     if args.json:
         results_meta.write_json(args.json, {"device": jax.devices()[0].device_kind, "max_len": args.max_len,
-                                            "decode_chunk": args.decode_chunk, "results": results}, started)
+                                            "decode_chunk": args.decode_chunk, "results": results}, meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.size, args.repeats = "10m", 3
     if args.rank < 1 or args.repeats < 1:
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     print("lora / full: " + ", ".join(f"{k.removesuffix('_ratio')} {v:.4f}" for k, v in ratios.items()))
     if args.json:
         results_meta.write_json(args.json, {"size": args.size, "params": cfg.num_params(), "rank": args.rank,
-                                            "repeats": args.repeats, **rows, **ratios}, started)
+                                            "repeats": args.repeats, **rows, **ratios}, meta_started)
     return 0
 
 

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     n, mib = (1024, 128) if args.quick else (2048, 512)
     flops, bandwidth = matmul_peak_flops(n), read_bandwidth(mib)
     print(f"{jax.devices()[0].device_kind}: fp32 matmul peak {flops / 1e9:,.0f} GFLOP/s, "
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         results_meta.write_json(args.json, {"device": jax.devices()[0].device_kind, "matmul_n": n,
                                             "matmul_peak_flops": flops, "read_mib": mib,
-                                            "read_bandwidth_bytes_per_s": bandwidth}, started)
+                                            "read_bandwidth_bytes_per_s": bandwidth}, meta_started)
     return 0
 
 

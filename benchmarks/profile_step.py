@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     dump_hlo()
     if args.quick:
         args.steps, args.sequences, args.requests, args.max_tokens = 3, 128, 128, 128
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
                   f"{100 * decode['prefill_frac_of_round']:.0f}% in prefill calls)", decode, args.top)
     if args.json:
         results_meta.write_json(args.json, {"device": jax.devices()[0].device_kind, "train_step": train,
-                                            "decode": decode, "trace_dir": trace_root, "args": vars(args)}, started)
+                                            "decode": decode, "trace_dir": trace_root, "args": vars(args)}, meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     etas = [int(x) for x in (args.eta or ("4" if args.quick else "4,1")).split(",")]
     sizes = [int(x) for x in args.sizes.split(",")]
     steps = 10 if args.quick else 16
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     out["wall_s"] = time.perf_counter() - started
     print(f"plot: {args.plot}; {out['wall_s']:.0f}s in all")
     if args.json:
-        results_meta.write_json(args.json, out, started)
+        results_meta.write_json(args.json, out, meta_started)
         print(f"figures: {args.json}")
     return 0
 

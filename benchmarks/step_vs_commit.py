@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.steps, args.runs = 41, 1
     if args.steps < args.skip + 6 or args.runs < 1:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                "runs": runs, "median_step_s": med, "step_ratio_baseline_vs_current": ratio,
                "step_ratio_per_pair": pair_ratios,
                "trained_tokens_per_s_ratio_current_vs_baseline": tok["current"] / tok["baseline"]}
-        results_meta.write_json(args.json, out, started)
+        results_meta.write_json(args.json, out, meta_started)
     return 0
 
 

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.size, args.seq_len, args.sequences, args.steps = "tiny", 128, 32, 3
 
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
             "device": device.device_kind, "devices": jax.device_count(),
             "tokens_per_s": main_r["tokens_per_s"], "step_time_s": main_r["step_time_s"],
             "mfu": main_r["mfu"], "cpu_mfu": main_r["cpu_mfu"], "cpu_matmul_peak_flops": cpu_peak,
-            "variants": results}, started)
+            "variants": results}, meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

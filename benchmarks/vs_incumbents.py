@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
     minutes = args.minutes or (1.5 if args.quick else 6.0)
     incumbent_minutes = args.incumbent_minutes or minutes
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         results_meta.write_json(args.json, {
             **out, "seeds": seeds, "minutes": minutes, "incumbent_minutes": incumbent_minutes, "settings": SETTINGS,
             "not_run": {n: pythons[n][1] for n in ("trl", "tunix") if n in systems and not pythons[n][0]},
-            "differences": {n: DIFFERENCES[n] for n in systems}, "runs": runs}, started)
+            "differences": {n: DIFFERENCES[n] for n in systems}, "runs": runs}, meta_started)
 
 
 if __name__ == "__main__":

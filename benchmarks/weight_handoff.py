@@ -135,7 +135,7 @@ def bench_case(case, model, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    started = results_meta.begin(argv)
+    meta_started = results_meta.begin(argv)
     # Before jax is imported: its backend reads these once.
     flags = os.environ.get("XLA_FLAGS", "")
     if args.platform == "cpu" and "xla_force_host_platform_device_count" not in flags:
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     print(f"\nworst case: hand-off at {figures['inprocess_sync_vs_device_put']:.2f}x the device_put floor's "
           f"speed, host trip at {figures['host_roundtrip_vs_device_put']:.2f}x")
     if args.json:
-        results_meta.write_json(args.json, figures, started)
+        results_meta.write_json(args.json, figures, meta_started)
         print(f"wrote {args.json}")
     return 0
 

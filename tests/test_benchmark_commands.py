@@ -50,7 +50,7 @@ def _code_lines(text: str) -> list[str]:
         if fence or indented:
             out.append(line)
         prev_blank = not line.strip()
-    return re.sub(r"\\\n\s*", " ", "\n".join(out)).splitlines()
+    return re.sub(r"\s*\\\n\s*", " ", "\n".join(out)).splitlines()
 
 
 def documented_commands() -> list[tuple[str, str, list[str]]]:
