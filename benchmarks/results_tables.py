@@ -36,12 +36,15 @@ GLANCE_ROWS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-    """One headline figure: its label, the dotted path to it in the result file (list items by index), and
-    a format for its value (`{}` fields of str.format; None prints as "n/a")."""
+    """One headline figure: its label, the dotted path to it in the result file (list items by index), and a
+    format for its value (str.format; None prints as "n/a"). An optional figure may be absent from the file
+    (a system the run could not start, e.g. vLLM or TRL not installed): it prints as "not run"."""
 
     label: str
     path: str
     fmt: str = "{:.3g}"
+    scale: float = 1.0  # the value is multiplied by it before formatting (1e-9: bytes/s to GB/s)
+    optional: bool = False
 
     def value(self, result: dict):
         node = result
@@ -52,11 +55,20 @@ class Figure:
                 node = node[key]
             else:
                 raise KeyError(f"{self.path!r}: no {key!r} in the result file")
+            if node is None and self.optional:
+                break
         return node
 
     def text(self, result: dict) -> str:
-        value = self.value(result)
-        return "n/a" if value is None else self.fmt.format(value)
+        try:
+            value = self.value(result)
+        except (KeyError, IndexError):
+            if self.optional:
+                return "not run"
+            raise
+        if value is None:
+            return "n/a"
+        return self.fmt.format(value * self.scale if self.scale != 1.0 else value)
 
 
 # Each benchmark's headline figures: ratios and medians, the ones the docs quote.
@@ -71,11 +83,107 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("eta = 4: trainer idle", "runs.1.trainer_idle_frac", "{:.0%}"),
         Figure("eta = 4: rollout idle", "runs.1.rollout_idle_frac", "{:.0%}"),
     ],
+    "engines": [
+        Figure("JAX engine over vLLM, tokens/s, long-tail workload", "jax_vs_vllm_by_workload.long_tail", "{:.2f}x",
+               optional=True),
+        Figure("JAX engine over vLLM, tokens/s, uniform workload", "jax_vs_vllm_by_workload.uniform", "{:.2f}x",
+               optional=True),
+        Figure("JAX engine: tokens/s, long tail (median of rounds)", "results.jax.long_tail.tokens_per_s", "{:,.0f}"),
+        Figure("JAX engine: tokens/s, uniform", "results.jax.uniform.tokens_per_s", "{:,.0f}"),
+        Figure("vLLM: tokens/s, long tail", "results.vllm.long_tail.tokens_per_s", "{:,.0f}", optional=True),
+        Figure("vLLM: tokens/s, uniform", "results.vllm.uniform.tokens_per_s", "{:,.0f}", optional=True),
+        Figure("JAX engine: weight sync, s (median)", "results.jax.long_tail.weight_sync_s", "{:.4f}"),
+        Figure("vLLM: weight sync, s (median)", "results.vllm.long_tail.weight_sync_s", "{:.4f}", optional=True),
+        Figure("JAX engine: start-up, s", "startup_s.jax", "{:.1f}"),
+        Figure("vLLM: start-up, s", "startup_s.vllm", "{:.1f}", optional=True),
+        Figure("JAX engine's share of the memory-bandwidth bound", "decode_vs_bandwidth", "{:.3f}"),
+        Figure("read bandwidth measured in the run, GB/s", "read_bandwidth_bytes_per_s", "{:.3g}", 1e-9),
+    ],
+    "train_step": [
+        Figure("model", "size", "{}"),
+        Figure("packed rows: step time, s (median)", "variants.packed.step_time_s", "{:.3f}"),
+        Figure("packed rows: trained tokens/s", "variants.packed.tokens_per_s", "{:,.0f}"),
+        Figure("packed rows: cpu_mfu (against the fp32 matmul peak)", "variants.packed.cpu_mfu", "{:.3f}"),
+        Figure("padded rows: step time, s", "variants.padded.step_time_s", "{:.3f}", optional=True),
+        Figure("packed + remat: step time, s", "variants.packed+remat.step_time_s", "{:.3f}", optional=True),
+        Figure("fp32 matmul peak in the run, GFLOP/s", "cpu_matmul_peak_flops", "{:,.0f}", 1e-9),
+    ],
+    "data_service": [
+        Figure("group operations/s, embedded service", "group_ops_per_s_embedded", "{:,.0f}"),
+        Figure("group operations/s, over loopback RPC", "group_ops_per_s_loopback", "{:,.0f}"),
+        Figure("weight sync against memcpy (worst route)", "weight_sync_vs_memcpy", "{:.2f}"),
+        Figure("weight sync against memcpy, embedded", "weights.embedded_vs_memcpy", "{:.2f}"),
+        Figure("weight sync against memcpy, shared memory", "weights.shm_vs_memcpy", "{:.2f}"),
+    ],
+    "weight_handoff": [
+        Figure("model", "size", "{}"),
+        Figure("in-process hand-off against device_put (worst case)", "inprocess_sync_vs_device_put", "{:.2f}x"),
+        Figure("host round trip against device_put (worst case)", "host_roundtrip_vs_device_put", "{:.2f}x"),
+    ],
+    "cluster_sync": [
+        Figure("model", "params", "{}"),
+        Figure("best transport", "best_transport", "{}"),
+        Figure("its sync against memcpy (worst engine count)", "cluster_sync_vs_memcpy", "{:.2f}"),
+        Figure("memcpy of the version, s", "memcpy_s", "{:.4f}"),
+    ],
+    "jax_engine": [
+        Figure("slots (first setting)", "results.0.slots", "{}"),
+        Figure("tokens/s", "results.0.tokens_per_s", "{:,.0f}"),
+        Figure("tokens/s with a full batch", "results.0.full_batch_tokens_per_s", "{:,.0f}"),
+        Figure("mean occupancy", "results.0.mean_occupancy", "{:.2f}"),
+        Figure("slots (second setting)", "results.1.slots", "{}", optional=True),
+        Figure("tokens/s", "results.1.tokens_per_s", "{:,.0f}", optional=True),
+    ],
+    "machine_limits": [
+        Figure("fp32 matmul peak, GFLOP/s", "matmul_peak_flops", "{:,.0f}", 1e-9),
+        Figure("read bandwidth, GB/s", "read_bandwidth_bytes_per_s", "{:.1f}", 1e-9),
+    ],
+    "lora": [
+        Figure("model", "size", "{}"),
+        Figure("LoRA rank", "rank", "{}"),
+        Figure("bytes synced, LoRA over full", "sync_bytes_ratio", "{:.4f}"),
+        Figure("optimizer state, LoRA over full", "opt_state_bytes_ratio", "{:.4f}"),
+        Figure("host sync time, LoRA over full", "host_sync_ms_ratio", "{:.3f}"),
+        Figure("device sync time, LoRA over full", "device_sync_ms_ratio", "{:.3f}"),
+    ],
+    "simulate": [
+        Figure("jaxflow over AReaL-style, 64 instances", "ratio_vs_areal_64", "{:.2f}x"),
+        Figure("jaxflow over synchronous, 64 instances", "ratio_vs_sync_64", "{:.2f}x"),
+        Figure("keep-all ceiling over AReaL-style, 64 instances", "keep_all_ceiling_vs_areal_64", "{:.2f}x"),
+        Figure("calibration error (worst)", "calibration_error", "{:.3f}", optional=True),
+    ],
+    "chaos": [
+        Figure("groups lost", "groups_lost", "{}"),
+        Figure("groups trained twice", "groups_trained_twice", "{}"),
+        Figure("staleness violations", "staleness_violations", "{}"),
+        Figure("recovery, s (median over kills)", "recovery_s_median", "{:.1f}"),
+    ],
+    "profile_step": [
+        Figure("device", "device", "{}"),
+    ],
+    "vs_incumbents": [
+        Figure("jaxflow: s a step (median)", "systems.jaxflow.median_step_s", "{:.3f}"),
+        Figure("TRL: s a step (median)", "systems.trl.median_step_s", "{:.3f}", optional=True),
+        Figure("jaxflow reached the target sooner than TRL by (median over seeds)", "speedup_vs_trl", "{:.2f}x",
+               optional=True),
+    ],
+    "step_vs_commit": [
+        Figure("step time, baseline over this tree (median)", "step_ratio_baseline_vs_current", "{:.2f}x"),
+        Figure("trained tokens/s, this tree over baseline", "trained_tokens_per_s_ratio_current_vs_baseline",
+               "{:.2f}x"),
+    ],
 }
 
 # README's "at a glance": (benchmark, label of one of its HEADLINES, what it is), at most GLANCE_ROWS.
 GLANCE: list[tuple[str, str, str]] = [
-    ("async_vs_sync", "trained tokens/s, eta = 4 over eta = 0", "async (eta = 4) vs sync throughput, tool latency"),
+    ("async_vs_sync", "trained tokens/s, eta = 4 over eta = 0", "async (eta = 4) over sync, trained tokens/s"),
+    ("engines", "JAX engine over vLLM, tokens/s, long-tail workload", "JAX engine over vLLM (CPU), tokens/s"),
+    ("train_step", "packed rows: cpu_mfu (against the fp32 matmul peak)", "update step, share of the matmul peak"),
+    ("simulate", "jaxflow over synchronous, 64 instances", "simulated, 64 instances: over synchronous"),
+    ("data_service", "group operations/s, over loopback RPC", "trajectory service, group operations/s (RPC)"),
+    ("weight_handoff", "in-process hand-off against device_put (worst case)", "in-process weight hand-off"),
+    ("chaos", "groups lost", "chaos run: groups lost"),
+    ("lora", "bytes synced, LoRA over full", "LoRA: bytes synced over full fine-tuning"),
 ]
 
 
@@ -129,7 +237,10 @@ def glance_block(results: dict[str, dict]) -> str:
         rows.append(f"| {what} | {figure.text(results[name])} | {meta['date'][:10]} | {(meta['commit'] or '?')[:7]} "
                     f"| {meta['machine']['cpu']}, {meta['machine']['cores']} cores "
                     f"| [{name}](docs/benchmarks.md#results-{name}) |\n")
-    return "| what | figure | date | commit | machine | details |\n| --- | ---: | --- | --- | --- | --- |\n" + "".join(rows)
+    if not rows:
+        return "No result files committed yet (benchmarks/results/).\n"
+    header = "| what | figure | date | commit | machine | details |\n| --- | ---: | --- | --- | --- | --- |\n"
+    return header + "".join(rows)
 
 
 def render(text: str, blocks) -> str:
