@@ -86,6 +86,14 @@ def _git(*args: str) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
+def _dirty() -> bool:
+    """Whether code that may run differs from the commit: tracked files changed, less prose (*.md), tests and
+    result files (the docs and other results being regenerated meanwhile do not change what was measured)."""
+    changed = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return any(not (path.endswith(".md") or path.startswith(("tests/", "benchmarks/results/")))
+               for path in changed)
+
+
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -107,8 +115,7 @@ def begin(argv: list[str] | None = None) -> dict:
     commit = _git("rev-parse", "HEAD") or None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit,
-            # Tracked files changed since that commit: the figures are then not exactly the commit's.
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None,
+            "dirty": _dirty() if commit else None,
             "command": shlex.join([".venv/bin/python", script_name, *args]),
             "jax": _version("jax"), "jaxlib": _version("jaxlib"), "python": platform.python_version(),
             "load_1min_start": round(os.getloadavg()[0], 2), "_start": time.monotonic()}
