@@ -292,7 +292,8 @@ def main(argv=None) -> int:
                   f"{100 * decode['prefill_frac_of_round']:.0f}% in prefill calls)", decode, args.top)
     if args.json:
         results_meta.write_json(args.json, {"device": jax.devices()[0].device_kind, "train_step": train,
-                                            "decode": decode, "trace_dir": trace_root, "args": vars(args)}, meta_started)
+                                            "decode": decode, "trace_dir": trace_root, "args": vars(args)},
+                                meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -159,7 +159,11 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("recovery, s (median over kills)", "recovery_s_median", "{:.1f}"),
     ],
     "profile_step": [
-        Figure("device", "device", "{}"),
+        Figure("train step, ms (untraced)", "train_step.step_s", "{:.1f}", 1e3),
+        Figure("train step: ops busy, share of its wall time", "train_step.op_busy_frac", "{:.0%}"),
+        Figure("decode round: tokens/s (traced)", "decode.tokens_per_s", "{:,.0f}"),
+        Figure("decode round: share in decode calls", "decode.decode_frac_of_round", "{:.0%}"),
+        Figure("decode round: share in prefill calls", "decode.prefill_frac_of_round", "{:.0%}"),
     ],
     "vs_incumbents": [
         Figure("jaxflow: s a step (median)", "systems.jaxflow.median_step_s", "{:.3f}"),
