@@ -82,6 +82,12 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("eta = 0: trainer idle", "runs.0.trainer_idle_frac", "{:.0%}"),
         Figure("eta = 4: trainer idle", "runs.1.trainer_idle_frac", "{:.0%}"),
         Figure("eta = 4: rollout idle", "runs.1.rollout_idle_frac", "{:.0%}"),
+        Figure("eta = 0: final held-out accuracy", "runs.0.final_accuracy", "{:.1%}"),
+        Figure("eta = 4: final held-out accuracy", "runs.1.final_accuracy", "{:.1%}"),
+        Figure("eta = 0: time to the reward target, s", "runs.0.time_to_target_s", "{:.0f}"),
+        Figure("eta = 4: time to the reward target, s", "runs.1.time_to_target_s", "{:.0f}"),
+        Figure("eta = 0: cores busy", "runs.0.cores_busy", "{:.2f}"),
+        Figure("eta = 4: cores busy", "runs.1.cores_busy", "{:.2f}"),
     ],
     "engines": [
         Figure("JAX engine over vLLM, tokens/s, long-tail workload", "jax_vs_vllm_by_workload.long_tail", "{:.2f}x",
