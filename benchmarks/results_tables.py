@@ -36,9 +36,10 @@ GLANCE_ROWS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-    """One headline figure: its label, the dotted path to it in the result file (list items by index), and a
-    format for its value (str.format; None prints as "n/a"). An optional figure may be absent from the file
-    (a system the run could not start, e.g. vLLM or TRL not installed): it prints as "not run"."""
+    """One headline figure: its label, the dotted path to it in the result file (list items by index, or by a
+    field's value: "runs.eta=4.steps"), and a format for its value (str.format; None prints as "n/a"). An
+    optional figure may be absent from the file (a system the run could not start, e.g. vLLM or TRL not
+    installed): it prints as "not run"."""
 
     label: str
     path: str
@@ -49,7 +50,12 @@ class Figure:
     def value(self, result: dict):
         node = result
         for key in self.path.split("."):
-            if isinstance(node, list):
+            if isinstance(node, list) and "=" in key:  # the item whose field equals a value: "runs.eta=4"
+                field, _, want = key.partition("=")
+                node = next((item for item in node if str(item.get(field)) == want), None)
+                if node is None:
+                    raise KeyError(f"{self.path!r}: no item with {key!r} in the result file")
+            elif isinstance(node, list):
                 node = node[int(key)]
             elif isinstance(node, dict) and key in node:
                 node = node[key]
@@ -75,19 +81,19 @@ class Figure:
 HEADLINES: dict[str, list[Figure]] = {
     "async_vs_sync": [
         Figure("trained tokens/s, eta = 4 over eta = 0", "throughput_ratio_eta4_vs_eta0", "{:.2f}x"),
-        Figure("eta = 0: trained tokens/s", "runs.0.trained_tokens_per_s", "{:,.0f}"),
-        Figure("eta = 4: trained tokens/s", "runs.1.trained_tokens_per_s", "{:,.0f}"),
+        Figure("eta = 0: trained tokens/s", "runs.eta=0.trained_tokens_per_s", "{:,.0f}"),
+        Figure("eta = 4: trained tokens/s", "runs.eta=4.trained_tokens_per_s", "{:,.0f}"),
         Figure("final held-out accuracy gap, points", "final_accuracy_gap_points", "{:.1f}"),
         Figure("eta = 4's CPU-bound ceiling over eta = 0", "throughput_ratio_cpu_bound_eta4_vs_eta0", "{:.2f}x"),
-        Figure("eta = 0: trainer idle", "runs.0.trainer_idle_frac", "{:.0%}"),
-        Figure("eta = 4: trainer idle", "runs.1.trainer_idle_frac", "{:.0%}"),
-        Figure("eta = 4: rollout idle", "runs.1.rollout_idle_frac", "{:.0%}"),
-        Figure("eta = 0: final held-out accuracy", "runs.0.final_accuracy", "{:.1%}"),
-        Figure("eta = 4: final held-out accuracy", "runs.1.final_accuracy", "{:.1%}"),
-        Figure("eta = 0: time to the reward target, s", "runs.0.time_to_target_s", "{:.0f}"),
-        Figure("eta = 4: time to the reward target, s", "runs.1.time_to_target_s", "{:.0f}"),
-        Figure("eta = 0: cores busy", "runs.0.cores_busy", "{:.2f}"),
-        Figure("eta = 4: cores busy", "runs.1.cores_busy", "{:.2f}"),
+        Figure("eta = 0: trainer idle", "runs.eta=0.trainer_idle_frac", "{:.0%}"),
+        Figure("eta = 4: trainer idle", "runs.eta=4.trainer_idle_frac", "{:.0%}"),
+        Figure("eta = 4: rollout idle", "runs.eta=4.rollout_idle_frac", "{:.0%}"),
+        Figure("eta = 0: final held-out accuracy", "runs.eta=0.final_accuracy", "{:.1%}"),
+        Figure("eta = 4: final held-out accuracy", "runs.eta=4.final_accuracy", "{:.1%}"),
+        Figure("eta = 0: time to the reward target, s", "runs.eta=0.time_to_target_s", "{:.0f}"),
+        Figure("eta = 4: time to the reward target, s", "runs.eta=4.time_to_target_s", "{:.0f}"),
+        Figure("eta = 0: cores busy", "runs.eta=0.cores_busy", "{:.2f}"),
+        Figure("eta = 4: cores busy", "runs.eta=4.cores_busy", "{:.2f}"),
     ],
     "engines": [
         Figure("JAX engine over vLLM, tokens/s, long-tail workload", "jax_vs_vllm_by_workload.long_tail", "{:.2f}x",
