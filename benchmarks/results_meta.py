@@ -4,7 +4,7 @@ A benchmark calls `begin()` before it measures and `write_json(path, figures, st
 then holds its figures and
 
     meta: {machine: {cpu, cores, memory_gb, accelerator}, date (UTC ISO 8601), commit, dirty, command,
-           jax, jaxlib, python, load_1min_start, load_1min_end, wall_s}
+           jax, jaxlib, python, load_1min_start, load_1min_end, load_1min_max, wall_s}
 
 The load averages are there because these machines are shared: a figure measured at load 3 on 2 cores is
 not one measured on an idle machine. `benchmarks/results_tables.py` reads the block into the docs' tables.
@@ -22,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -118,7 +119,25 @@ def begin(argv: list[str] | None = None) -> dict:
             "dirty": _dirty() if commit else None,
             "command": shlex.join([".venv/bin/python", script_name, *args]),
             "jax": _version("jax"), "jaxlib": _version("jaxlib"), "python": platform.python_version(),
-            "load_1min_start": round(os.getloadavg()[0], 2), "_start": time.monotonic()}
+            "load_1min_start": round(os.getloadavg()[0], 2), "_start": time.monotonic(), "_load": _LoadWatch()}
+
+
+class _LoadWatch:
+    """The highest 1-minute load average seen while a benchmark runs (sampled every few seconds): a run
+    whose start and end were quiet may have shared the machine in between."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.max = os.getloadavg()[0]
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, args=(every_s,), daemon=True, name="load-watch").start()
+
+    def _watch(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.max = max(self.max, os.getloadavg()[0])
+
+    def stop(self) -> float:
+        self._stop.set()
+        return round(max(self.max, os.getloadavg()[0]), 2)
 
 
 def finish(started: dict) -> dict:
@@ -126,8 +145,9 @@ def finish(started: dict) -> dict:
     meta = {k: v for k, v in started.items() if not k.startswith("_")}
     meta["machine"] = machine()
     meta["load_1min_end"] = round(os.getloadavg()[0], 2)
+    meta["load_1min_max"] = started["_load"].stop()
     meta["wall_s"] = round(time.monotonic() - started["_start"], 1)
-    return {k: meta[k] for k in META_KEYS}
+    return {k: meta[k] for k in (*META_KEYS, "load_1min_max")}
 
 
 def write_json(path: str | os.PathLike, figures: dict, started: dict) -> dict:

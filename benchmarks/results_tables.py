@@ -221,8 +221,9 @@ def provenance(meta: dict) -> str:
     if m.get("accelerator"):
         machine += f", {m['accelerator']}"
     commit = (meta["commit"] or "unknown")[:10] + (" (uncommitted changes)" if meta["dirty"] else "")
+    peak = f", {meta['load_1min_max']} at most" if "load_1min_max" in meta else ""
     return (f"Machine: {machine}; date {meta['date']}; commit {commit}; load average "
-            f"{meta['load_1min_start']} at start, {meta['load_1min_end']} at end; {meta['wall_s']:.0f} s; "
+            f"{meta['load_1min_start']} at start, {meta['load_1min_end']} at end{peak}; {meta['wall_s']:.0f} s; "
             f"command `{meta['command']}`.")
 
 
