@@ -46,6 +46,7 @@ class Figure:
     fmt: str = "{:.3g}"
     scale: float = 1.0  # the value is multiplied by it before formatting (1e-9: bytes/s to GB/s)
     optional: bool = False
+    none: str = "n/a"  # what a null value means here
 
     def value(self, result: dict):
         node = result
@@ -73,7 +74,7 @@ class Figure:
                 return "not run"
             raise
         if value is None:
-            return "n/a"
+            return self.none
         return self.fmt.format(value * self.scale if self.scale != 1.0 else value)
 
 
@@ -90,8 +91,8 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("eta = 4: rollout idle", "runs.eta=4.rollout_idle_frac", "{:.0%}"),
         Figure("eta = 0: final held-out accuracy", "runs.eta=0.final_accuracy", "{:.1%}"),
         Figure("eta = 4: final held-out accuracy", "runs.eta=4.final_accuracy", "{:.1%}"),
-        Figure("eta = 0: time to the reward target, s", "runs.eta=0.time_to_target_s", "{:.0f}"),
-        Figure("eta = 4: time to the reward target, s", "runs.eta=4.time_to_target_s", "{:.0f}"),
+        Figure("eta = 0: time to the reward target, s", "runs.eta=0.time_to_target_s", "{:.0f}", none="not reached"),
+        Figure("eta = 4: time to the reward target, s", "runs.eta=4.time_to_target_s", "{:.0f}", none="not reached"),
         Figure("eta = 0: cores busy", "runs.eta=0.cores_busy", "{:.2f}"),
         Figure("eta = 4: cores busy", "runs.eta=4.cores_busy", "{:.2f}"),
     ],
