@@ -117,6 +117,7 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("packed rows: step time, s (median)", "variants.packed.step_time_s", "{:.3f}"),
         Figure("packed rows: trained tokens/s", "variants.packed.tokens_per_s", "{:,.0f}"),
         Figure("packed rows: cpu_mfu (against the fp32 matmul peak)", "variants.packed.cpu_mfu", "{:.3f}"),
+        Figure("packed rows over padded rows, tokens/s", "variants.packed.ratio_vs_padded", "{:.2f}x", optional=True),
         Figure("padded rows: step time, s", "variants.padded.step_time_s", "{:.3f}", optional=True),
         Figure("packed + remat: step time, s", "variants.packed+remat.step_time_s", "{:.3f}", optional=True),
         Figure("fp32 matmul peak in the run, GFLOP/s", "cpu_matmul_peak_flops", "{:,.0f}", 1e-9),
