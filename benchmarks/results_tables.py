@@ -133,6 +133,11 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("model", "size", "{}"),
         Figure("in-process hand-off against device_put (worst case)", "inprocess_sync_vs_device_put", "{:.2f}x"),
         Figure("host round trip against device_put (worst case)", "host_roundtrip_vs_device_put", "{:.2f}x"),
+        Figure("one device (as the rl job): device_put, ms", "cases.case=one device (as the rl job).device_put_s",
+               "{:.1f}", 1e3),
+        Figure("one device: in-process hand-off, ms", "cases.case=one device (as the rl job).handoff_s", "{:.1f}", 1e3),
+        Figure("one device: host round trip, ms", "cases.case=one device (as the rl job).host_roundtrip_s", "{:.1f}",
+               1e3),
     ],
     "cluster_sync": [
         Figure("model", "params", "{}"),
