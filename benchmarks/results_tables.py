@@ -98,9 +98,9 @@ HEADLINES: dict[str, list[Figure]] = {
     ],
     "engines": [
         Figure("JAX engine over vLLM, tokens/s, long-tail workload", "jax_vs_vllm_by_workload.long_tail", "{:.2f}x",
-               optional=True),
+               optional=True, none="not run"),
         Figure("JAX engine over vLLM, tokens/s, uniform workload", "jax_vs_vllm_by_workload.uniform", "{:.2f}x",
-               optional=True),
+               optional=True, none="not run"),
         Figure("JAX engine: tokens/s, long tail (median of rounds)", "results.jax.long_tail.tokens_per_s", "{:,.0f}"),
         Figure("JAX engine: tokens/s, uniform", "results.jax.uniform.tokens_per_s", "{:,.0f}"),
         Figure("vLLM: tokens/s, long tail", "results.vllm.long_tail.tokens_per_s", "{:,.0f}", optional=True),
