@@ -270,8 +270,11 @@ def glance_block(results: dict[str, dict]) -> str:
         figure = next((f for f in HEADLINES[name] if f.label == label), None)
         if figure is None:
             raise SystemExit(f"GLANCE names {label!r}, which is not one of HEADLINES[{name!r}]")
+        text = figure.text(results[name])
+        if text == "not run":  # e.g. a ratio against a system the committed run did not have
+            continue
         meta = results[name]["meta"]
-        rows.append(f"| {what} | {figure.text(results[name])} | {meta['date'][:10]} | {(meta['commit'] or '?')[:7]} "
+        rows.append(f"| {what} | {text} | {meta['date'][:10]} | {(meta['commit'] or '?')[:7]} "
                     f"| {meta['machine']['cpu']}, {meta['machine']['cores']} cores "
                     f"| [{name}](docs/benchmarks.md#results-{name}) |\n")
     if not rows:
