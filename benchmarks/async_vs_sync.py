@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+import results_meta
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/arithmetic_tiny.py"
 QUICK = {"base.steps": 300, "eval.num_prompts": 64, "eval.every": 1000, "checkpoint.every": 1000}
@@ -100,7 +102,8 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests can parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps (< 5 min)")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
@@ -112,7 +115,13 @@ def main() -> None:
     parser.add_argument("--config", default=CONFIG, help="the config file every run uses")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run (repeatable)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     steps = args.steps or (25 if args.quick else 150)
     stem = pathlib.Path(args.config).stem
     overrides = {**QUICK, "base.dir": f"runs/base/{stem}_quick"} if args.quick else {}
@@ -156,7 +165,7 @@ def main() -> None:
     plot(runs, args.workdir / "async_vs_sync.png")
     print(f"plot: {args.workdir / 'async_vs_sync.png'}")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        results_meta.write_json(args.json, out, meta_started)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ import tempfile
 import threading
 import time
 
+import results_meta
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -260,7 +262,8 @@ def print_table(out: dict) -> None:
           f"run {out['wall_s']:.0f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rollout, 1 trainer, 1 data-service kill")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
@@ -268,12 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="train steps (default: from the kill count)")
     parser.add_argument("--workdir", type=pathlib.Path, default=None,
                         help="where the run writes (default: a new temporary directory)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="jaxflow-chaos-"))
     out = run(args.quick, args.seed, workdir, args.steps)
     print_table(out)
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        results_meta.write_json(args.json, out, meta_started)
     bad = [k for k in ("groups_lost", "groups_trained_twice", "staleness_violations") if out[k]]
     if bad:
         print(f"chaos: FAILED: {', '.join(f'{k}={out[k]}' for k in bad)}", file=sys.stderr)

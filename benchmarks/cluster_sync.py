@@ -55,6 +55,8 @@ import statistics
 import sys
 import time
 
+import results_meta
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab), as in weight_handoff.py
@@ -67,7 +69,8 @@ TRANSPORTS = ("ray_object", "ray_tensors", "ray_per_tensor", "shm", "shm_push", 
 DEFAULT_TRANSPORTS = ("ray_object", "ray_tensors", "shm", "shm_push", "stream")
 
 
-def parse(argv):
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="100m", choices=sorted(SIZES))
     parser.add_argument("--engines", default="2,4", help="engine counts, comma-separated (one node each)")
@@ -83,6 +86,11 @@ def parse(argv):
     parser.add_argument("--node-store-gb", type=float, default=1.0, help="object store per engine node, GB")
     parser.add_argument("--quick", action="store_true", help="a ~10M model, 2 engines, 3 repeats")
     parser.add_argument("--json", default=None, help="write the figures to this path")
+    return parser
+
+
+def parse(argv):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.params = "10m" if args.params == "100m" else args.params
@@ -248,6 +256,7 @@ def run_case(transport, engines, tensors, service, repeats: int, version: list[i
 
 def main(argv=None) -> int:
     args = parse(argv)
+    meta_started = results_meta.begin(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # Inherited by the cluster's nodes and so by the engine actors: they import jaxflow from this tree.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -329,8 +338,7 @@ def main(argv=None) -> int:
     print(f"\nmemcpy {1e3 * memcpy:.1f} ms; best transport {best}: cluster_sync_vs_memcpy = {worst[best]:.2f} "
           f"(its worst engine count)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        results_meta.write_json(args.json, figures, meta_started)
         print(f"wrote {args.json}")
     return 0
 

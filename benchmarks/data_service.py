@@ -22,6 +22,8 @@ import multiprocessing
 import statistics
 import time
 
+import results_meta
+
 import numpy as np
 
 from jaxflow.transport import rpc
@@ -144,7 +146,8 @@ def bench_weights(num_params: int, repeats: int, gap: float) -> dict:
             "embedded_vs_memcpy": memcpy / embedded, "shm_vs_memcpy": memcpy / shm}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50, help="train steps driven through the service")
     parser.add_argument("--batch", type=int, default=64, help="groups per train step")
@@ -155,7 +158,13 @@ def main(argv=None) -> int:
     parser.add_argument("--gap", type=float, default=0.5, help="seconds between publishes (a train step)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--json", default=None)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.steps, args.repeats = 15, 3
 
@@ -177,11 +186,11 @@ def main(argv=None) -> int:
     for name, s, ratio in rows:
         print(f"{name:<28}{s:>10.3f}{gb / s:>8.2f}{ratio:>10.2f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"group_ops_per_s_embedded": groups["embedded"]["group_ops_per_s"],
-                       "group_ops_per_s_loopback": groups["loopback"]["group_ops_per_s"],
-                       "weight_sync_vs_memcpy": min(weights["embedded_vs_memcpy"], weights["shm_vs_memcpy"]),
-                       "groups": groups, "weights": weights, "args": vars(args)}, f, indent=2)
+        results_meta.write_json(args.json, {
+            "group_ops_per_s_embedded": groups["embedded"]["group_ops_per_s"],
+            "group_ops_per_s_loopback": groups["loopback"]["group_ops_per_s"],
+            "weight_sync_vs_memcpy": min(weights["embedded_vs_memcpy"], weights["shm_vs_memcpy"]),
+            "groups": groups, "weights": weights, "args": vars(args)}, meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

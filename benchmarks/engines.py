@@ -26,6 +26,8 @@ import statistics
 import tempfile
 import time
 
+import results_meta
+
 import numpy as np
 
 from jaxflow.models.hf_io import iter_hf_tensors, load_model
@@ -74,7 +76,8 @@ def run_engine(engine, requests: list[Request], tensors, repeats: int) -> dict:
             "tokens": sum(q.params.max_tokens for q in requests)}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
     parser.add_argument("--requests", type=int, default=256, help="a rollout round: several per slot")
@@ -85,7 +88,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.requests, args.slots, args.repeats, args.max_tokens = 128, 32, 2, 256
 
@@ -156,12 +165,12 @@ def main(argv=None) -> int:
     if ratios is not None:
         print("\njax / vllm tokens/s: " + ", ".join(f"{name} {x:.2f}x" for name, x in ratios.items()))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
-                       "jax_vs_vllm_by_workload": ratios,
-                       "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,
-                       "read_bandwidth_bytes_per_s": bandwidth,
-                       "results": results, "startup_s": startup_s, "args": vars(args)}, f, indent=2)
+        results_meta.write_json(args.json, {
+            "jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
+            "jax_vs_vllm_by_workload": ratios,
+            "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,
+            "read_bandwidth_bytes_per_s": bandwidth,
+            "results": results, "startup_s": startup_s, "args": vars(args)}, meta_started)
         print(f"wrote {args.json}")
     return 0
 

@@ -1,8 +1,9 @@
 """What the incumbents' runners (incumbent_trl.py, incumbent_tunix.py) share: their command line, the setup
 `vs_incumbents.py` writes for them, the reward, and the files they write back.
 
-Standard library only: it runs in the incumbents' own environments, not jaxflow's. The reward is
-`jaxflow.tasks.reward` (also standard library only), so every system scores responses the same way.
+Standard library only (results_meta.py too): it runs in the incumbents' own environments, not jaxflow's.
+The reward is `jaxflow.tasks.reward` (also standard library only), so every system scores responses the
+same way.
 """
 
 from __future__ import annotations
@@ -13,7 +14,23 @@ import pathlib
 import sys
 import time
 
+import results_meta
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+QUICK_TIME_LIMIT_S = 90  # --quick: the plumbing, not a measurement
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """An incumbent runner's command line: `--setup DIR --out DIR [--seed N] [--quick] [--json PATH]`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--setup", type=pathlib.Path, required=True)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"train at most {QUICK_TIME_LIMIT_S} s whatever the setup's time limit")
+    parser.add_argument("--json", type=pathlib.Path, default=None,
+                        help="also write result.json's figures with their meta block here")
+    return parser
 
 
 class Run:
@@ -23,15 +40,14 @@ class Run:
     prompts, held_out: {"prompt": ids, "meta": dict, "text": str} each, in the order to use them.
     """
 
-    def __init__(self, description: str):
-        parser = argparse.ArgumentParser(description=description)
-        parser.add_argument("--setup", type=pathlib.Path, required=True)
-        parser.add_argument("--out", type=pathlib.Path, required=True)
-        parser.add_argument("--seed", type=int, default=0)
-        args = parser.parse_args()
-        self.out, self.seed = args.out, args.seed
+    def __init__(self, description: str, argv: list[str] | None = None):
+        args = build_parser(description).parse_args(argv)
+        self.meta_started = results_meta.begin(argv)
+        self.out, self.seed, self.json = args.out, args.seed, args.json
         self.setup = json.loads((args.setup / "setup.json").read_text())
         self.settings = self.setup["settings"]
+        if args.quick:
+            self.settings = {**self.settings, "time_limit_s": min(self.settings["time_limit_s"], QUICK_TIME_LIMIT_S)}
         self.model_dir = self.setup["model_dir"]
         self.prompts = _jsonl(pathlib.Path(self.setup["prompts"]))
         self.held_out = _jsonl(pathlib.Path(self.setup["eval"]))
@@ -89,6 +105,8 @@ class Run:
                   "train_s": steps[-1]["time_s"] if steps else None, "eval_accuracy": eval_accuracy,
                   "versions": versions, "settings": settings}
         (self.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        if self.json:
+            results_meta.write_json(self.json, result, self.meta_started)
         print(json.dumps({k: result[k] for k in ("steps", "first_step_s", "train_s", "eval_accuracy")}))
 
 

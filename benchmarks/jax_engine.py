@@ -19,6 +19,8 @@ import pathlib
 import tempfile
 import time
 
+import results_meta
+
 import jax
 import numpy as np
 
@@ -76,7 +78,8 @@ def bench(directory, slots: int, args) -> dict:
             "mean_occupancy": float(np.mean(occupancy)), "warmup_s": warmup_s}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--max-len", type=int, default=1024)
@@ -86,7 +89,13 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="short context and completions: seconds")
     parser.add_argument("--json", default=None, help="write the figures to this path")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.max_len, args.median, args.requests_per_slot = 256, 32, 2
 
@@ -107,9 +116,8 @@ def main(argv=None) -> int:
         print(f"{r['slots']:>6}{r['requests']:>10}{r['generated_tokens']:>9}{r['wall_s']:>10.2f}"
               f"{r['tokens_per_s']:>11,.0f}{full:>12}{100 * r['mean_occupancy']:>10.0f}%")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "max_len": args.max_len,
-                       "decode_chunk": args.decode_chunk, "results": results}, f, indent=2)
+        results_meta.write_json(args.json, {"device": jax.devices()[0].device_kind, "max_len": args.max_len,
+                                            "decode_chunk": args.decode_chunk, "results": results}, meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

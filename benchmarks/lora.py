@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+import results_meta
+
 import jax
 from flax import nnx
 
@@ -82,14 +84,21 @@ def measure(cfg, spec: LoRASpec | None, repeats: int) -> dict:
             "host_sync_ms": statistics.median(host_ms), "device_sync_ms": statistics.median(device_ms)}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="125m", choices=sorted(SIZES))
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="the 10m model, 3 repeats (well under 5 minutes)")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.size, args.repeats = "10m", 3
     if args.rank < 1 or args.repeats < 1:
@@ -111,8 +120,8 @@ def main(argv=None) -> int:
               "device_sync_ms_ratio": adapters["device_sync_ms"] / full["device_sync_ms"]}
     print("lora / full: " + ", ".join(f"{k.removesuffix('_ratio')} {v:.4f}" for k, v in ratios.items()))
     if args.json:
-        args.json.write_text(json.dumps({"size": args.size, "params": cfg.num_params(), "rank": args.rank,
-                                         "repeats": args.repeats, **rows, **ratios}, indent=2) + "\n")
+        results_meta.write_json(args.json, {"size": args.size, "params": cfg.num_params(), "rank": args.rank,
+                                            "repeats": args.repeats, **rows, **ratios}, meta_started)
     return 0
 
 

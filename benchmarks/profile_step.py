@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+import results_meta
+
 import jax
 import ml_collections
 import numpy as np
@@ -252,7 +254,8 @@ def profile_decode(args, trace_dir: str) -> dict:
     return s
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="the train step's model")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -266,7 +269,13 @@ def main(argv=None) -> int:
     parser.add_argument("--trace-dir", default=None, help="where the traces go (default: a new temp dir)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and requests: a minute or two")
     parser.add_argument("--json", default=None, help="write the figures to this path")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     dump_hlo()
     if args.quick:
         args.steps, args.sequences, args.requests, args.max_tokens = 3, 128, 128, 128
@@ -282,9 +291,9 @@ def main(argv=None) -> int:
                   f"tokens/s traced: {100 * decode['decode_frac_of_round']:.0f}% of it in decode calls, "
                   f"{100 * decode['prefill_frac_of_round']:.0f}% in prefill calls)", decode, args.top)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "train_step": train, "decode": decode,
-                       "trace_dir": trace_root, "args": vars(args)}, f, indent=2)
+        results_meta.write_json(args.json, {"device": jax.devices()[0].device_kind, "train_step": train,
+                                            "decode": decode, "trace_dir": trace_root, "args": vars(args)},
+                                meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -47,6 +47,8 @@ import sys
 import tempfile
 import time
 
+import results_meta
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -210,7 +212,8 @@ def plot(rows: list[dict], etas: list[int], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (under 5 minutes)")
     ap.add_argument("--json", type=pathlib.Path, help="write every figure here")
@@ -221,7 +224,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=None, help="workload seeds per run up to 64 instances, the "
                     "median is reported (default 3; 1 with --quick)")
     ap.add_argument("--skip-calibration", action="store_true", help="only the simulated part")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     etas = [int(x) for x in (args.eta or ("4" if args.quick else "4,1")).split(",")]
     sizes = [int(x) for x in args.sizes.split(",")]
     steps = 10 if args.quick else 16
@@ -275,8 +284,7 @@ def main(argv=None) -> int:
     out["wall_s"] = time.perf_counter() - started
     print(f"plot: {args.plot}; {out['wall_s']:.0f}s in all")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1, default=float) + "\n")
+        results_meta.write_json(args.json, out, meta_started)
         print(f"figures: {args.json}")
     return 0
 

@@ -38,6 +38,8 @@ import tarfile
 import tempfile
 import time
 
+import results_meta
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASELINE = "7348ee8"
 CONFIG = "configs/arithmetic_tiny.py"
@@ -97,7 +99,8 @@ def run_one(tree: pathlib.Path, config: str, steps: int, workdir: pathlib.Path, 
     return {**step_stats(workdir / "metrics.jsonl", skip), "wall_s": time.perf_counter() - start}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default=BASELINE, help="the earlier commit to compare against")
     parser.add_argument("--baseline-dir", default=None, help="where its files go (default runs/step_vs_commit/C)")
@@ -107,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=int, default=20, help="steps left out of the medians at the start")
     parser.add_argument("--quick", action="store_true", help="41 steps, one run each")
     parser.add_argument("--json", default=None, help="write the figures to this path")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.steps, args.runs = 41, 1
     if args.steps < args.skip + 6 or args.runs < 1:
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                "runs": runs, "median_step_s": med, "step_ratio_baseline_vs_current": ratio,
                "step_ratio_per_pair": pair_ratios,
                "trained_tokens_per_s_ratio_current_vs_baseline": tok["current"] / tok["baseline"]}
-        pathlib.Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        results_meta.write_json(args.json, out, meta_started)
     return 0
 
 

@@ -21,6 +21,8 @@ import json
 import statistics
 import time
 
+import results_meta
+
 import jax
 import ml_collections
 import numpy as np
@@ -111,7 +113,8 @@ def bench_variant(cfg, mesh, batch, remat: bool, steps: int) -> dict:
             "seq_len": int(batch.tokens.shape[-1])}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="10m", choices=sorted(SIZES))
     parser.add_argument("--seq-len", type=int, default=512)
@@ -124,7 +127,13 @@ def main(argv=None) -> int:
                              "step takes minutes)")
     parser.add_argument("--quick", action="store_true", help="tiny model, short sequences: done in seconds")
     parser.add_argument("--json", default=None, help="write the figures to this path")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     if args.quick:
         args.size, args.seq_len, args.sequences, args.steps = "tiny", 128, 32, 3
 
@@ -179,12 +188,12 @@ def main(argv=None) -> int:
               f"{r['tokens_per_s']:>12,.0f}{r['ratio_vs_padded']:>12.2f}x{mfu:>8}")
     if args.json:
         main_r = results.get("packed") or next(iter(results.values()))
-        with open(args.json, "w") as f:
-            json.dump({"size": args.size, "params": cfg.num_params(), "dtype": dtype,
-                       "device": device.device_kind, "devices": jax.device_count(),
-                       "tokens_per_s": main_r["tokens_per_s"], "step_time_s": main_r["step_time_s"],
-                       "mfu": main_r["mfu"], "cpu_mfu": main_r["cpu_mfu"], "cpu_matmul_peak_flops": cpu_peak,
-                       "variants": results}, f, indent=2)
+        results_meta.write_json(args.json, {
+            "size": args.size, "params": cfg.num_params(), "dtype": dtype,
+            "device": device.device_kind, "devices": jax.device_count(),
+            "tokens_per_s": main_r["tokens_per_s"], "step_time_s": main_r["step_time_s"],
+            "mfu": main_r["mfu"], "cpu_mfu": main_r["cpu_mfu"], "cpu_matmul_peak_flops": cpu_peak,
+            "variants": results}, meta_started)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -40,6 +40,8 @@ import subprocess
 import sys
 import time
 
+import results_meta
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/arithmetic_tiny.py"
 SETTINGS = {"batch_prompts": 32, "group_size": 8, "max_new_tokens": 128, "temperature": 1.0, "lr": 1e-4,
@@ -189,7 +191,8 @@ def incumbent_python(flag: str | None, env_var: str) -> tuple[str | None, str]:
     return path, f"run with {path}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, 1.5 minutes each, a 10-step window")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
@@ -204,7 +207,13 @@ def main() -> None:
     parser.add_argument("--trl-python", default=None)
     parser.add_argument("--tunix-python", default=None)
     parser.add_argument("--workdir", type=pathlib.Path, default=ROOT / "runs" / "vs_incumbents")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    meta_started = results_meta.begin(argv)
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
     minutes = args.minutes or (1.5 if args.quick else 6.0)
     incumbent_minutes = args.incumbent_minutes or minutes
@@ -279,12 +288,10 @@ def main() -> None:
     for name in systems:
         print(f"  {name}: {DIFFERENCES[name]}")
     if args.json:
-        args.json.write_text(json.dumps({**out, "seeds": seeds, "minutes": minutes,
-                                         "incumbent_minutes": incumbent_minutes, "settings": SETTINGS,
-                                         "not_run": {n: pythons[n][1] for n in ("trl", "tunix")
-                                                     if n in systems and not pythons[n][0]},
-                                         "differences": {n: DIFFERENCES[n] for n in systems}, "runs": runs},
-                                        indent=2) + "\n")
+        results_meta.write_json(args.json, {
+            **out, "seeds": seeds, "minutes": minutes, "incumbent_minutes": incumbent_minutes, "settings": SETTINGS,
+            "not_run": {n: pythons[n][1] for n in ("trl", "tunix") if n in systems and not pythons[n][0]},
+            "differences": {n: DIFFERENCES[n] for n in systems}, "runs": runs}, meta_started)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import statistics
 import sys
 import time
 
+import results_meta
+
 # name -> (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab), as in train_step.py
 SIZES = {
     "tiny": (64, 128, 2, 4, 2, 16, 512),
@@ -48,7 +50,8 @@ CASES = [
 ]
 
 
-def parse(argv):
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="100m", choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per route and case (median)")
@@ -56,6 +59,11 @@ def parse(argv):
                                                           "there are are skipped)")
     parser.add_argument("--quick", action="store_true", help="a ~10M model, 3 repeats")
     parser.add_argument("--json", default=None, help="write the figures to this path")
+    return parser
+
+
+def parse(argv):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.repeats = ("10m" if args.size == "100m" else args.size), 3
@@ -127,6 +135,7 @@ def bench_case(case, model, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    meta_started = results_meta.begin(argv)
     # Before jax is imported: its backend reads these once.
     flags = os.environ.get("XLA_FLAGS", "")
     if args.platform == "cpu" and "xla_force_host_platform_device_count" not in flags:
@@ -172,8 +181,7 @@ def main(argv=None) -> int:
     print(f"\nworst case: hand-off at {figures['inprocess_sync_vs_device_put']:.2f}x the device_put floor's "
           f"speed, host trip at {figures['host_roundtrip_vs_device_put']:.2f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        results_meta.write_json(args.json, figures, meta_started)
         print(f"wrote {args.json}")
     return 0
 

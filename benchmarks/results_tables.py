@@ -1,0 +1,333 @@
+"""The docs' result tables, generated from the committed result files (benchmarks/results/NAME.json).
+
+    .venv/bin/python benchmarks/results_tables.py            # rewrite the generated blocks
+    .venv/bin/python benchmarks/results_tables.py --check    # exit 1 and show the differences if out of date
+
+A result file is a benchmark's `--json` output (its figures and results_meta.py's `meta` block), written by
+
+    .venv/bin/python benchmarks/NAME.py --quick --json benchmarks/results/NAME.json
+
+docs/benchmarks.md holds one block per benchmark, between `<!-- results:NAME:begin -->` and
+`<!-- results:NAME:end -->`: a table of the benchmark's headline figures (HEADLINES below: which JSON fields,
+labelled how) and a line saying on which machine, when, from which commit and by which command they were
+measured. README.md's block `<!-- results:glance:begin -->`/`end` is a table of at most 8 of those figures
+(GLANCE below), each linking to its block. Everything between the markers is generated: edit the result files
+or the tables here, not the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+MARKER = re.compile(r"<!-- results:(?P<name>[a-z0-9_]+):begin -->\n(?P<body>.*?)<!-- results:(?P=name):end -->",
+                    re.DOTALL)
+GLANCE_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One headline figure: its label, the dotted path to it in the result file (list items by index, or by a
+    field's value: "runs.eta=4.steps"), and a format for its value (str.format; None prints as "n/a"). An
+    optional figure may be absent from the file (a system the run could not start, e.g. vLLM or TRL not
+    installed): it prints as "not run"."""
+
+    label: str
+    path: str
+    fmt: str = "{:.3g}"
+    scale: float = 1.0  # the value is multiplied by it before formatting (1e-9: bytes/s to GB/s)
+    optional: bool = False
+    none: str = "n/a"  # what a null value means here
+
+    def value(self, result: dict):
+        node = result
+        for key in self.path.split("."):
+            if isinstance(node, list) and "=" in key:  # the item whose field equals a value: "runs.eta=4"
+                field, _, want = key.partition("=")
+                node = next((item for item in node if str(item.get(field)) == want), None)
+                if node is None:
+                    raise KeyError(f"{self.path!r}: no item with {key!r} in the result file")
+            elif isinstance(node, list):
+                node = node[int(key)]
+            elif isinstance(node, dict) and key in node:
+                node = node[key]
+            else:
+                raise KeyError(f"{self.path!r}: no {key!r} in the result file")
+            if node is None and self.optional:
+                break
+        return node
+
+    def text(self, result: dict) -> str:
+        try:
+            value = self.value(result)
+        except (KeyError, IndexError):
+            if self.optional:
+                return "not run"
+            raise
+        if value is None:
+            return self.none
+        return self.fmt.format(value * self.scale if self.scale != 1.0 else value)
+
+
+# Each benchmark's headline figures: ratios and medians, the ones the docs quote.
+HEADLINES: dict[str, list[Figure]] = {
+    "async_vs_sync": [
+        Figure("trained tokens/s, eta = 4 over eta = 0", "throughput_ratio_eta4_vs_eta0", "{:.2f}x"),
+        Figure("eta = 0: trained tokens/s", "runs.eta=0.trained_tokens_per_s", "{:,.0f}"),
+        Figure("eta = 4: trained tokens/s", "runs.eta=4.trained_tokens_per_s", "{:,.0f}"),
+        Figure("final held-out accuracy gap, points", "final_accuracy_gap_points", "{:.1f}"),
+        Figure("eta = 4's CPU-bound ceiling over eta = 0", "throughput_ratio_cpu_bound_eta4_vs_eta0", "{:.2f}x"),
+        Figure("eta = 0: trainer idle", "runs.eta=0.trainer_idle_frac", "{:.0%}"),
+        Figure("eta = 4: trainer idle", "runs.eta=4.trainer_idle_frac", "{:.0%}"),
+        Figure("eta = 4: rollout idle", "runs.eta=4.rollout_idle_frac", "{:.0%}"),
+        Figure("eta = 0: final held-out accuracy", "runs.eta=0.final_accuracy", "{:.1%}"),
+        Figure("eta = 4: final held-out accuracy", "runs.eta=4.final_accuracy", "{:.1%}"),
+        Figure("eta = 0: time to the reward target, s", "runs.eta=0.time_to_target_s", "{:.0f}", none="not reached"),
+        Figure("eta = 4: time to the reward target, s", "runs.eta=4.time_to_target_s", "{:.0f}", none="not reached"),
+        Figure("eta = 0: cores busy", "runs.eta=0.cores_busy", "{:.2f}"),
+        Figure("eta = 4: cores busy", "runs.eta=4.cores_busy", "{:.2f}"),
+    ],
+    "engines": [
+        Figure("JAX engine over vLLM, tokens/s, long-tail workload", "jax_vs_vllm_by_workload.long_tail", "{:.2f}x",
+               optional=True, none="not run"),
+        Figure("JAX engine over vLLM, tokens/s, uniform workload", "jax_vs_vllm_by_workload.uniform", "{:.2f}x",
+               optional=True, none="not run"),
+        Figure("JAX engine: tokens/s, long tail (median of rounds)", "results.jax.long_tail.tokens_per_s", "{:,.0f}"),
+        Figure("JAX engine: tokens/s, uniform", "results.jax.uniform.tokens_per_s", "{:,.0f}"),
+        Figure("vLLM: tokens/s, long tail", "results.vllm.long_tail.tokens_per_s", "{:,.0f}", optional=True),
+        Figure("vLLM: tokens/s, uniform", "results.vllm.uniform.tokens_per_s", "{:,.0f}", optional=True),
+        Figure("JAX engine: weight sync, s (median)", "results.jax.long_tail.weight_sync_s", "{:.4f}"),
+        Figure("vLLM: weight sync, s (median)", "results.vllm.long_tail.weight_sync_s", "{:.4f}", optional=True),
+        Figure("JAX engine: start-up, s", "startup_s.jax", "{:.1f}"),
+        Figure("vLLM: start-up, s", "startup_s.vllm", "{:.1f}", optional=True),
+        Figure("JAX engine's share of the memory-bandwidth bound", "decode_vs_bandwidth", "{:.3f}"),
+        Figure("read bandwidth measured in the run, GB/s", "read_bandwidth_bytes_per_s", "{:.3g}", 1e-9),
+    ],
+    "train_step": [
+        Figure("model", "size", "{}"),
+        Figure("packed rows: step time, s (median)", "variants.packed.step_time_s", "{:.3f}"),
+        Figure("packed rows: trained tokens/s", "variants.packed.tokens_per_s", "{:,.0f}"),
+        Figure("packed rows: cpu_mfu (against the fp32 matmul peak)", "variants.packed.cpu_mfu", "{:.3f}"),
+        Figure("packed rows over padded rows, tokens/s", "variants.packed.ratio_vs_padded", "{:.2f}x", optional=True),
+        Figure("padded rows: step time, s", "variants.padded.step_time_s", "{:.3f}", optional=True),
+        Figure("packed + remat: step time, s", "variants.packed+remat.step_time_s", "{:.3f}", optional=True),
+        Figure("fp32 matmul peak in the run, GFLOP/s", "cpu_matmul_peak_flops", "{:,.0f}", 1e-9),
+    ],
+    "data_service": [
+        Figure("group operations/s, embedded service", "group_ops_per_s_embedded", "{:,.0f}"),
+        Figure("group operations/s, over loopback RPC", "group_ops_per_s_loopback", "{:,.0f}"),
+        Figure("weight sync against memcpy (worst route)", "weight_sync_vs_memcpy", "{:.2f}"),
+        Figure("weight sync against memcpy, embedded", "weights.embedded_vs_memcpy", "{:.2f}"),
+        Figure("weight sync against memcpy, shared memory", "weights.shm_vs_memcpy", "{:.2f}"),
+    ],
+    "weight_handoff": [
+        Figure("model", "size", "{}"),
+        Figure("in-process hand-off against device_put (worst case)", "inprocess_sync_vs_device_put", "{:.2f}x"),
+        Figure("host round trip against device_put (worst case)", "host_roundtrip_vs_device_put", "{:.2f}x"),
+        Figure("one device (as the rl job): device_put, ms", "cases.case=one device (as the rl job).device_put_s",
+               "{:.1f}", 1e3),
+        Figure("one device: in-process hand-off, ms", "cases.case=one device (as the rl job).handoff_s", "{:.1f}", 1e3),
+        Figure("one device: host round trip, ms", "cases.case=one device (as the rl job).host_roundtrip_s", "{:.1f}",
+               1e3),
+    ],
+    "cluster_sync": [
+        Figure("model", "params", "{}"),
+        Figure("best transport", "best_transport", "{}"),
+        Figure("its sync against memcpy (worst engine count)", "cluster_sync_vs_memcpy", "{:.2f}"),
+        Figure("memcpy of the version, s", "memcpy_s", "{:.4f}"),
+    ],
+    "jax_engine": [
+        Figure("32 slots: tokens/s", "results.slots=32.tokens_per_s", "{:,.0f}", optional=True),
+        Figure("32 slots: tokens/s with every slot busy", "results.slots=32.full_batch_tokens_per_s", "{:,.0f}",
+               optional=True),
+        Figure("32 slots: mean occupancy", "results.slots=32.mean_occupancy", "{:.0%}", optional=True),
+        Figure("64 slots: tokens/s", "results.slots=64.tokens_per_s", "{:,.0f}", optional=True),
+        Figure("64 slots: tokens/s with every slot busy", "results.slots=64.full_batch_tokens_per_s", "{:,.0f}",
+               optional=True),
+        Figure("64 slots: mean occupancy", "results.slots=64.mean_occupancy", "{:.0%}", optional=True),
+    ],
+    "machine_limits": [
+        Figure("fp32 matmul peak, GFLOP/s", "matmul_peak_flops", "{:,.0f}", 1e-9),
+        Figure("read bandwidth, GB/s", "read_bandwidth_bytes_per_s", "{:.1f}", 1e-9),
+    ],
+    "lora": [
+        Figure("model", "size", "{}"),
+        Figure("LoRA rank", "rank", "{}"),
+        Figure("bytes synced, LoRA over full", "sync_bytes_ratio", "{:.4f}"),
+        Figure("optimizer state, LoRA over full", "opt_state_bytes_ratio", "{:.4f}"),
+        Figure("host sync time, LoRA over full", "host_sync_ms_ratio", "{:.3f}"),
+        Figure("device sync time, LoRA over full", "device_sync_ms_ratio", "{:.3f}"),
+    ],
+    "simulate": [
+        Figure("jaxflow over AReaL-style, 64 instances", "ratio_vs_areal_64", "{:.2f}x"),
+        Figure("jaxflow over synchronous, 64 instances", "ratio_vs_sync_64", "{:.2f}x"),
+        Figure("keep-all ceiling over AReaL-style, 64 instances", "keep_all_ceiling_vs_areal_64", "{:.2f}x"),
+        Figure("calibration error (worst)", "calibration_error", "{:.3f}", optional=True),
+    ],
+    "chaos": [
+        Figure("groups lost", "groups_lost", "{}"),
+        Figure("groups trained twice", "groups_trained_twice", "{}"),
+        Figure("staleness violations", "staleness_violations", "{}"),
+        Figure("recovery, s (median over kills)", "recovery_s_median", "{:.1f}"),
+    ],
+    "profile_step": [
+        Figure("train step, ms (untraced)", "train_step.step_s", "{:.1f}", 1e3),
+        Figure("train step: ops busy, share of its wall time", "train_step.op_busy_frac", "{:.0%}"),
+        Figure("decode round: tokens/s (traced)", "decode.tokens_per_s", "{:,.0f}"),
+        Figure("decode round: share in decode calls", "decode.decode_frac_of_round", "{:.0%}"),
+        Figure("decode round: share in prefill calls", "decode.prefill_frac_of_round", "{:.0%}"),
+    ],
+    "vs_incumbents": [
+        Figure("base reward (the runs' first batches)", "base_reward", "{:.3f}"),
+        Figure("target reward", "target_reward", "{:.3f}"),
+        Figure("jaxflow: s a step (median)", "systems.jaxflow.median_step_s", "{:.3f}"),
+        Figure("jaxflow: steps (median)", "systems.jaxflow.median_steps", "{:.0f}"),
+        Figure("jaxflow: time to target, s (median)", "systems.jaxflow.median_time_to_target_s", "{:.0f}",
+               none="not reached on every seed"),
+        Figure("jaxflow: held-out accuracy after (median)", "systems.jaxflow.median_eval_accuracy", "{:.1%}"),
+        Figure("TRL: s a step (median)", "systems.trl.median_step_s", "{:.3f}", optional=True),
+        Figure("TRL: held-out accuracy after (median)", "systems.trl.median_eval_accuracy", "{:.1%}", optional=True),
+        Figure("Tunix: s a step (median)", "systems.tunix.median_step_s", "{:.3f}", optional=True),
+        Figure("jaxflow reached the target sooner than TRL by (median over seeds)", "speedup_vs_trl", "{:.2f}x",
+               optional=True),
+        Figure("... at least (some seeds' TRL runs missed the target)", "speedup_vs_trl_at_least", "{:.2f}x",
+               optional=True),
+    ],
+    "step_vs_commit": [
+        Figure("step time, baseline over this tree (median)", "step_ratio_baseline_vs_current", "{:.2f}x"),
+        Figure("trained tokens/s, this tree over baseline", "trained_tokens_per_s_ratio_current_vs_baseline",
+               "{:.2f}x"),
+    ],
+}
+
+# README's "at a glance": (benchmark, label of one of its HEADLINES, what it is), at most GLANCE_ROWS.
+GLANCE: list[tuple[str, str, str]] = [
+    ("async_vs_sync", "trained tokens/s, eta = 4 over eta = 0", "async (eta = 4) over sync, trained tokens/s"),
+    ("engines", "JAX engine over vLLM, tokens/s, long-tail workload", "JAX engine over vLLM (CPU), tokens/s"),
+    ("train_step", "packed rows: cpu_mfu (against the fp32 matmul peak)", "update step, share of the matmul peak"),
+    ("simulate", "jaxflow over synchronous, 64 instances", "simulated, 64 instances: over synchronous"),
+    ("data_service", "group operations/s, over loopback RPC", "trajectory service, group operations/s (RPC)"),
+    ("weight_handoff", "in-process hand-off against device_put (worst case)",
+     "weight hand-off in process, speed over device_put"),
+    ("chaos", "groups lost", "chaos run: groups lost"),
+    ("lora", "bytes synced, LoRA over full", "LoRA: bytes synced over full fine-tuning"),
+]
+
+
+def load_results(results_dir: pathlib.Path = RESULTS) -> dict[str, dict]:
+    """Every result file, by benchmark name (the file's stem)."""
+    out = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            out[path.stem] = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}: not JSON ({e})") from e
+    return out
+
+
+def provenance(meta: dict) -> str:
+    """The line under a table: machine, date, commit, load and command."""
+    m = meta["machine"]
+    machine = f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB"
+    if m.get("accelerator"):
+        machine += f", {m['accelerator']}"
+    commit = (meta["commit"] or "unknown")[:10] + (" (uncommitted changes)" if meta["dirty"] else "")
+    peak = f", {meta['load_1min_max']} at most" if "load_1min_max" in meta else ""
+    return (f"Machine: {machine}; date {meta['date']}; commit {commit}; load average "
+            f"{meta['load_1min_start']} at start, {meta['load_1min_end']} at end{peak}; {meta['wall_s']:.0f} s; "
+            f"command `{meta['command']}`.")
+
+
+def benchmark_block(name: str, result: dict | None) -> str:
+    """The generated text between benchmark NAME's markers."""
+    anchor = f'<a id="results-{name}"></a>\n\n'
+    if result is None:
+        return (f"{anchor}No result file committed (benchmarks/results/{name}.json): run "
+                f"`.venv/bin/python benchmarks/{name}.py --quick --json benchmarks/results/{name}.json`.\n")
+    if name not in HEADLINES:
+        raise SystemExit(f"benchmarks/results/{name}.json: results_tables.py's HEADLINES has no entry for {name!r}")
+    rows = "".join(f"| {f.label} | {f.text(result)} |\n" for f in HEADLINES[name])
+    return f"{anchor}| figure | value |\n| --- | ---: |\n{rows}\n{provenance(result['meta'])}\n"
+
+
+def glance_block(results: dict[str, dict]) -> str:
+    """README's table: one headline figure per row, with where and when it was measured."""
+    if len(GLANCE) > GLANCE_ROWS:
+        raise SystemExit(f"GLANCE has {len(GLANCE)} rows; README's table holds at most {GLANCE_ROWS}")
+    rows = []
+    for name, label, what in GLANCE:
+        if name not in results:
+            continue
+        figure = next((f for f in HEADLINES[name] if f.label == label), None)
+        if figure is None:
+            raise SystemExit(f"GLANCE names {label!r}, which is not one of HEADLINES[{name!r}]")
+        text = figure.text(results[name])
+        if text == "not run":  # e.g. a ratio against a system the committed run did not have
+            continue
+        meta = results[name]["meta"]
+        rows.append(f"| {what} | {text} | {meta['date'][:10]} | {(meta['commit'] or '?')[:7]} "
+                    f"| {meta['machine']['cpu']}, {meta['machine']['cores']} cores "
+                    f"| [{name}](docs/benchmarks.md#results-{name}) |\n")
+    if not rows:
+        return "No result files committed yet (benchmarks/results/).\n"
+    header = "| what | figure | date | commit | machine | details |\n| --- | ---: | --- | --- | --- | --- |\n"
+    return header + "".join(rows)
+
+
+def render(text: str, blocks) -> str:
+    """`text` with each marker pair's body replaced by blocks(name) (None leaves that body as it is)."""
+    def one(m: re.Match) -> str:
+        body = blocks(m["name"])
+        body = m["body"] if body is None else body
+        return f"<!-- results:{m['name']}:begin -->\n{body}<!-- results:{m['name']}:end -->"
+    return MARKER.sub(one, text)
+
+
+def generate(results: dict[str, dict], docs_text: str, readme_text: str) -> tuple[str, str]:
+    """docs/benchmarks.md's and README.md's texts with every generated block up to date."""
+    in_docs = {m["name"] for m in MARKER.finditer(docs_text)}
+    missing = sorted(set(results) - in_docs)
+    if missing:
+        raise SystemExit("docs/benchmarks.md has no marker pair for "
+                         + ", ".join(f"benchmarks/results/{n}.json" for n in missing)
+                         + ": add `<!-- results:NAME:begin -->` and `<!-- results:NAME:end -->` to it")
+    docs = render(docs_text, lambda name: None if name == "glance" else benchmark_block(name, results.get(name)))
+    readme = render(readme_text, lambda name: glance_block(results) if name == "glance" else None)
+    return docs, readme
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is out of date")
+    args = parser.parse_args(argv)
+    results = load_results()
+    stale = []
+    for path, new in zip((DOCS, README), generate(results, DOCS.read_text(), README.read_text())):
+        old = path.read_text()
+        if old == new:
+            continue
+        rel = path.relative_to(ROOT)
+        if args.check:
+            stale.append(rel)
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                       f"{rel} (as committed)", f"{rel} (generated)"))
+        else:
+            path.write_text(new)
+            print(f"rewrote the generated blocks of {rel}")
+    if stale:
+        print(f"\nout of date: {', '.join(map(str, stale))}; run .venv/bin/python benchmarks/results_tables.py")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
