@@ -194,7 +194,7 @@ def test_bad_input_is_named():
         step(state, dataclasses.replace(batch, loss_mask=np.zeros_like(batch.loss_mask)))
     with pytest.raises(ValueError, match="policy version 3, newer than the version being trained"):
         step(state, dataclasses.replace(batch, versions=np.where(batch.loss_mask > 0, 3, -1).astype(np.int32)))
-    with pytest.raises(ValueError, match="unknown policy loss 'bogus'"):
+    with pytest.raises(ValueError, match="trainer.loss.name 'bogus' is not one of"):
         StepConfig(loss=LossConfig(name="bogus"))
     with pytest.raises(ValueError, match="trajectory 0: 3 completion tokens but 2 behaviour log-probs"):
         make_batch([Trajectory([1], [1, 2, 3], [0.0, 0.0], [0, 0, 0])], num_rows=1, seq_len=8)
