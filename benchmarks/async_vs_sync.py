@@ -137,15 +137,15 @@ def main(argv: list[str] | None = None) -> None:
         r["time_to_target_s"] = time_to_target(r["curve"], args.reward_target, window)
     print(f"\nasync vs sync, {steps} steps each ({'quick' if args.quick else 'full'}), reward target "
           f"{args.reward_target} ({window}-step mean)")
-    print(f"{'eta':>4} {'tok/s':>9} {'loop s':>8} {'evals s':>8} {'to target s':>12} {'final acc':>10} {'idle train':>11} "
-          f"{'idle roll':>10} {'cores busy':>11}  staleness (fraction of tokens)")
+    print(f"{'eta':>4} {'tok/s':>9} {'loop s':>8} {'evals s':>8} {'to target s':>12} {'final acc':>10} "
+          f"{'idle train':>11} {'idle roll':>10} {'cores busy':>11}  staleness (fraction of tokens)")
     for r in runs:
         hist = r["staleness_histogram"]
         total = max(sum(hist.values()), 1)
         target = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
         acc = "-" if r["final_accuracy"] is None else f"{r['final_accuracy']:.1%}"
-        print(f"{r['eta']:>4} {r['trained_tokens_per_s']:>9.0f} {r['wall_s']:>8.0f} {r['eval_s']:>8.0f} {target:>12} {acc:>10} "
-              f"{r['trainer_idle_frac']:>11.0%} {r['rollout_idle_frac']:>10.0%} "
+        print(f"{r['eta']:>4} {r['trained_tokens_per_s']:>9.0f} {r['wall_s']:>8.0f} {r['eval_s']:>8.0f} "
+              f"{target:>12} {acc:>10} {r['trainer_idle_frac']:>11.0%} {r['rollout_idle_frac']:>10.0%} "
               f"{r['cores_busy']:>6.2f} of {r['cores']:<2}  "
               + " ".join(f"{k}:{n / total:.0%}" for k, n in hist.items()))
     by_eta = {r["eta"]: r for r in runs}

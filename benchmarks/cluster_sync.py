@@ -49,7 +49,6 @@ figures are only as steady as the machine is idle). Needs `ray` (the cluster ext
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -329,7 +328,8 @@ def main(argv=None) -> int:
     best = max(worst, key=worst.get)
     figures = {
         "params": args.params, "num_params": int(n_params), "bytes": nbytes, "tensors": len(tensors),
-        "dtype": "float32", "repeats": args.repeats, "gap_s": args.gap_s, "bucket_bytes": bucket_bytes, "cpus": os.cpu_count(),
+        "dtype": "float32", "repeats": args.repeats, "gap_s": args.gap_s, "bucket_bytes": bucket_bytes,
+        "cpus": os.cpu_count(),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "engine_counts": args.engines,
         "memcpy_s": memcpy, "best_transport": best, "cluster_sync_vs_memcpy": worst[best],

@@ -17,21 +17,19 @@ The JSON carries group_ops_per_s_embedded, group_ops_per_s_loopback and weight_s
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import statistics
 import time
 
+import numpy as np
 import results_meta
 
-import numpy as np
-
-from jaxflow.transport import rpc
-from jaxflow.transport.param_client import ParameterClient
 from jaxflow.data.param_service import RPC_METHODS, ParameterService
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import Sample
 from jaxflow.data.trajectory_service import TrajectoryService
+from jaxflow.transport import rpc
+from jaxflow.transport.param_client import ParameterClient
 
 TRAJECTORY_METHODS = ["dispatch", "finish", "consume", "mark_published", "stats"]
 

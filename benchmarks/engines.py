@@ -20,18 +20,16 @@ vLLM runs when it is installed (`python3 -m jaxflow.setup_env`); otherwise its c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 
-import results_meta
-
 import numpy as np
+import results_meta
+from machine_limits import read_bandwidth
 
 from jaxflow.models.hf_io import iter_hf_tensors, load_model
-from machine_limits import read_bandwidth
 from jaxflow.models.tiny import write_tiny_model
 from rollout_bridge.engine import Request, SamplingParams
 
@@ -68,7 +66,7 @@ def run_engine(engine, requests: list[Request], tensors, repeats: int) -> dict:
         assert tokens == sum(q.params.max_tokens for q in requests), "engine stopped early"
         rates.append(tokens / elapsed)
     syncs = []
-    for v in range(1, 4):
+    for _ in range(3):
         t0 = time.perf_counter()
         engine.update_weights(engine.version + 1, tensors)
         syncs.append(time.perf_counter() - t0)

@@ -34,13 +34,13 @@ def main() -> None:
     if len(cores) > s["threads"]:
         os.sched_setaffinity(0, cores[:s["threads"]])
 
+    import flax
     import jax
     import numpy as np
     import optax
     import transformers
-    import flax
-    from flax import nnx
     import tunix
+    from flax import nnx
     from tunix.generate import sampler as sampler_lib
     from tunix.generate import tokenizer_adapter
     from tunix.models.qwen3 import model as qwen3_model

@@ -14,15 +14,13 @@ still queue (every slot busy), and the mean slot occupancy.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import tempfile
 import time
 
-import results_meta
-
 import jax
 import numpy as np
+import results_meta
 
 from jaxflow.models.config import from_hf_config, read_hf_config
 from jaxflow.models.tiny import write_tiny_model

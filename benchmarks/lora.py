@@ -20,17 +20,14 @@ The JSON carries `sync_bytes_ratio` and `opt_state_bytes_ratio` (LoRA / full) an
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
 import time
 
-import results_meta
-
 import jax
+import results_meta
 from flax import nnx
-
 from train_step import SIZES, model_config
 
 from jaxflow import sharding

@@ -15,7 +15,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-
 import results_meta
 
 

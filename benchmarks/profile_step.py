@@ -29,14 +29,14 @@ import sys
 import tempfile
 import time
 
-import results_meta
-
 import jax
 import ml_collections
 import numpy as np
-from flax import nnx
-
+import results_meta
 from engines import MODELS, workload
+from flax import nnx
+from train_step import SIZES, long_tail_trajectories, model_config
+
 from jaxflow import sharding
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.models.transformer import Transformer
@@ -44,7 +44,6 @@ from jaxflow.trainer.batch import make_batch
 from jaxflow.trainer.state import create_train_state, train_state_shardings
 from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer
 from rollout_bridge.engine import Request
-from train_step import SIZES, long_tail_trajectories, model_config
 
 _DUMP = ""  # where XLA dumps the optimised HLO (`dump_hlo`)
 
@@ -128,7 +127,8 @@ def summarise(events: list[dict], module_re: str, top: int) -> dict:
     """Op time of the XLA modules matching `module_re`, per call (one execution: one run id): each op's
     own time (nested ops subtracted), the call's wall time (its first op's start to its last op's end) and
     the fraction of it during which some thread ran one of its ops."""
-    ops = [e for e in events if e.get("ph") == "X" and re.search(module_re, (e.get("args") or {}).get("hlo_module", ""))]
+    ops = [e for e in events
+           if e.get("ph") == "X" and re.search(module_re, (e.get("args") or {}).get("hlo_module", ""))]
     spans: dict[str, list[float]] = {}
     for e in ops:
         span = spans.setdefault(e["args"].get("run_id", ""), [e["ts"], e["ts"] + e["dur"]])

@@ -114,7 +114,7 @@ def begin(argv: list[str] | None = None) -> dict:
     except ValueError:
         script_name = sys.argv[0]
     commit = _git("rev-parse", "HEAD") or None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "commit": commit,
             "dirty": _dirty() if commit else None,
             "command": shlex.join([".venv/bin/python", script_name, *args]),

@@ -17,22 +17,20 @@ one run (`ratio_vs_padded`: the padded baseline unless `--variants` leaves it ou
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-
-import results_meta
 
 import jax
 import ml_collections
 import numpy as np
+import results_meta
 from flax import nnx
+from machine_limits import matmul_peak_flops
 
 from jaxflow import sharding
-from machine_limits import matmul_peak_flops
-from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
+from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.trainer.state import create_train_state, train_state_shardings
 from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer
 
@@ -179,7 +177,8 @@ def main(argv=None) -> int:
     base = results[next(iter(results))]["tokens_per_s"]
     if cpu_peak:
         print(f"\nMFU against this CPU's fp32 matmul peak, measured now: {cpu_peak / 1e9:,.0f} GFLOP/s")
-    print(f"\n{'variant':<14}{'rows x len':>12}{'step (ms)':>11}{'tokens/s':>12}{'vs ' + next(iter(results)):>13}{'MFU':>8}")
+    first = "vs " + next(iter(results))
+    print(f"\n{'variant':<14}{'rows x len':>12}{'step (ms)':>11}{'tokens/s':>12}{first:>13}{'MFU':>8}")
     for name, r in results.items():
         r["ratio_vs_padded"] = r["tokens_per_s"] / base
         mfu = r["mfu"] if r["mfu"] is not None else r["cpu_mfu"]

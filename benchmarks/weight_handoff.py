@@ -25,7 +25,6 @@ JSON: `inprocess_sync_vs_device_put` (floor time / hand-off time, the worst case
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -150,8 +149,8 @@ def main(argv=None) -> int:
 
     d, f, n_layers, h, g, k, v = SIZES[args.size]
     cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=v, hidden_size=d, intermediate_size=f,
-                      num_layers=n_layers, num_heads=h, num_kv_heads=g, head_dim=k, qk_norm=True, tie_word_embeddings=True,
-                      dtype="float32")
+                      num_layers=n_layers, num_heads=h, num_kv_heads=g, head_dim=k, qk_norm=True,
+                      tie_word_embeddings=True, dtype="float32")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     n = jax.device_count()
     cases = [c for c in CASES if max(c[1][1], c[3][1]) <= n]

@@ -1,6 +1,6 @@
 """Every benchmark script accepts `--quick --json PATH`, and its command line parses every command the docs
-give for it (README.md and docs/*.md code blocks), without running a benchmark: each script's
-`build_parser()` is imported and asked."""
+give for it (README.md and docs/*.md code blocks, docs/benchmarks.md's above all), without running a
+benchmark: each script's `build_parser()` is imported and asked."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def _prose(text: str) -> str:
 def hand_typed_figures(path: pathlib.Path) -> list[str]:
     """The result-like figures in `path`'s prose, outside generated blocks and code, less ALLOWED."""
     found = []
-    for i, line in enumerate(_prose(path.read_text()).splitlines(), 1):
+    for line in _prose(path.read_text()).splitlines():
         for m in FIGURE.finditer(line):
             if (path.name, m.group(0)) not in ALLOWED:
                 found.append(f"{path.relative_to(ROOT)}: {m.group(0)!r} in: {line.strip()[:120]}")

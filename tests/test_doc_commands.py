@@ -45,11 +45,12 @@ COMMANDS: dict[str, tuple[tuple[str, str], ...]] = {
         ("tests/test_main.py", '"tiny_model.py"'), ("tests/test_main.py", ':llama"'),
         ("tests/test_main.py", '"model.num_layers"')),
     ".venv/bin/python -m jaxflow.main --config=configs/arithmetic_tiny.py --config.cluster.mode=ray": (
-        ("tests/jobs/test_rl_job.py", '"configs/arithmetic_tiny.py"'), ("tests/jobs/test_rl_job.py", 'mode="ray"')),
+        ("tests/small_runs.py", 'CONFIG = "configs/arithmetic_tiny.py"'), ("tests/jobs/test_rl_job.py", 'mode="ray"')),
     ".venv/bin/python -m jaxflow.main --config=configs/arithmetic_tiny.py --config.cluster.mode=ray "
     "--config.cluster.rollout_actors=2 --config.cluster.trainer_processes=2 --config.cluster.trainer_cpu_devices=4 "
     "--config.cluster.trainer_mesh.fsdp=4 --config.cluster.trainer_mesh.tensor=2": (
-        ("tests/cluster/test_ray_rl.py", '"configs/arithmetic_tiny.py"'),
+        ("tests/small_runs.py", 'CONFIG = "configs/arithmetic_tiny.py"'),
+        ("tests/cluster/test_ray_rl.py", "small_config("),
         ("tests/cluster/test_ray_rl.py", ('"cluster.mode": "ray", "cluster.rollout_actors": 2, '
                                           '"cluster.trainer_processes": 2')),
         ("tests/cluster/test_ray_rl.py", ('"cluster.trainer_cpu_devices": 4, "cluster.trainer_mesh.fsdp": 4, '
