@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[tuple[str, str], ...]] = {
     ".venv/bin/python -m pytest -q -n 2": ((".ci/run", ".venv/bin/python -m pytest -q -n 2"),),
     ".venv/bin/python -m pytest -q tests/colabs": ((NOTEBOOKS, "def test_"),),
     ".venv/bin/lint-imports": (("tests/test_layers.py", '"lint-imports"'),),
+    ".venv/bin/ruff check .": (("tests/test_lint.py", '_ruff(".")'),),
     ".venv/bin/mkdocs build --strict -f docs/mkdocs/mkdocs.yml -d build/site": (
         ("tests/test_docs_site.py", '"--strict"'), ("tests/test_docs_site.py", '"mkdocs" / "mkdocs.yml"')),
     # The main job: the tools notebook runs its config, at a small size.
