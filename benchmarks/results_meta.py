@@ -84,7 +84,8 @@ def machine() -> dict:
 
 def _git(*args: str) -> str:
     proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    return proc.stdout.strip() if proc.returncode == 0 else ""
+    # rstrip only: `status --porcelain` lines start with a space ("XY path"), the first one too.
+    return proc.stdout.rstrip() if proc.returncode == 0 else ""
 
 
 def _dirty() -> bool:
