@@ -216,8 +216,7 @@ GLANCE: list[tuple[str, str, str]] = [
     ("train_step", "packed rows: cpu_mfu (against the fp32 matmul peak)", "update step, share of the matmul peak"),
     ("simulate", "jaxflow over synchronous, 64 instances", "simulated, 64 instances: over synchronous"),
     ("data_service", "group operations/s, over loopback RPC", "trajectory service, group operations/s (RPC)"),
-    ("weight_handoff", "in-process hand-off against device_put (worst case)",
-     "weight hand-off in process, speed over device_put"),
+    ("async_vs_sync", "eta = 4: final held-out accuracy", "the main job's config, eta = 4: held-out accuracy"),
     ("chaos", "groups lost", "chaos run: groups lost"),
     ("lora", "bytes synced, LoRA over full", "LoRA: bytes synced over full fine-tuning"),
 ]
