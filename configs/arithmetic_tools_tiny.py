@@ -38,7 +38,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 16 groups a step (the single-turn task's 32 halved). What environment-level asynchrony gains is the
     # tool's waits against the compute a step holds: a synchronous step computes, then waits on its
     # slowest episode's tool calls, while an asynchronous one fills those waits with later steps' work.
-    # At 32 groups a step's compute outweighed a 0.3 s tool about 3 to 1 (README: Multi-turn episodes).
+    # At 32 groups a step's compute outweighed a 0.3 s tool (benchmarks/async_vs_sync.py measures both).
     config.trainer.batch_groups = 16
     # An episode waiting on its tool holds one of the engine's `max_running` places but computes nothing:
     # twice the single-turn task's places keep the engine's rows busy meanwhile (slots stay as they are;

@@ -1,6 +1,6 @@
 """The RL job with LoRA adapters (`trainer.lora`): the base frozen, the adapters alone trained, synced to
 the JAX engine and checkpointed; a resumed run continues from the adapters it saved; the export is the
-merged policy. (That LoRA learns as full fine-tuning does is measured on the tool demo: README, LoRA.)"""
+merged policy. (That LoRA learns as full fine-tuning does is a run of the tool demo, not a test.)"""
 
 import json
 import subprocess
