@@ -90,12 +90,12 @@ def lora_problems(rank, alpha, targets, prefix: str = "trainer.lora.") -> list[s
     """What is wrong with a LoRA setting (rank 0 switches LoRA off and is fine), one message per key."""
     problems = []
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0:
-        problems.append(f"{prefix}rank must be an int >= 0 (0: no LoRA), got {rank!r}")
+        problems.append(f"{prefix}rank must be an int >= 0 (0: no LoRA), got {rank!r:.80}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-        problems.append(f"{prefix}alpha must be a number > 0, got {alpha!r}")
+        problems.append(f"{prefix}alpha must be a number > 0, got {alpha!r:.80}")
     if isinstance(targets, str) or not isinstance(targets, Iterable):
         problems.append(f"{prefix}targets must be a list of projections from {', '.join(LORA_TARGETS)}, "
-                        f"got {targets!r}")
+                        f"got {targets!r:.80}")
     else:
         targets = list(targets)
         unknown = [t for t in targets if t not in LORA_TARGETS]
@@ -240,27 +240,72 @@ def write_adapter(directory: str | os.PathLike, spec: LoRASpec, tensors: Mapping
 
 
 def read_adapter(directory: str | os.PathLike) -> tuple[LoRASpec, dict[str, np.ndarray]]:
-    """A PEFT adapter directory -> (its spec, its PEFT-named tensors). ValueError naming the file for what
-    jaxflow cannot apply (another PEFT type, rsLoRA or DoRA, modules it has no adapters for)."""
+    """A PEFT adapter directory -> (its spec, its PEFT-named tensors).
+
+    Raises:
+      ValueError naming the file (and the key or tensor): an `adapter_config.json` that does not read as a
+        JSON object, lacks `r` or `lora_alpha`, or gives a value of the wrong type (`r` an int >= 1, never a
+        string, float or bool); what jaxflow cannot apply (another PEFT type, rsLoRA or DoRA, per-module
+        ranks or alphas, modules it has no adapters for); a weights file that is not valid safetensors, or a
+        lora_A / lora_B tensor that is not 2-D of rank `r` ([r, in] / [out, r]) or holds NaN or inf.
+      FileNotFoundError: `adapter_model.safetensors` is missing.
+    """
     from jaxflow.models.safetensors_io import SafetensorsFile
     directory = pathlib.Path(directory)
     path = directory / ADAPTER_CONFIG
+    spec = _read_adapter_config(path)
+    weights = directory / ADAPTER_WEIGHTS
+    with SafetensorsFile(weights) as f:
+        tensors = {name: np.array(f.get(name)) for name in f.names()}
+    _check_adapter_tensors(weights, spec, tensors)
+    return spec, tensors
+
+
+def _read_adapter_config(path: pathlib.Path) -> LoRASpec:
+    """The LoRASpec an adapter_config.json describes; ValueError naming `path` and the key otherwise."""
     try:
         cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read the adapter config ({e})") from None
+    except RecursionError:  # json recurses per nesting level; a hostile file can nest 100k deep
+        raise ValueError(f"{path}: cannot read the adapter config (JSON nested too deeply)") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: the adapter config is a JSON {type(cfg).__name__}, expected an object")
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+        raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r:.80} is not LORA")
     for key in ("use_rslora", "use_dora"):
+        if cfg.get(key) not in (None, False):
+            raise ValueError(f"{path}: {key} is {cfg[key]!r:.80}; jaxflow applies plain LoRA only")
+    for key in ("rank_pattern", "alpha_pattern"):  # per-module r or alpha: one LoRASpec cannot say it
         if cfg.get(key):
-            raise ValueError(f"{path}: {key} is set; jaxflow applies plain LoRA only")
-    targets = cfg.get("target_modules")
+            raise ValueError(f"{path}: {key} is set; jaxflow applies one rank and alpha to every module")
+    problems = [f"{key} is missing" for key in ("r", "lora_alpha") if key not in cfg]
+    rank, alpha, targets = cfg.get("r", 1), cfg.get("lora_alpha", 1.0), cfg.get("target_modules")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        problems.append(f"r must be an int >= 1, got {rank!r:.80}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        problems.append(f"lora_alpha must be a number > 0, got {alpha!r:.80}")
     if isinstance(targets, str):
         targets = [targets]
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        problems.append(f"target_modules must be a list of module names, got {targets!r:.80}")
+    if problems:
+        raise ValueError(f"{path}: " + "; ".join(problems))
     try:
-        spec = LoRASpec(int(cfg["r"]), float(cfg["lora_alpha"]), tuple(targets or ()))
-    except (KeyError, TypeError, ValueError) as e:
+        return LoRASpec(rank, float(alpha), tuple(targets))
+    except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    with SafetensorsFile(directory / ADAPTER_WEIGHTS) as f:
-        tensors = {name: np.array(f.get(name)) for name in f.names()}
-    return spec, tensors
+
+
+def _check_adapter_tensors(path: pathlib.Path, spec: LoRASpec, tensors: Mapping[str, np.ndarray]) -> None:
+    """ValueError naming `path` and the tensor: a lora_A that is not [r, in] or a lora_B not [out, r] for
+    `spec.rank` (the config's `r` must be the tensors' rank), or a tensor with a NaN or inf."""
+    for name, x in tensors.items():
+        rank_axis = 0 if name.endswith(".lora_A.weight") else 1 if name.endswith(".lora_B.weight") else None
+        if rank_axis is not None and (x.ndim != 2 or x.shape[rank_axis] != spec.rank):
+            layout = "[r, in]" if rank_axis == 0 else "[out, r]"
+            raise ValueError(f"{path}: tensor {name!r} has shape {x.shape}, expected {layout} with r = {spec.rank} "
+                             f"(adapter_config.json's r)")
+        # Floating kinds: "f", "c", and "V" for ml_dtypes' bfloat16 and float8 (ints and bools hold no NaN).
+        if x.dtype.kind in "fcV" and not (finite := np.isfinite(x)).all():
+            raise ValueError(f"{path}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or inf values")
