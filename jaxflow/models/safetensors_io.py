@@ -67,6 +67,24 @@ class CheckpointError(ValueError):
     """
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object names `key` twice (json.loads would keep the last one silently)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object_pairs_hook: the object as a dict, or `_DuplicateKey` for a key given twice."""
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
 def _tag_of(dtype: np.dtype) -> str | None:
     """The safetensors dtype tag for a numpy dtype (either byte order), or None if the format has none."""
     dtype = np.dtype(dtype)
@@ -111,7 +129,9 @@ class SafetensorsFile:
 
     def _parse_header(self, header_bytes: bytes, buffer_start: int, buffer_len: int) -> None:
         try:
-            header = json.loads(header_bytes.decode("utf-8"))
+            header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:  # two entries for one tensor: which one a reader takes is arbitrary
+            raise self._invalid(f"header names {e.key!r} twice") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise self._invalid(f"header is not valid UTF-8 JSON ({e})") from None
         except RecursionError:  # json recurses per nesting level; a hostile header can nest 100k deep
@@ -366,7 +386,9 @@ class CheckpointReader:
 
     def _read_index(self, index: pathlib.Path) -> None:
         try:
-            content = json.loads(index.read_text(encoding="utf-8"))
+            content = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:  # a tensor mapped to two shards
+            raise CheckpointError(f"{index}: names {e.key!r} twice") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{index}: not valid JSON ({e})") from None
         except RecursionError:

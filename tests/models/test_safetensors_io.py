@@ -313,6 +313,14 @@ CORRUPTIONS = {
                                 "nested too deeply"),
     "metadata nested 100k deep": (lambda p: _corrupt(p, b'{"__metadata__": ' + b'{"a": ' * 100_000
                                                      + b"1" + b"}" * 100_000 + b"}"), "nested too deeply"),
+    # json.loads keeps the last of two entries silently; which one the writer meant is unknowable.
+    "a tensor named twice": (lambda p: _corrupt(p, b'{"w": ' + json.dumps(F32_2x2).encode() + b', "w": '
+                                                + json.dumps({**F32_2x2, "shape": [4]}).encode() + b"}", bytes(16)),
+                             "names 'w' twice"),
+    "a field named twice": (lambda p: _corrupt(p, b'{"w": {"dtype": "F32", "dtype": "I32", "shape": [2, 2], '
+                                                  b'"data_offsets": [0, 16]}}', bytes(16)), "names 'dtype' twice"),
+    "metadata named twice": (lambda p: _corrupt(p, b'{"__metadata__": {"format": "pt"}, "__metadata__": {}}'),
+                             "names '__metadata__' twice"),
 }
 
 
@@ -326,6 +334,16 @@ def test_corrupt_file_raises_checkpoint_error_naming_the_file(tmp_path, case):
     message = str(info.value)
     assert message.startswith(f"not a valid safetensors file: {path}: "), message
     assert re.search(expected, message), message
+
+
+def test_an_index_mapping_a_tensor_twice_is_refused(tmp_path):
+    write_checkpoint(tmp_path, _model_tensors(), max_shard_bytes=600)
+    index_path = tmp_path / INDEX_FILE_NAME
+    text = index_path.read_text()
+    name, file_name = next(iter(json.loads(text)["weight_map"].items()))
+    index_path.write_text(text.replace('"weight_map": {', f'"weight_map": {{"{name}": "{file_name}", ', 1))
+    with pytest.raises(CheckpointError, match=f"{INDEX_FILE_NAME}.*{re.escape(name)}"):
+        CheckpointReader(tmp_path)
 
 
 def test_corrupt_shard_error_names_the_shard(tmp_path):
