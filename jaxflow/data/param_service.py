@@ -55,9 +55,10 @@ The buffers themselves (layout, shared-memory segments, pre-faulting, write cove
 
 Every rejected call raises before it changes anything, so a bad input never leaves a partial version
 visible and the service keeps working. Two limits keep a careless or hostile publisher from blocking the
-trainer: the bytes reserved by uncommitted versions are capped (`max_pending_bytes`), and a version
-number must be below 2**53 and, once a version is committed, at most `max_version_jump` past the newest
-(so a publish of version 2**63 cannot make every later publish "not newer").
+trainer: the bytes reserved by uncommitted versions are capped (`max_pending_bytes`, by default half of the
+machine's physical memory), and a version number must be below 2**53 and, once a version is committed, at
+most `max_version_jump` past the newest (so a publish of version 2**63 cannot make every later publish "not
+newer").
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxflow import machine
 from jaxflow.data import checks
 from jaxflow.data.param_storage import (
     _SHM_DIR,
@@ -88,7 +90,8 @@ from jaxflow.data.param_storage import (
 )
 from jaxflow.data.timeouts import check_timeout
 
-__all__ = ["ALIGNMENT", "DEFAULT_CHUNK_BYTES", "DTYPES", "RPC_METHODS", "ParameterService", "UnknownVersionError"]
+__all__ = ["ALIGNMENT", "DEFAULT_CHUNK_BYTES", "DTYPES", "RPC_METHODS", "ParameterService", "UnknownVersionError",
+           "default_max_pending_bytes"]
 
 # Bytes per `read` / `put` call of a ParameterClient: big enough that per-call overhead vanishes, small
 # enough that one message never holds much memory.
@@ -105,6 +108,12 @@ class UnknownVersionError(LookupError):
 
 
 MAX_VERSION = 2 ** 53 - 1  # exact in a float and in JSON
+
+
+def default_max_pending_bytes() -> int:
+    """The default cap on bytes reserved by versions being published: half of this machine's physical memory
+    (`jaxflow.machine.physical_memory_bytes`), so a huge `begin` is refused before it can exhaust the host."""
+    return max(1, machine.physical_memory_bytes() // 2)
 
 
 def _check_version_number(version: Any) -> int:
@@ -137,14 +146,17 @@ class ParameterService:
     shared_memory: store each version in a named shared-memory segment that other processes on this host
         can map (`attach_shared`); Linux only.
     prefault: keep a pre-faulted spare buffer so publishes copy into warm memory (see the module doc).
-    max_pending_bytes: the most bytes all versions being published (begun, not committed) may reserve.
+    max_pending_bytes: the most bytes all versions being published (begun, not committed) may reserve; None:
+        half of this machine's physical memory (`default_max_pending_bytes`).
     max_version_jump: how far past the newest committed version a new version number may be.
     """
 
     def __init__(self, keep: int = 2, shared_memory: bool = False, prefault: bool = True, *,
-                 max_pending_bytes: int = 64 << 30, max_version_jump: int = 16):
+                 max_pending_bytes: int | None = None, max_version_jump: int = 16):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        if max_pending_bytes is None:
+            max_pending_bytes = default_max_pending_bytes()
         for name, value in (("max_pending_bytes", max_pending_bytes), ("max_version_jump", max_version_jump)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -1,9 +1,13 @@
 """Parameter-service limits: uncommitted reservations are capped in bytes, and a version number may not jump
-far past the newest, so neither a huge `begin` nor a publish of version 2**63 can block the trainer."""
+far past the newest, so neither a huge `begin` nor a publish of version 2**63 can block the trainer; the cap's
+default is a share of the machine's memory."""
+
+import os
 
 import numpy as np
 import pytest
 
+from jaxflow import machine
 from jaxflow.data.param_service import ParameterService
 
 
@@ -45,3 +49,18 @@ def test_wait_timeouts_must_be_finite(timeout):
             svc.poll_version(0, timeout)
         with pytest.raises((TypeError, ValueError), match="timeout"):
             svc.wait_for_version(0, timeout)
+
+
+def test_the_pending_cap_defaults_to_half_the_machines_memory_and_is_overridable(monkeypatch):
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with ParameterService(keep=1, prefault=False) as svc:
+        assert 1 <= svc.max_pending_bytes <= physical  # the old default, 64 GiB, is more than many machines hold
+    monkeypatch.setattr(machine, "physical_memory_bytes", lambda: 8 << 20)
+    with ParameterService(keep=1, prefault=False) as svc:
+        assert svc.max_pending_bytes == 4 << 20
+        with pytest.raises(ValueError, match="max_pending_bytes"):
+            svc.begin(0, manifest(5 << 20))
+        svc.publish(0, {"w": np.ones(3 << 20, np.uint8)})
+    with ParameterService(keep=1, prefault=False, max_pending_bytes=6 << 20) as svc:
+        svc.publish(0, {"w": np.ones(5 << 20, np.uint8)})
+        assert svc.latest() == 0
