@@ -1,6 +1,6 @@
 """The RL job's bookkeeping, shared by its embedded and cluster forms: the ledger of trained groups, where
-every group went (`accounting`), reward failures made visible (`RewardErrors`, `check_first_batch`), and
-Ctrl-C handling (`StopRequest`)."""
+every group went (`accounting`), the reward pools' settings (`reward_pool_options`), reward failures made
+visible (`RewardErrors`, `check_first_batch`), and Ctrl-C handling (`StopRequest`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ from jaxflow.rewards import RewardPool
 REWARD_FAILURES = ("raised", "timed_out", "crashed", "invalid")
 # Distinct reward errors printed; any more are counted only.
 _MAX_PRINTED_REWARD_ERRORS = 5
+
+
+def reward_pool_options(rollout) -> dict:
+    """The `RewardPool` arguments of the `rollout` config section, the same for every pool a job builds:
+    `reward_workers` processes, `reward_timeout_s` per call, `reward_memory_mb` of address space each (None:
+    the pool's share of the machine's memory), and 0 for a failed call."""
+    return {"num_workers": rollout.reward_workers, "timeout_s": rollout.reward_timeout_s, "failed_value": 0.0,
+            "memory_limit_mb": rollout.get("reward_memory_mb")}
 
 
 class RewardErrors:

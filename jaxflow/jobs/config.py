@@ -54,6 +54,9 @@ class RolloutConfig(Section):
     decode_chunk: decode steps the JAX engine runs per call.
     reward_workers: reward processes.
     reward_timeout_s: seconds after which a reward call counts as failed.
+    reward_memory_mb: each reward process's address-space limit in MiB (a runaway allocation raises in the
+      reward function, scoring the sample 0); None: the processes share half of the machine's physical memory
+      (`jaxflow.rewards.pool.default_memory_limit_mb`); 0: no limit.
     lease_s: a group dispatched to a worker goes back to the queue (with its partial tokens) if the worker does
       not renew it for this long: a dead or hung worker cannot stall training.
     kv_cache_gib: vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
@@ -73,6 +76,7 @@ class RolloutConfig(Section):
     decode_chunk: int = 16
     reward_workers: int = 1
     reward_timeout_s: float = 5.0
+    reward_memory_mb: int | None = None
     lease_s: float = 60.0
     kv_cache_gib: float = 0.5
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
@@ -88,6 +92,7 @@ class RolloutConfig(Section):
         for name, low in (("num_engines", 1), ("group_size", 2), ("max_slots", 1), ("decode_chunk", 1),
                           ("reward_workers", 1)):
             check_int(problems, self.key(name), getattr(self, name), low)
+        check_int(problems, self.key("reward_memory_mb"), self.reward_memory_mb, 0, optional=True)
         check_float(problems, self.key("temperature"), self.temperature, 0.0)
         for name in ("reward_timeout_s", "kv_cache_gib", "lease_s"):
             check_float(problems, self.key(name), getattr(self, name), 0.0, open_low=True)

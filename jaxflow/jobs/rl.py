@@ -57,7 +57,7 @@ from jaxflow.data.param_service import ParameterService
 from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.envs.config import env_problems
 from jaxflow.jobs import warm_start
-from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked
+from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked, reward_pool_options
 from jaxflow.jobs.config import BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection, RolloutConfig
 from jaxflow.jobs.prompts import prompt_source, train_records
 from jaxflow.jobs.run_log import RunLog
@@ -267,8 +267,7 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
     weights = params if params is not None else device_weights
     reward_errors = RewardErrors(failed_value=0.0)
-    pool = RewardPool(num_workers=config.rollout.reward_workers, timeout_s=config.rollout.reward_timeout_s,
-                      failed_value=0.0, on_failure=reward_errors)
+    pool = RewardPool(**reward_pool_options(config.rollout), on_failure=reward_errors)
     evaluator = Evaluator(config, trainer, device_weights, task, tokenizer, pool)
     sampling = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                               stop_token_ids=(tokenizer.eos_id,))

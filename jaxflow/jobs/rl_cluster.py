@@ -48,7 +48,7 @@ from jaxflow.cluster.trainer_group import TrainerGroup, TrainerGroupFailed
 from jaxflow.cluster.weights import PUBLISHER_METHODS, ManifestSource, RayWeightPublisher
 from jaxflow.coordination import Coordination
 from jaxflow.data.trajectory_service import TrajectoryService
-from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked
+from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked, reward_pool_options
 from jaxflow.jobs.prompts import prompt_source
 from jaxflow.jobs.ray_rollout import start_fleet
 from jaxflow.jobs.run_log import RunLog
@@ -165,10 +165,9 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
     reward_host = ray_actors.start_host(name=names.rewards(cluster.tag), resources=_resources(config, "rewards"))
     cleanup.callback(ray.kill, reward_host)
     rewards = ray_actors.build(RewardPool, _REWARD_METHODS, on=reward_host, name="rewards",
-                               kwargs={"num_workers": r.reward_workers, "timeout_s": r.reward_timeout_s,
-                                       "failed_value": 0.0})
+                               kwargs=reward_pool_options(r))
     reward_errors = RewardErrors(failed_value=0.0)
-    pool = RewardPool(num_workers=1, timeout_s=r.reward_timeout_s, failed_value=0.0, on_failure=reward_errors)
+    pool = RewardPool(**{**reward_pool_options(r), "num_workers": 1}, on_failure=reward_errors)
     cleanup.callback(pool.close)
     evaluator = Evaluator(config, group, ManifestSource(publisher), task, tokenizer, pool, model=str(base_dir))
     cleanup.callback(evaluator.close)

@@ -11,6 +11,9 @@ per worker at a time, so that:
 - a worker that dies during a call (os._exit, a segfault, the OOM killer) is replaced; the sample scores
   `failed_value` and is counted in `stats()["crashed"]`;
 - a result that is not a finite real number scores `failed_value` and is counted in `stats()["invalid"]`.
+- a call that maps more memory than its worker's limit (`memory_limit_mb`; by default the workers share
+  half of the machine's physical memory) raises MemoryError in the worker and counts as raised, rather than
+  pushing the machine into swap or the OOM killer.
 
 Design: every worker has its own duplex pipe; one dispatcher thread in the parent owns all workers, hands a
 queued job to each idle worker (one call, or a group's calls: `score_group` makes one job per worker, which
@@ -49,7 +52,7 @@ from concurrent.futures import Future
 
 import msgpack
 
-from jaxflow import refs
+from jaxflow import machine, refs
 from jaxflow.rewards import reaper
 from jaxflow.rewards.worker import MAX_ERROR_CHARS, WHAT, check_result, error_text, worker_main
 
@@ -62,7 +65,19 @@ _MAX_REMEMBERED_ERRORS = 1000
 # Consecutive workers that die before reporting ready after which the pool stops restarting them.
 _MAX_START_FAILURES = 3
 
+# The least address space a default worker limit allows, however many workers share the machine: the
+# interpreter with msgpack and psutil maps ~30 MiB, with numpy ~170 MiB, with torch ~660 MiB.
+MIN_DEFAULT_MEMORY_MB = 2048
+
 STAT_KEYS = ("submitted", "scored", "raised", "timed_out", "crashed", "invalid", "workers_started")
+
+
+def default_memory_limit_mb(num_workers: int) -> int:
+    """The default address-space limit of each of `num_workers` reward workers, in MiB: together they may map
+    half of this machine's physical memory (`jaxflow.machine.physical_memory_bytes`), each at least
+    `MIN_DEFAULT_MEMORY_MB`."""
+    share = machine.physical_memory_bytes() // 2 // max(1, num_workers)
+    return max(MIN_DEFAULT_MEMORY_MB, share >> 20)
 
 
 @dataclasses.dataclass
@@ -103,9 +118,11 @@ class RewardPool:
       failed_value: the score of a sample whose call raised, timed out, crashed or returned an invalid value.
       import_timeout_s: extra time allowed for a worker's first call of a function (its module import).
       preload: function references every worker imports at start-up, before it takes calls.
-      memory_limit_mb: if set, each worker's address-space limit (RLIMIT_AS): a runaway allocation raises
+      memory_limit_mb: each worker's address-space limit (RLIMIT_AS) in MiB: a runaway allocation raises
         MemoryError in the worker (counted as raised) instead of pushing the machine into swap or the OOM
-        killer. Leave room for the interpreter and the reward's imports (a few hundred MiB).
+        killer. None (the default): `default_memory_limit_mb(num_workers)`, the workers' share of half this
+        machine's physical memory; 0: no limit. Leave room for the interpreter and the reward's imports (a
+        few hundred MiB).
       on_failure: if set, called as on_failure(message) with the first occurrence of each distinct failure
         message (e.g. "reward function m:f raised KeyError: 'x'") instead of logging it; it runs on the
         pool's dispatcher thread, so it must be quick (what it raises is logged and ignored).
@@ -123,11 +140,18 @@ class RewardPool:
             raise ValueError(f"RewardPool: timeout_s must be > 0, got {timeout_s}")
         if check_result(failed_value) is None:
             raise ValueError(f"RewardPool: failed_value must be a finite number, got {failed_value!r}")
+        if memory_limit_mb is None:
+            memory_limit_mb = default_memory_limit_mb(num_workers)
+        if isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int) or memory_limit_mb < 0:
+            raise ValueError(f"RewardPool: memory_limit_mb must be an int >= 0 (0: no limit) or None (a share of "
+                             f"this machine's memory), got {memory_limit_mb!r}")
         for fn_ref in preload:
             refs.parse(fn_ref, what=WHAT)
         self.num_workers, self.timeout_s = num_workers, float(timeout_s)
         self.failed_value, self.import_timeout_s = float(failed_value), float(import_timeout_s)
-        self._preload, self._memory_limit_mb = tuple(preload), memory_limit_mb
+        self._preload = tuple(preload)
+        # Each worker's RLIMIT_AS in MiB; None: unlimited.
+        self.memory_limit_mb: int | None = memory_limit_mb or None
         self._on_failure = on_failure
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
@@ -243,7 +267,7 @@ class RewardPool:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         marker = f"{self._marker_prefix}-{self._stats['workers_started']}"
         process = self._context.Process(target=worker_main,
-                                        args=(child_conn, self._preload, self._memory_limit_mb, marker),
+                                        args=(child_conn, self._preload, self.memory_limit_mb, marker),
                                         name="jaxflow-reward-worker", daemon=True)
         process.start()
         # The child holds its own copy; closing ours lets a dead child show up as EOF on parent_conn.

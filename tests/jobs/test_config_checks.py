@@ -27,6 +27,7 @@ CONFIG = "configs/arithmetic_tiny.py"
     ("rollout.temperature", "-1.0", "rollout.temperature must be >= 0"),
     ("rollout.reward_timeout_s", "inf", "rollout.reward_timeout_s"),
     ("rollout.reward_timeout_s", "0", "rollout.reward_timeout_s must be > 0"),
+    ("rollout.reward_memory_mb", "-1", "rollout.reward_memory_mb must be None or >= 0"),
     ("trainer.time_limit_s", "-5", "trainer.time_limit_s must be >= 0"),
     ("trainer.time_limit_s", "inf", "trainer.time_limit_s"),
     ("trainer.loss.kl_coef", "inf", "trainer.loss.kl_coef"),

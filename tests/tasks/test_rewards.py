@@ -14,9 +14,11 @@ import time
 import pytest
 from waiting import wait_until
 
+from jaxflow import machine
 from jaxflow.data.records import GroupTask, Sample
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve, score_inline
 from jaxflow.rewards import reaper as rewards  # MARKER_ENV, _kill_marked
+from jaxflow.rewards.pool import MIN_DEFAULT_MEMORY_MB, default_memory_limit_mb
 
 pytestmark = pytest.mark.slow  # reward worker processes, started and killed test by test
 
@@ -91,6 +93,13 @@ def invalid_reward(response, meta):
 
 def allocating_reward(response, meta):
     return float(len(bytearray(4 << 30)))
+
+
+def address_space_limit_mb(response, meta):
+    """The worker's RLIMIT_AS in MiB, -1 for none."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return -1.0 if soft == resource.RLIM_INFINITY else float(soft >> 20)
 
 
 def picky_reward(response, meta):
@@ -339,6 +348,47 @@ def test_memory_limit_turns_a_runaway_allocation_into_a_raise():
         assert pool.score_group(ref(allocating_reward), ["x"], {}) == [0.0]
         assert pool.stats()["raised"] == 1
         assert pool.score_group(ref(length_reward), ["xy"], {}) == [2.0]
+
+
+def test_workers_have_a_memory_limit_by_default_and_it_can_be_set_or_lifted():
+    with RewardPool(num_workers=2, timeout_s=5.0) as pool:
+        assert pool.memory_limit_mb == default_memory_limit_mb(2)
+        assert pool.score_group(ref(address_space_limit_mb), ["x", "y"], {}) == [pool.memory_limit_mb] * 2
+    with RewardPool(num_workers=1, timeout_s=5.0, memory_limit_mb=3000) as pool:
+        assert pool.score_group(ref(address_space_limit_mb), ["x"], {}) == [3000.0]
+    with RewardPool(num_workers=1, timeout_s=5.0, memory_limit_mb=0) as pool:
+        assert pool.memory_limit_mb is None
+        assert pool.score_group(ref(address_space_limit_mb), ["x"], {}) == [-1.0]
+
+
+def test_the_default_memory_limit_is_a_share_of_half_the_machine(monkeypatch):
+    monkeypatch.setattr(machine, "physical_memory_bytes", lambda: 32 << 30)
+    assert default_memory_limit_mb(1) == 16 << 10
+    assert default_memory_limit_mb(4) == 4 << 10
+    assert default_memory_limit_mb(64) == MIN_DEFAULT_MEMORY_MB  # many workers: each still gets the floor
+    monkeypatch.setattr(machine, "physical_memory_bytes", lambda: 1 << 30)
+    assert default_memory_limit_mb(1) == MIN_DEFAULT_MEMORY_MB
+
+
+@pytest.mark.parametrize("overrides, expected", [({}, None), ({"rollout.reward_memory_mb": "3000"}, 3000.0)])
+def test_the_rl_jobs_reward_pool_has_a_memory_limit(overrides, expected):
+    """The pools the RL job builds (`reward_pool_options` of its rollout section) limit their workers' memory:
+    by default a share of the machine's, or `rollout.reward_memory_mb`."""
+    from jaxflow.config import load_config
+    from jaxflow.jobs.bookkeeping import reward_pool_options
+
+    rollout = load_config(str(pathlib.Path(__file__).parents[2] / "configs" / "arithmetic_tiny.py"), overrides).rollout
+    expected = expected or float(default_memory_limit_mb(rollout.reward_workers))
+    with RewardPool(**reward_pool_options(rollout)) as pool:
+        assert pool.score_group(ref(address_space_limit_mb), ["x"], {}) == [expected]
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "2048"], ids=repr)
+def test_a_bad_memory_limit_is_refused_before_any_worker_starts(limit):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="memory_limit_mb"):
+        RewardPool(num_workers=1, memory_limit_mb=limit)
+    assert not set(multiprocessing.active_children()) - before
 
 
 def test_close_fails_unfinished_calls_and_refuses_new_ones(tmp_path):
