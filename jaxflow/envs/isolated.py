@@ -10,13 +10,13 @@ a message (call id, episode, method, arguments) whose answer comes back by call 
 dies, every call waiting on it raises `EnvironmentProcessDied` (the episode engine counts it as an
 environment error and fails those episodes only) and the next episode starts a new process.
 
-A process that hangs (a tool that blocks the child's event loop, a deadlock) is found the same way a
-call's time limit is: when a call is cancelled (its episode timed out or was aborted), the child is told
-to cancel it and is asked to answer a ping from its event loop; no answer within `PING_TIMEOUT_S` seconds
-and the process is killed, so it dies as above and is replaced. An episode that starts meanwhile waits
-for that verdict before it resets. A call that is merely slow (its loop still answers) keeps the process.
-The environment's options and answers cross the process boundary by pickle, over a pipe this process created
-for its own child (nothing from the network).
+A process that hangs (a tool that blocks the child's event loop, a deadlock) is found after a call on it
+is cancelled (its episode timed out or was aborted): the child is told to cancel the call and must answer
+a ping from its event loop within `PING_TIMEOUT_S` seconds (counted from when its loop started, for a
+process still importing its environment); if it does not, it is killed, so it dies as above and is
+replaced. An episode that starts meanwhile waits for that verdict before it resets; a call that is merely
+slow (its loop still answers) keeps the process. The environment's options and answers cross the process
+boundary by pickle, over a pipe this process created for its own child (nothing from the network).
 """
 
 from __future__ import annotations
@@ -36,9 +36,14 @@ PING_TIMEOUT_S = 5.0
 """Seconds the environment process's event loop has to answer a ping after a call was cancelled, before
 the process counts as hung and is killed (a loop that is free answers in milliseconds)."""
 
+START_TIMEOUT_S = 300.0
+"""Seconds a new environment process may take to import the environment's module and start its loop
+before a ping's time counts (a process that never gets there counts as hung)."""
+
 # Messages to the child that are not environment calls: (call id, None, _PING, ()) is answered from the
-# child's event loop; (call id, None, _CANCEL, (id of the call to cancel,)) is not answered.
-_PING, _CANCEL = "__ping__", "__cancel__"
+# child's event loop; (call id, None, _CANCEL, (id of the call to cancel,)) is not answered. The child's
+# first message, (_READY, True, None), says its loop runs.
+_PING, _CANCEL, _READY = "__ping__", "__cancel__", -1
 
 
 class EnvironmentProcessDied(RuntimeError):
@@ -93,7 +98,12 @@ def _serve(conn, ref: str, options: dict) -> None:
         else:
             tasks[call_id] = loop.create_task(run(*message))
 
+    def ready() -> None:
+        with send_lock:
+            conn.send((_READY, True, None))
+
     threading.Thread(target=reader, daemon=True).start()
+    loop.call_soon(ready)
     loop.run_forever()
 
 
@@ -103,6 +113,7 @@ class _Process:
     def __init__(self, ref: str, options: dict, ping_timeout_s: float):
         self.ping_timeout_s = ping_timeout_s
         self.hung = False
+        self.ready = threading.Event()  # the child's loop runs
         self.verdict: concurrent.futures.Future | None = None  # of the liveness check in progress, if any
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -122,6 +133,9 @@ class _Process:
                 call_id, ok, value = self.conn.recv()
             except (EOFError, OSError):
                 break
+            if call_id == _READY:
+                self.ready.set()
+                continue
             with self.lock:
                 waiting = self.pending.pop(call_id, None)
             if waiting is not None:
@@ -135,8 +149,11 @@ class _Process:
             waiting, self.pending = list(self.pending.values()), {}
         self.process.join(timeout=1)
         why = EnvironmentProcessDied(self._why())
+        self.ready.set()  # a liveness check in progress ends now: the process is dead either way
         for loop, future in waiting:
-            if loop is not None:
+            if loop is None:
+                future.set()
+            else:
                 loop.call_soon_threadsafe(_fail, future, why)
 
     def _why(self) -> str:
@@ -168,7 +185,8 @@ class _Process:
 
         def wait() -> None:
             killed = False
-            if not answered.wait(self.ping_timeout_s):
+            # A process still starting (importing the environment's module) answers once its loop runs.
+            if not (self.ready.wait(START_TIMEOUT_S) and answered.wait(self.ping_timeout_s)):
                 with self.lock:
                     if not self.dead:
                         self.hung = self.dead = killed = True
