@@ -4,10 +4,10 @@ answers.
 
 A request is an episode. The inner engine generates a model turn, which ends at the end-of-turn token
 (EOS) or at a tool-call marker (`turn_stop_ids`, e.g. the token of `</tool>`); the environment then gets
-the turn as text (`step`, asynchronously on this engine's event loop, under `step_timeout_s`), and its
-observation is rendered through the chat template (`jaxflow.envs.render`) and appended to the sample as
-token ids recorded in `env_spans` (log-prob 0, the version of the turn before them: context, never
-trained); the inner engine then continues from prompt + everything so far (`Request(prefix=...)`).
+the turn as text (`step`, under `step_timeout_s`), and its observation is rendered through the chat
+template (`jaxflow.envs.render`, on a worker thread) and appended to the sample as token ids recorded in
+`env_spans` (log-prob 0, the version of the turn before them: context, never trained); the inner engine
+then continues from prompt + everything so far (`Request(prefix=...)`).
 The model's tokens are the inner engine's, untouched: they are never decoded and re-encoded on their
 way to the trainer. The episode ends when the environment says done, after `max_turns` model turns,
 or when the sample reaches `max_tokens` ("length"); its sample carries the sum of the environment's
@@ -15,9 +15,14 @@ rewards (`Sample.reward`, 0.0 for a failed episode; the coordinator trains on it
 reward function) and its completion the turns taken (`Completion.info`).
 
 Many episodes are in flight at once: while one waits on its environment (a remote tool's latency,
-`asyncio.sleep` costs no CPU) the inner engine generates the others'. An environment that times out,
-raises or answers something malformed fails its episode only: the completion comes back finished, with
-reward 0.0 and info {"env_failure": kind, "env_error": message}, and `counts` records the kind.
+`asyncio.sleep` costs no CPU) the inner engine generates the others'. Each episode's environment is built
+and called on a thread of its own (`jaxflow.envs.threaded.ThreadedEnv`; an isolated environment, whose
+calls only wait on its process, is called from this engine's loop), so an environment that blocks its
+thread inside `async def step` holds up its own episode only, and `step_timeout_s` fails that episode on
+time. An environment that times out, raises, answers something malformed, or answers with an observation
+of more than `max_observation_tokens` tokens (default: the request's `max_tokens`; kind "oversized") fails
+its episode only: the completion comes back finished, with reward 0.0 and info {"env_failure": kind,
+"env_error": message}, and `counts` records the kind.
 
 Abort and resume: `abort` (and `pause("abort")`) hand an episode back as a partial sample whether its
 model turn was generating or its environment was answering (the answer is dropped). A resubmitted
@@ -44,6 +49,7 @@ import numpy as np
 from jaxflow.data.records import Sample
 from jaxflow.envs import base
 from jaxflow.envs.render import ObservationRenderer
+from jaxflow.envs.threaded import ThreadedEnv
 from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams, copy_prefix, in_flight_copy
 
 log = logging.getLogger(__name__)
@@ -81,15 +87,21 @@ class EpisodeEngine(Engine):
     protocol) for an episode whose task meta is `meta` (`Request.meta`). tokenizer: decodes turns for
     the environment and renders its observations. turn_stop_ids: tokens that end a model turn besides
     the request's own stop tokens (a tool-call marker). env_name: names the environment in errors.
+    max_observation_tokens: the most tokens one environment answer may render to (None: the request's
+    max_tokens); a longer one fails its episode (kind "oversized").
     """
 
     _failure_subject = "the episode engine"
 
     def __init__(self, inner: Engine, make_env: Callable[[dict], Any], tokenizer: Any, *,
                  turn_stop_ids: Iterable[int] = (), step_timeout_s: float | None = 30.0, max_turns: int = 8,
-                 env_name: str = "env", default_role: str = "tool"):
+                 env_name: str = "env", default_role: str = "tool", max_observation_tokens: int | None = None):
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        if max_observation_tokens is not None and (isinstance(max_observation_tokens, bool) or not isinstance(
+                max_observation_tokens, int) or max_observation_tokens < 1):
+            raise ValueError(f"max_observation_tokens must be None or an int >= 1, got {max_observation_tokens!r}")
+        self.max_observation_tokens = max_observation_tokens
         self._init_admission()
         self.inner, self.make_env, self.tokenizer = inner, make_env, tokenizer
         self.turn_stop_ids = tuple(int(t) for t in turn_stop_ids)
@@ -228,7 +240,7 @@ class EpisodeEngine(Engine):
     async def _start(self, ep: _Episode) -> None:
         meta = dict(ep.request.meta or {})
         try:
-            ep.env = self.make_env(meta)
+            ep.env = self._environment(ep, meta)
             if await self._call(ep, "reset", meta):
                 raise base.EnvironmentFailed("malformed", self.env_name, ep.request.request_id,
                                              "reset returned messages; an episode starts from its task's "
@@ -248,6 +260,13 @@ class EpisodeEngine(Engine):
             self._fail(ep, e)
         except Exception as e:  # noqa: BLE001 - the episode fails, the engine serves on
             self._crash(ep, e)
+
+    def _environment(self, ep: _Episode, meta: dict) -> Any:
+        """The episode's environment: on a thread of its own (built there, at reset), unless the factory's
+        environments only wait on another process (`off_loop`, as isolated ones do)."""
+        if getattr(self.make_env, "off_loop", False):
+            return self.make_env(meta)
+        return ThreadedEnv(lambda: self.make_env(meta), name=ep.request.request_id)
 
     def _turn_ended(self, ep: _Episode, token: int) -> bool:
         return token in self.turn_stop_ids or token in ep.request.params.stop_token_ids
@@ -285,15 +304,25 @@ class EpisodeEngine(Engine):
             self._finish(ep, None, info=step.info)
             return
         last = ep.sample.tokens[-1] if ep.sample.tokens else None
-        self._append_observation(ep, step.observation, turn_closed=last in ep.request.params.stop_token_ids)
+        turn_closed = last in ep.request.params.stop_token_ids
+        # Off the loop: a long observation takes a while to render and encode.
+        ids = await asyncio.get_running_loop().run_in_executor(None, self.renderer.ids, step.observation,
+                                                               turn_closed)
+        cap = self.max_observation_tokens or ep.request.params.max_tokens
+        if len(ids) > cap:
+            raise base.EnvironmentFailed(
+                "oversized", self.env_name, ep.request.request_id,
+                f"step's observation is {len(ids)} tokens, more than the cap of {cap} ("
+                f"{'max_observation_tokens' if self.max_observation_tokens else 'the episode max_tokens'}); "
+                f"have the tool shorten its answer, or raise rollout.env.max_observation_tokens")
+        self._append_observation(ep, ids)
         if len(ep.sample.tokens) >= ep.request.params.max_tokens:
             ep.sample.finish_reason = "length"
             self._finish(ep, None, info=step.info)
             return
         self._generate(ep)
 
-    def _append_observation(self, ep: _Episode, messages: list[dict], turn_closed: bool) -> None:
-        ids = self.renderer.ids(messages, turn_closed)
+    def _append_observation(self, ep: _Episode, ids: list[int]) -> None:
         s = ep.sample
         version = s.versions[-1] if s.versions else self.inner.version
         with self._lock:  # whole for `progress`

@@ -62,4 +62,5 @@ def with_episodes(env, tokenizer):
     make_env, stops = environment_factory(env), turn_stop_ids(env, tokenizer)
     return lambda engine: EpisodeEngine(engine, make_env, tokenizer, turn_stop_ids=stops,
                                         step_timeout_s=env.step_timeout_s, max_turns=env.max_turns,
-                                        env_name=env.ref)
+                                        env_name=env.ref,
+                                        max_observation_tokens=env.get("max_observation_tokens"))

@@ -33,11 +33,12 @@ from typing import Any, Protocol
 
 __all__ = ["Environment", "EnvironmentFailed", "FAILURE_KINDS", "Step", "call", "check_messages", "check_step"]
 
-FAILURE_KINDS = ("timeout", "error", "malformed")
-"""How an environment call can fail (`EnvironmentFailed.kind`)."""
+FAILURE_KINDS = ("timeout", "error", "malformed", "oversized")
+"""How an environment call can fail (`EnvironmentFailed.kind`); "oversized": an observation of more tokens
+than the episode allows (`rollout_bridge.episodes`)."""
 
-# Bounds on what one environment answer may carry: a runaway observation would become a context-sized
-# run of tokens, which the episode could not place anyway.
+# Bounds on what one environment answer may carry, checked before anything is tokenized; the episode then
+# caps the observation in tokens (`max_observation_tokens`).
 MAX_MESSAGES = 64
 MAX_CONTENT_CHARS = 1 << 20
 
@@ -130,7 +131,8 @@ async def call(env: Any, method: str, *args: Any, timeout_s: float | None, env_n
                default_role: str = "tool") -> Any:
     """`await env.<method>(*args)` within `timeout_s` seconds (None: no limit), its answer checked
     (`step`: a Step; `reset`: a list of messages). Raises EnvironmentFailed on a timeout, an exception
-    or a malformed answer."""
+    or a malformed answer. The limit fires only when the caller's loop runs: an environment that may block
+    its thread is called through `jaxflow.envs.threaded.ThreadedEnv` (the episode engine does)."""
     try:
         async with asyncio.timeout(timeout_s):  # in this task: no task of its own per call, as wait_for makes
             answer = await getattr(env, method)(*args)

@@ -6,6 +6,10 @@
     step = await env.step("I need 7*8: <tool>7*8</tool>")    # Step(observation=[tool: <result>56</result>])
     step = await env.step("<answer>56</answer>")        # Step(reward=1.0, done=True)
 
+A turn's tool calls are found by one left-to-right scan (`tool_calls`), so finding them costs time linear in
+the turn's length however the model writes it (a regex with a lazy `.*?` rescans the rest of the turn from
+every unterminated `<tool>`: a turn of many of them took minutes).
+
 The expression is evaluated exactly (integers and fractions; `+ - * /`, parentheses, unary minus; no
 names, no powers, at most `max_chars` characters and values of at most `max_digits` digits), never with
 Python's `eval`. A malformed expression or a division by zero is answered as `<result>error: ...</result>`
@@ -23,15 +27,34 @@ from typing import Any
 
 from jaxflow.envs.base import Step
 
-__all__ = ["CalculatorEnv", "evaluate", "TOOL_CALL"]
+__all__ = ["CalculatorEnv", "TOOL_CLOSE", "TOOL_OPEN", "evaluate", "tool_calls"]
 
-TOOL_CALL = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
-"""A tool call in a model turn: the expression between the tags (the last one in the turn is run)."""
+TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"
+"""The tags around a tool call in a model turn: `<tool>EXPRESSION</tool>` (the last call in a turn is run)."""
 
 _ARITHMETIC_TEXT = re.compile(r"[0-9+\-*/().\s]*")
 _NOT_ARITHMETIC = "only integers, + - * / and parentheses are allowed"
 _OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
               ast.Div: lambda a, b: a / b}
+
+
+def tool_calls(text: str) -> list[str]:
+    """The expressions of the tool calls in `text`, in order: what lies between each `<tool>` and the first
+    `</tool>` after it (the same calls as the regex `<tool>(.*?)</tool>` finds).
+
+    One pass: each search starts where the previous one ended, so every character is looked at a bounded
+    number of times, and a `<tool>` with no `</tool>` after it ends the scan (no later call can close).
+    """
+    calls, at = [], 0
+    while True:
+        start = text.find(TOOL_OPEN, at)
+        if start < 0:
+            return calls
+        end = text.find(TOOL_CLOSE, start + len(TOOL_OPEN))
+        if end < 0:
+            return calls
+        calls.append(text[start + len(TOOL_OPEN):end])
+        at = end + len(TOOL_CLOSE)
 
 
 def evaluate(expression: str, max_chars: int = 200, max_digits: int = 30) -> str:
@@ -92,7 +115,7 @@ class CalculatorEnv:
         return None
 
     async def step(self, action: str) -> Step:
-        calls = TOOL_CALL.findall(action)
+        calls = tool_calls(action)
         if not calls or self.calls >= self.max_calls:
             return Step(reward=float(self.score(action, self.meta)), done=True,
                         info={"tool_calls": self.calls})

@@ -28,10 +28,13 @@ class EnvConfig(Section):
     options: keyword arguments of the factory (a dict).
     turn_stop: text that ends a model turn besides the end-of-turn token (a tool-call marker such as
       "</tool>"): it must be one token of the model's tokenizer.
-    step_timeout_s: seconds an environment call may take before its episode fails.
+    step_timeout_s: seconds an environment call (reset, step, close) may take before its episode fails; it
+      holds even for an environment that blocks its thread (each runs on a thread of its own).
     max_turns: model turns per episode at most.
     isolate: run the environments in a process of their own (`jaxflow.envs.isolated`): a tool that crashes
-      its process fails its episodes, not the run.
+      or hangs its process fails its episodes, not the run, and the process is replaced.
+    max_observation_tokens: the most tokens one environment answer may add to an episode (None: the
+      episode's max_tokens); a longer answer fails its episode (counted as env_oversized).
     """
 
     SECTION: ClassVar[str] = "rollout.env"
@@ -42,6 +45,7 @@ class EnvConfig(Section):
     step_timeout_s: float = 30.0
     max_turns: int = 4
     isolate: bool = False
+    max_observation_tokens: int | None = None
 
     def problems(self) -> list[str]:
         """Every key, episodes on or off (ref None), so a bad value never waits for the run that turns them on."""
@@ -49,6 +53,7 @@ class EnvConfig(Section):
         check_float(problems, self.key("step_timeout_s"), self.step_timeout_s, 0.0, open_low=True)
         check_int(problems, self.key("max_turns"), self.max_turns, 1)
         check_bool(problems, self.key("isolate"), self.isolate)
+        check_int(problems, self.key("max_observation_tokens"), self.max_observation_tokens, 1, optional=True)
         if not isinstance(self.options, dict):
             problems.append(f"rollout.env.options must be a dict of the factory's keyword arguments, "
                             f"got {self.options!r}")

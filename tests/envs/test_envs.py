@@ -3,6 +3,7 @@ calculator tool, and a SkyRL-gym environment through the adapter."""
 
 import asyncio
 import math
+import re
 import warnings
 
 import pytest
@@ -260,3 +261,99 @@ def test_an_isolated_environment_answers_like_an_in_process_one():
     tool, final = run(episode())
     assert tool == Step([{"role": "tool", "content": "<result>56</result>"}], None, False, {"tool_calls": 1})
     assert final.reward == 1.0 and final.done
+
+
+def test_an_environment_process_that_hangs_is_killed_and_replaced(monkeypatch):
+    """A tool that blocks the process's event loop for good: its episode times out, the process does not
+    answer the ping that follows and is killed, and the next episode resets on a new process. A call that
+    is only slow times out too, but its process answers the ping and is kept."""
+    import pathlib
+
+    from jaxflow.envs import isolated as isolated_module
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    monkeypatch.setattr(isolated_module, "PING_TIMEOUT_S", 1.0, raising=False)
+    make_env = isolated_module.isolated("crashing_env:HangOn", {"hang_q": 1, "latency_s": 300.0, "slow_qs": [0]})
+
+    async def episode(q, step_timeout_s=600):
+        env = make_env({"q": q})
+        try:
+            await base.call(env, "reset", {"q": q}, timeout_s=120, env_name="hang", episode=q)
+            return await base.call(env, "step", "x", timeout_s=step_timeout_s, env_name="hang", episode=q)
+        except EnvironmentFailed as e:
+            return e
+        finally:
+            try:
+                await base.call(env, "close", timeout_s=30, env_name="hang", episode=q)
+            except EnvironmentFailed:
+                pass
+
+    slow = run(episode(0, step_timeout_s=0.5))
+    assert isinstance(slow, EnvironmentFailed) and slow.kind == "timeout", slow
+    pid = run(episode(2)).info["pid"]  # after the ping's verdict: the slow call's process was kept
+    assert make_env.restarts == 0
+    hung = run(episode(1, step_timeout_s=0.5))
+    assert isinstance(hung, EnvironmentFailed) and hung.kind == "timeout", hung
+    later = run(episode(3))  # waits for the verdict on the hung process, then starts a new one
+    assert not isinstance(later, EnvironmentFailed), later
+    assert later.reward == 1.0 and later.info["pid"] != pid
+    assert make_env.restarts == 1 and make_env.hung == 1
+
+
+# --- tool-call parsing ----------------------------------------------------------------------------------------
+
+class ScanLog(str):
+    """A turn that records each `find` on it: (where the search started, where it stopped looking)."""
+
+    def find(self, sub, start=0, end=None):
+        found = str.find(self, sub, start, *(() if end is None else (end,)))
+        self.scans.append((start, len(self) if found < 0 else found + len(sub)))
+        return found
+
+
+def scanned(text):
+    turn = ScanLog(text)
+    turn.scans = []
+    return turn
+
+
+@pytest.mark.parametrize("turn, regex_is_linear", [
+    ("<tool>" * 200_000, False),  # degenerate: no call ever closes (1.2 MB)
+    ("<tool>1+1" * 100_000 + "</tool>", True),  # one call spanning the turn
+    ("<tool>1</tool> x </tool><tool>" * 40_000 + "<tool>2", True),  # many calls, stray closings, one left open
+])
+def test_tool_calls_are_found_in_one_pass(turn, regex_is_linear):
+    """Each search starts at or after where the previous one stopped looking, so the whole scan reads each
+    character a bounded number of times (a regex with `.*?` rescans the rest from every `<tool>`)."""
+    from jaxflow.envs.calculator import tool_calls
+
+    text = scanned(turn)
+    calls = tool_calls(text)
+    assert calls == (re.findall(r"<tool>(.*?)</tool>", turn, re.DOTALL) if regex_is_linear else [])
+    for (start, stop), (next_start, _) in zip(text.scans, text.scans[1:]):
+        assert start <= stop <= next_start, text.scans[:8]
+    assert len(text.scans) <= 2 * len(calls) + 2
+
+
+@pytest.mark.parametrize("turn", ["<tool>3*4</tool>", "a <tool>1</tool> b <tool>2+2</tool> c", "<tool>7",
+                                  "<tool><tool>5</tool>", "</tool><tool>6</tool>", "x", "<tool></tool>"])
+def test_tool_calls_are_the_regex_calls(turn):
+    from jaxflow.envs.calculator import tool_calls
+
+    assert tool_calls(turn) == re.findall(r"<tool>(.*?)</tool>", turn, re.DOTALL)
+
+
+def test_the_calculator_parses_its_turns_with_the_one_pass_scanner():
+    """Its step reads the turn through `find` only (no backtracking regex over the turn), and a degenerate
+    turn of unterminated markers is the final answer."""
+    async def steps():
+        env = CalculatorEnv()
+        await env.reset({"answer": 12})
+        tool = scanned("so <tool>3*4</tool>")
+        answered = await env.step(tool)
+        assert answered.observation == [{"role": "tool", "content": "<result>12</result>"}] and tool.scans
+        degenerate = scanned("<tool>" * 200_000)
+        final = await env.step(degenerate)
+        assert final.done and final.reward == 0.0 and len(degenerate.scans) == 2
+
+    run(steps())

@@ -1,0 +1,206 @@
+"""Environment faults in episodes (`rollout_bridge.episodes.EpisodeEngine`) on a scripted inner engine and a
+character tokenizer, so no model is compiled: an environment that blocks its thread fails its own episode
+on time while the others go on, and an observation over the token cap fails its episode instead of
+growing the sample."""
+
+import asyncio
+import threading
+
+import pytest
+from waiting import wait_until
+
+from jaxflow.envs.base import Step
+from jaxflow.envs.config import EnvConfig
+from jaxflow.envs.threaded import ThreadedEnv
+from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams
+from rollout_bridge.episodes import EpisodeEngine
+
+TURN = "hi#"  # every model turn; "#" is the tool-call marker that ends it
+STOP = ord("#")
+
+
+class CharTokenizer:
+    """One token per character (its code point), and a ChatML-like template."""
+
+    eos_id = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+    def id_to_token(self, i):
+        return chr(i)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, **kwargs):
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class ScriptedEngine(Engine):
+    """Generates TURN at once for every request (cut at max_tokens), at version 0."""
+
+    version = 0
+    paused = False
+
+    def __init__(self):
+        self._init_admission()
+
+    def _invalid(self, request):
+        return None
+
+    def _in_flight(self, request_id):
+        return False
+
+    def _accept(self, request, sample):
+        room = request.params.max_tokens - len(sample.tokens)
+        ids = [ord(c) for c in TURN][:room]
+        sample.tokens += ids
+        sample.logprobs += [-0.5] * len(ids)
+        sample.versions += [0] * len(ids)
+        sample.finish_reason = "stop" if len(ids) == len(TURN) else "length"
+        self._hand_out(Completion(request.request_id, sample))
+
+    def abort(self, request_ids):
+        return []
+
+    def progress(self, request_ids):
+        return []
+
+    def update_weights(self, version, tensors, *, keep_kv=False):
+        pass
+
+    def pause(self, mode="keep"):
+        return []
+
+    def resume(self):
+        pass
+
+    def load(self):
+        return EngineLoad(0, 0, 0.0, 0.0, 0)
+
+    def close(self):
+        with self._lock:
+            self._closing = True
+            self._finished.notify_all()
+
+
+class Answers:
+    """Answers `turns` turns with a short observation, reward 1 each; `step_hook(meta, k)` runs first and
+    may return an observation to answer with instead."""
+
+    def __init__(self, turns=3, step_hook=None):
+        self.turns, self.step_hook, self.k = turns, step_hook, 0
+
+    async def reset(self, meta):
+        self.meta = meta
+
+    async def step(self, action):
+        assert action == TURN
+        self.k += 1
+        observation = self.step_hook(self.meta, self.k) if self.step_hook else None
+        return Step(observation=[{"role": "tool", "content": observation or f"ok {self.k}"}], reward=1.0,
+                    done=self.k >= self.turns)
+
+    async def close(self):
+        pass
+
+
+def request(i, max_tokens=200):
+    return Request(f"e{i}", [1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0.0), meta={"q": i})
+
+
+def collect(engine, got, rid):
+    for c in engine.poll(timeout=0.05):
+        got[c.request_id] = c
+    return rid in got
+
+
+def test_an_environment_that_blocks_its_thread_fails_its_episode_only():
+    """Episode e0's step blocks its thread (not an await): e1, submitted while it blocks, runs its three
+    turns to the end, and e0 fails as a timeout after step_timeout_s, its thread still blocked."""
+    entered, release = threading.Event(), threading.Event()
+
+    def block(meta, k):
+        if meta["q"] == 0:
+            entered.set()
+            release.wait(120)  # a blocking call inside `async def step`
+
+    engine = EpisodeEngine(ScriptedEngine(), lambda meta: Answers(step_hook=block), CharTokenizer(),
+                           turn_stop_ids=[STOP], step_timeout_s=1.5, env_name="blocking")
+    got: dict[str, Completion] = {}
+    try:
+        engine.submit(request(0))
+        wait_until(entered.is_set, 60, "episode e0's environment to block")
+        engine.submit(request(1))
+        wait_until(lambda: collect(engine, got, "e1"), 60, "episode e1 to finish while e0's environment blocks")
+        wait_until(lambda: collect(engine, got, "e0"), 60, "episode e0 to fail on its step_timeout_s")
+        blocked_threads = ThreadedEnv.running()
+        assert not release.is_set()
+    finally:
+        release.set()
+        engine.close()
+    ok, blocked = got["e1"], got["e0"]
+    assert ok.info.get("env_failure") is None and ok.info["turns"] == 3 and ok.sample.reward == 3.0
+    assert blocked.info["env_failure"] == "timeout" and "episode e0" in blocked.info["env_error"]
+    assert blocked.sample.reward == 0.0 and engine.counts["env_timeout"] == 1
+    assert blocked_threads >= 1  # e0's, until its call returns
+    wait_until(lambda: ThreadedEnv.running() < blocked_threads, 60, "e0's thread to end once released")
+
+
+@pytest.mark.parametrize("cap, max_tokens", [(None, 64), (100, 10_000)])
+def test_an_observation_over_the_token_cap_fails_its_episode(cap, max_tokens):
+    """A 5,000-token observation (well under the byte limit) against the cap (max_observation_tokens, by
+    default the request's max_tokens): its episode fails as "oversized" with the sample as it was, and the
+    other episode, with short observations, is untouched."""
+    def huge(meta, k):
+        return "x" * 5000 if meta["q"] == 0 else None
+
+    kwargs = {} if cap is None else {"max_observation_tokens": cap}
+    engine = EpisodeEngine(ScriptedEngine(), lambda meta: Answers(step_hook=huge), CharTokenizer(),
+                           turn_stop_ids=[STOP], step_timeout_s=30, env_name="chatty", **kwargs)
+    try:
+        done = {c.request_id: c for c in engine.generate([request(0, max_tokens), request(1, max_tokens)],
+                                                         timeout=120)}
+    finally:
+        engine.close()
+    big = done["e0"]
+    assert big.info.get("env_failure") == "oversized", big.info
+    assert "episode e0" in big.info["env_error"] and "5" in big.info["env_error"]
+    assert big.sample.tokens == [ord(c) for c in TURN] and not big.sample.env_spans  # nothing appended
+    assert big.sample.reward == 0.0 and engine.counts["env_oversized"] == 1
+    assert done["e1"].info.get("env_failure") is None and done["e1"].sample.reward == 3.0
+
+
+def test_max_observation_tokens_is_checked():
+    assert EnvConfig.config_problems({"max_observation_tokens": 0}) == [
+        "rollout.env.max_observation_tokens must be None or >= 1, got 0"]
+    assert EnvConfig.config_problems({"max_observation_tokens": None}) == []
+    with pytest.raises(ValueError, match="max_observation_tokens"):
+        EpisodeEngine(ScriptedEngine(), lambda meta: Answers(), CharTokenizer(), max_observation_tokens=0)
+
+
+def test_a_threaded_environment_keeps_its_loop_across_calls():
+    """Every call of one environment runs on the same loop (its thread's), not the caller's: loop-bound
+    state made at reset (here an asyncio.Event) still works at step."""
+    class LoopBound:
+        async def reset(self, meta):
+            self.loop, self.ready = asyncio.get_running_loop(), asyncio.Event()
+
+        async def step(self, action):
+            self.ready.set()
+            await self.ready.wait()
+            return asyncio.get_running_loop() is self.loop
+
+        async def close(self):
+            pass
+
+    async def calls():
+        env = ThreadedEnv(LoopBound, name="loop-bound")
+        await env.reset({})
+        same = await env.step("x")
+        await env.close()
+        return same, env.env.loop is not asyncio.get_running_loop()
+
+    assert asyncio.run(calls()) == (True, True)
