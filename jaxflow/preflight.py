@@ -57,7 +57,8 @@ def check(spec: str, overrides: dict[str, str], *, timeout_s: float | None = Non
     root = str(pathlib.Path(__file__).resolve().parents[1])  # the child imports this jaxflow, wherever it is
     env = {**os.environ, refs.TIMEOUT_ENV: repr(timeout_s),
            "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    child = subprocess.Popen([sys.executable, "-m", "jaxflow.preflight", json.dumps([spec, overrides])],
+    # The child searches this process's sys.path first (a notebook or test may have added to it).
+    child = subprocess.Popen([sys.executable, "-m", "jaxflow.preflight", json.dumps([spec, overrides, sys.path])],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                              text=True, env=env)
     lines: queue.Queue[str | None] = queue.Queue()
@@ -111,8 +112,9 @@ def _say(kind: str, text: str) -> None:
     print(f"{MARK} {kind} {text}", flush=True)
 
 
-def _child(spec: str, overrides: dict[str, str]) -> int:
+def _child(spec: str, overrides: dict[str, str], path: list[str]) -> int:
     """The child's side: load the config, import each user reference, report each step on stdout."""
+    sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
     _say("import", f"config file {spec.partition(':')[0]}")
     try:
         config = load_config(spec, overrides)

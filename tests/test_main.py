@@ -106,6 +106,19 @@ def test_a_config_file_that_exits_or_hangs_at_import_is_named(tmp_path, body, sa
     assert f"config file {tmp_path / 'bad_config.py'}" in done.stderr and says in done.stderr
 
 
-def test_a_bad_import_time_limit_is_named(capsys):
+def test_a_bad_import_time_limit_is_named(capsys, monkeypatch):
     assert main([f"--config={CONFIG}", "--import_timeout_s=never"]) == 2
+    assert "--import_timeout_s='never'" in capsys.readouterr().err
+    monkeypatch.setenv(refs.TIMEOUT_ENV, "0")
+    assert main([f"--config={CONFIG}"]) == 2
     assert refs.TIMEOUT_ENV in capsys.readouterr().err
+
+
+def test_the_import_check_searches_the_callers_sys_path(tmp_path, monkeypatch, capsys):
+    """A module on a path the caller added (a notebook, a test) is found by the child too."""
+    (tmp_path / "minimal.py").write_text(MINIMAL)
+    (tmp_path / "uc_fine.py").write_text("def reward(response, meta):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from jaxflow import preflight
+    assert preflight.check(f"{tmp_path / 'minimal.py'}:uc_fine:reward", {}) is None
+    assert "uc_missing_qq" in preflight.check(f"{tmp_path / 'minimal.py'}:uc_missing_qq:reward", {})
