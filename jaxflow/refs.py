@@ -16,6 +16,9 @@ that gets it should say so and end the process with `os._exit`). What no in-proc
 module calling `os._exit` while it imports: `jaxflow.main` imports a run's user code in a short child process
 first (`jaxflow.preflight`), which names the module the child was importing when it vanished.
 
+The import runs in another thread, so a module that installs a signal handler while it imports (which only
+the main thread may do) fails there; import such a module before resolving references into it.
+
 A reward function is asked for with `expect="function", arity=2`: a Python function (or callable object)
 whose signature takes `(response, meta)`, checked with `inspect.signature` without calling it; builtins such
 as `builtins:eval` and classes are refused.
@@ -33,7 +36,8 @@ import sys
 import threading
 from typing import Any, Literal
 
-__all__ = ["IMPORT_TIMEOUT_S", "ImportHung", "RefError", "hung_imports", "import_timeout_s", "parse", "resolve"]
+__all__ = ["IMPORT_TIMEOUT_S", "TIMEOUT_ENV", "ImportHung", "RefError", "hung_imports", "import_timeout_s", "parse",
+           "resolve"]
 
 Expect = Literal["callable", "function", "class", "any"]
 

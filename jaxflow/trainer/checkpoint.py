@@ -293,7 +293,8 @@ class Checkpointer:
             try:
                 validate(step, extra)
             except (ValueError, TypeError, KeyError) as e:
-                raise CheckpointDamaged(f"{where} is damaged: {e.args[0] if isinstance(e, KeyError) else e}") from e
+                why = e.args[0] if isinstance(e, KeyError) and e.args else e  # (a KeyError's str() is quoted)
+                raise CheckpointDamaged(f"{where} is damaged: {why}") from e
         arrays = {name: arrays[name] if arrays[name].dtype == want.dtype else arrays[name].astype(want.dtype)
                   for name, want in wanted.items()}
         return arrays, extra
