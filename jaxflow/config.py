@@ -52,7 +52,7 @@ def _load_module(path: pathlib.Path):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 -- whatever the user's file raises, said as the file's error
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- whatever the user's file raises (or a sys.exit)
         raise ConfigError(f"config file {path} raised {_describe(e)} while it was loaded") from e
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(arg=None)")
@@ -218,7 +218,7 @@ def load_config(spec: str, overrides: dict[str, str] | None = None) -> ml_collec
     module = _load_module(pathlib.Path(path))
     try:
         config = module.get_config(arg or None)
-    except Exception as e:  # noqa: BLE001
+    except (Exception, SystemExit) as e:  # noqa: BLE001
         raise ConfigError(f"config file {path}: get_config({arg or None!r}) raised {_describe(e)}") from e
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(f"get_config in {path} returned {type(config).__name__}, not a ConfigDict")

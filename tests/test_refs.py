@@ -68,3 +68,62 @@ def test_a_module_that_raises_while_importing_is_named_with_what_it_raised(tmp_p
 
 def test_ref_error_is_a_value_error():
     assert issubclass(RefError, ValueError)
+
+
+def _module(tmp_path, monkeypatch, name: str, body: str) -> str:
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
+def test_a_module_that_exits_while_importing_is_a_named_error_not_an_exit(tmp_path, monkeypatch):
+    name = _module(tmp_path, monkeypatch, "refs_exits_qq", "import sys\nsys.exit(0)\n")
+    with pytest.raises(RefError, match=r"module 'refs_exits_qq' called sys.exit\(0\) while importing") as e:
+        refs.resolve(f"{name}:reward", what="task.reward_ref")
+    assert "task.reward_ref 'refs_exits_qq:reward'" in str(e.value)
+
+
+def test_a_module_that_never_finishes_importing_is_a_named_timeout(tmp_path, monkeypatch):
+    # The module waits on a file that the test writes afterwards, so that its import thread ends.
+    release = tmp_path / "release"
+    name = _module(tmp_path, monkeypatch, "refs_hangs_qq",
+                   f"import pathlib, time\nwhile not pathlib.Path({str(release)!r}).exists():\n    time.sleep(0.01)\n")
+    try:
+        with pytest.raises(refs.ImportHung, match=r"module 'refs_hangs_qq' did not finish importing within 0.2s"):
+            refs.resolve(f"{name}:f", what="environment reference", timeout_s=0.2)
+        assert name in refs.hung_imports()
+    finally:
+        release.write_text("")
+    assert issubclass(refs.ImportHung, RefError)
+
+
+def test_the_import_time_limit_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(refs.TIMEOUT_ENV, "2.5")
+    assert refs.import_timeout_s() == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        monkeypatch.setenv(refs.TIMEOUT_ENV, bad)
+        with pytest.raises(RefError, match=refs.TIMEOUT_ENV):
+            refs.import_timeout_s()
+
+
+def reward_of_two(response, meta):
+    return 1.0
+
+
+def reward_of_one(response):
+    return 1.0
+
+
+@pytest.mark.parametrize("ref, says", [
+    ("builtins:eval", "names a builtin"),
+    ("builtins:print", "names a builtin"),
+    ("math:sqrt", "names a builtin"),
+    (f"{__name__}:Holder", "names a class"),
+    (f"{__name__}:reward_of_one", r"has the signature \(response\), which cannot be called with 2"),
+])
+def test_a_reward_function_must_be_a_python_function_taking_response_and_meta(ref, says):
+    from jaxflow.rewards import resolve
+    with pytest.raises(RefError, match=says):
+        resolve(ref)
+    assert resolve(f"{__name__}:reward_of_two") is reward_of_two

@@ -31,7 +31,7 @@ import os
 import pathlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_collections
@@ -167,6 +167,7 @@ class TrainerActor:
                                  max_sequences=spec["max_sequences"])
         self.mesh, self.process_id = mesh, process_id
         self.ckpt = Checkpointer(spec["checkpoints"], max_to_keep=spec["max_to_keep"])
+        self.validate_extra = spec.get("validate_extra")
         extra = self.restore_latest()[1] if self.ckpt.latest_step() is not None else None
         return {"version": self.trainer.version, "extra": extra, "compile_s": self.trainer.compile_s,
                 "batch_shape": list(self.trainer.batch_shape), "damaged": list(self.ckpt.damaged),
@@ -177,7 +178,8 @@ class TrainerActor:
         """Rolls the trainer back to the newest intact checkpoint; (its version, its extra, the damaged
         steps passed over as [step, why])."""
         from jaxflow.trainer.state import abstract_train_state
-        state, extra = self.ckpt.restore(abstract_train_state(self.trainer.model(), self.trainer.tx, self.mesh))
+        state, extra = self.ckpt.restore(abstract_train_state(self.trainer.model(), self.trainer.tx, self.mesh),
+                                         validate=self.validate_extra)
         self.trainer.state = state
         return self.trainer.version, extra, [list(d) for d in self.ckpt.damaged]
 
@@ -265,10 +267,13 @@ class TrainerGroup:
     @staticmethod
     def spec(model_dir: str, trainer: ml_collections.ConfigDict, *, seq_len: int, max_sequences: int,
              checkpoints: str, max_to_keep: int, fsdp: int = -1, tensor: int = 1, init_timeout_s: float = 120.0,
-             heartbeat_timeout_s: int = 60, lora_seed: int = 0) -> dict[str, Any]:
-        """What every trainer process is built from (LoRA: `trainer.lora`, adapters drawn from `lora_seed`)."""
+             heartbeat_timeout_s: int = 60, lora_seed: int = 0,
+             validate_extra: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+        """What every trainer process is built from (LoRA: `trainer.lora`, adapters drawn from `lora_seed`).
+        validate_extra: the checkpoint extra's check (`Checkpointer.restore`'s `validate`; picklable), run by
+        every process on the same extra, so that all pass over the same damaged steps."""
         return {"model_dir": str(model_dir), "trainer": trainer, "seq_len": seq_len, "max_sequences": max_sequences,
-                "lora_seed": lora_seed,
+                "lora_seed": lora_seed, "validate_extra": validate_extra,
                 "checkpoints": str(checkpoints), "max_to_keep": max_to_keep, "fsdp": fsdp, "tensor": tensor,
                 "init_timeout_s": init_timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s}
 

@@ -26,8 +26,9 @@ eta = 0 with the "full" batch rule is synchronous RL through the same code: engi
 with the weights being trained.
 
 Output in config.workdir: metrics.jsonl + TensorBoard + plots (`jaxflow.jobs.run_log`), orbax checkpoints
-(with the trajectory service's state; a damaged newest one is reported, kept aside as
-checkpoints/damaged-<step>, and the run resumes from the one before), ledger.jsonl (the groups each step
+(with the trajectory service's state, `jaxflow.jobs.resume`; a damaged newest one, in its arrays or its
+snapshot, is reported, kept aside as checkpoints/damaged-<step>, and the run resumes from the one before;
+with none usable the run stops with exit code 2), ledger.jsonl (the groups each step
 trained), export/ (the final policy as an HF model), result.json and coordinator_trace.json (engine loads,
 group lengths and weight-sync times: what benchmarks/simulate.py fits the simulator to). Ctrl-C stops
 after the step in progress and checkpoints (a second Ctrl-C stops at once); rerunning the same command
@@ -60,6 +61,7 @@ from jaxflow.jobs import warm_start
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked, reward_pool_options
 from jaxflow.jobs.config import BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection, RolloutConfig
 from jaxflow.jobs.prompts import prompt_source, train_records
+from jaxflow.jobs.resume import ExtraCheck
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
 from jaxflow.models import hf_io, lora
@@ -236,7 +238,8 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     start_step, extra = 0, {}
     if ckpt.latest_step() is not None:
         try:
-            state, extra = ckpt.restore(abstract_train_state(trainer.model(), trainer.tx, mesh))
+            state, extra = ckpt.restore(abstract_train_state(trainer.model(), trainer.tx, mesh),
+                                        validate=ExtraCheck.for_service(service))
         except (CheckpointDamaged, ValueError) as e:
             ckpt.close()
             print(f"jaxflow: error: cannot resume {workdir}: {e}", file=sys.stderr)

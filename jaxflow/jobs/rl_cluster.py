@@ -51,6 +51,7 @@ from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked, reward_pool_options
 from jaxflow.jobs.prompts import prompt_source
 from jaxflow.jobs.ray_rollout import start_fleet
+from jaxflow.jobs.resume import ExtraCheck
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
 from jaxflow.models.lora import LoRASpec
@@ -79,7 +80,10 @@ class _Cluster:
         self.spec = TrainerGroup.spec(
             str(base_dir), t, seq_len=config.rollout.max_len, max_sequences=t.batch_groups * config.rollout.group_size,
             checkpoints=str(self.workdir / "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
-            fsdp=config.cluster.trainer_mesh.fsdp, tensor=config.cluster.trainer_mesh.tensor, lora_seed=config.seed)
+            fsdp=config.cluster.trainer_mesh.fsdp, tensor=config.cluster.trainer_mesh.tensor, lora_seed=config.seed,
+            validate_extra=ExtraCheck(group_size=config.rollout.group_size, batch_groups=t.batch_groups, eta=t.eta,
+                                      reserve_groups=Coordination.from_config(config.rollout.coordination)
+                                      .reserve_groups(t.batch_groups)))
         self.generation = 0
         ray = ray_actors.require_ray()
         self.host = ray_actors.start_host(name=names.data(self.tag), max_restarts=-1,

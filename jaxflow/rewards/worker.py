@@ -34,9 +34,11 @@ def resolve(fn_ref: str) -> Callable[[str, dict], Any]:
 
     Raises:
       jaxflow.refs.RefError (a ValueError): `fn_ref` is not of that form, its module does not import (the
-        message says what it raised), or it names nothing callable.
+        message says what it raised or that it exited), or it names no function taking (response, meta):
+        a builtin such as `builtins:eval`, a class or a function of another signature is refused.
+      jaxflow.refs.ImportHung (a RefError): the module did not finish importing within the time limit.
     """
-    return refs.resolve(fn_ref, what=WHAT)
+    return refs.resolve(fn_ref, what=WHAT, expect="function", arity=2)
 
 
 def check_result(value: Any) -> float | None:

@@ -292,7 +292,8 @@ class Task:
 
     def reward(self, response: str, meta: dict) -> float:
         """1.0 if `response` answers the record with this `meta` correctly, else 0.0 (or the format score)."""
-        return refs.resolve(self.reward_ref, what=f"{self.name}: reward_ref")(response, meta)
+        fn = refs.resolve(self.reward_ref, what=f"{self.name}: reward_ref", expect="function", arity=2)
+        return fn(response, meta)
 
     def to_prompt_records(self, examples: list[dict], tokenizer) -> list[dict]:
         """{"prompt": token ids of the chat-templated prompt, "meta": `meta(example)`} per example.

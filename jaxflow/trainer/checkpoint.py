@@ -13,13 +13,18 @@ metadata included) comes from the caller's target, usually `train_state.abstract
 mesh to restore onto; orbax reads each array straight into the target's sharding, so a checkpoint
 written on one mesh shape can be read onto another.
 
-Every step also carries a sha256 per array (of its host bytes, dtype and shape, in the extra JSON under a
-reserved key), because orbax itself does not notice every damage: random bytes written into a data chunk
-can decompress to wrong weights with no error. `restore` verifies them. A damaged step (unreadable
-metadata, truncated or missing data, a checksum that does not match) is reported by name (a warning in
-the log) and the previous step is tried; `damaged` and `restored_step` say what happened, and
-`set_aside` moves a damaged step out of the step list without deleting it. Only when no step is intact
-does `restore` raise `CheckpointDamaged`, naming the directory and every step's damage.
+A step is valid only as a whole. Every step carries a sha256 per array (of its host bytes, dtype and shape)
+and one per piece of the extra (each top-level key: the trajectory service's snapshot, the data iterator's
+position in it, ...; of its canonical JSON), both in the extra JSON under reserved keys, because orbax
+itself does not notice every damage: random bytes written into a data chunk can decompress to wrong weights
+with no error, and an edited JSON value is still valid JSON. `restore` verifies them, then hands the extra to
+the caller's `validate(step, extra)` (the job's check of what each piece must hold, e.g. the trajectory
+service's snapshot validator), all before the caller changes anything. A damaged step (unreadable metadata,
+truncated or missing data, a checksum that does not match, a missing piece, a piece `validate` refuses) is
+reported by name (a warning in the log naming the step, the piece and the reason) and the previous step is
+tried; `damaged` and `restored_step` say what happened, and `set_aside` moves a damaged step out of the step
+list without deleting it. Only when no step is intact does `restore` raise `CheckpointDamaged`, naming the
+directory and every step's damage.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -43,6 +48,9 @@ from jaxflow.trainer.state import TrainState
 _STATE, _EXTRA = "state", "extra"
 # The extra key holding {array name: sha256 hex}; refused in a caller's extra, removed from what restore returns.
 _CHECKSUMS = "_jaxflow_checksums"
+# The extra key holding {extra piece (top-level key): sha256 hex of its canonical JSON}; reserved likewise.
+_EXTRA_CHECKSUMS = "_jaxflow_extra_checksums"
+_RESERVED = (_CHECKSUMS, _EXTRA_CHECKSUMS)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,12 @@ def _digest(value) -> str:
     h = hashlib.sha256(f"{host.dtype.str}{host.shape}".encode())
     h.update(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
     return h.hexdigest()
+
+
+def _json_digest(value) -> str:
+    """sha256 of `value`'s canonical JSON (sorted keys, no spaces): the same before saving and after reading,
+    since `save` digests the JSON round trip of the extra (int keys become strings, tuples lists)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _brief(error: BaseException) -> str:
@@ -176,17 +190,19 @@ class Checkpointer:
         extra = {} if extra is None else extra
         if not isinstance(extra, Mapping):
             raise TypeError(f"checkpoint extra must be a dict, got {type(extra).__name__}")
-        if _CHECKSUMS in extra:
-            raise ValueError(f"checkpoint extra key {_CHECKSUMS!r} is reserved for the arrays' checksums")
+        reserved = [k for k in _RESERVED if k in extra]
+        if reserved:
+            raise ValueError(f"checkpoint extra key {reserved[0]!r} is reserved for the checksums")
         try:
-            json.dumps(extra)
+            pieces = json.loads(json.dumps(extra))  # what a restore will read back
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint extra for step {step} in {self.directory} is not "
                             f"JSON-serialisable: {e}") from e
         if not force and not self._manager.should_save(int(step)):
             return False
         flat = _flatten(state)
-        extra = {**extra, _CHECKSUMS: {name: _digest(value) for name, value in flat.items()}}
+        extra = {**extra, _CHECKSUMS: {name: _digest(value) for name, value in flat.items()},
+                 _EXTRA_CHECKSUMS: {key: _json_digest(value) for key, value in pieces.items()}}
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(_nest(flat)),
                                      _EXTRA: ocp.args.JsonSave(extra)})
         return self._manager.save(int(step), args=args, force=force)
@@ -199,13 +215,17 @@ class Checkpointer:
         """All kept steps, ascending."""
         return sorted(self._manager.all_steps())
 
-    def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+    def restore(self, target: TrainState, step: int | None = None, *,
+                validate: Callable[[int, dict], None] | None = None) -> tuple[TrainState, dict]:
         """Reads checkpoint `step` (default: the newest intact one) into the structure and shardings of
-        `target`, verifying every array against the checksum saved with it.
+        `target`, verifying every array and every piece of the extra against the checksum saved with it.
 
         target: a TrainState of ShapeDtypeStructs with shardings (`abstract_train_state` on the mesh to
         restore onto) or of arrays; the result has its pytree structure, Variable metadata, dtypes and
-        shardings. Returns (state, extra). Without `step`, a damaged step is logged by name and the one
+        shardings. validate(step, extra): the caller's check of the verified extra, run before this returns
+        (so before the caller changes anything); a ValueError, TypeError or KeyError from it makes the step
+        damaged, its message (which should name the piece) the reason. Returns (state, extra). Without
+        `step`, a damaged step is logged by name and the one
         before it is tried; afterwards `restored_step` is the step read and `damaged` lists
         (step, why) for each damaged step passed over. Raises FileNotFoundError if there is no such
         checkpoint, ValueError if the saved arrays do not match the target's names or shapes, and
@@ -223,7 +243,7 @@ class Checkpointer:
         wanted = _flatten(target)
         for candidate in ([int(step)] if step is not None else steps[::-1]):
             try:
-                arrays, extra = self._restore_step(candidate, wanted)
+                arrays, extra = self._restore_step(candidate, wanted, validate)
             except CheckpointDamaged as e:
                 self.damaged.append((candidate, str(e)))
                 log.warning("%s", e)
@@ -239,7 +259,8 @@ class Checkpointer:
             f"no intact checkpoint in {self.directory}: " + "; ".join(why for _, why in self.damaged)
             + ". Nothing was restored; move the damaged steps aside (or use another workdir) to start afresh")
 
-    def _restore_step(self, step: int, wanted: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+    def _restore_step(self, step: int, wanted: dict[str, Any],
+                      validate: Callable[[int, dict], None] | None) -> tuple[dict[str, Any], dict]:
         """The verified arrays (by name, cast to the target's dtypes) and extra of one step."""
         where = f"checkpoint step {step} in {self.directory}"
         try:
@@ -267,9 +288,34 @@ class Checkpointer:
             if bad:
                 raise CheckpointDamaged(f"{where} is damaged: {len(bad)} array(s) differ from the checksums "
                                         f"saved with them: {bad[:5]}")
+        self._check_extra(where, extra, extra.pop(_EXTRA_CHECKSUMS, None))
+        if validate is not None:
+            try:
+                validate(step, extra)
+            except (ValueError, TypeError, KeyError) as e:
+                why = e.args[0] if isinstance(e, KeyError) and e.args else e  # (a KeyError's str() is quoted)
+                raise CheckpointDamaged(f"{where} is damaged: {why}") from e
         arrays = {name: arrays[name] if arrays[name].dtype == want.dtype else arrays[name].astype(want.dtype)
                   for name, want in wanted.items()}
         return arrays, extra
+
+    @staticmethod
+    def _check_extra(where: str, extra: dict, sums: Any) -> None:
+        """Compares each piece of the extra with the checksum saved with it; raises CheckpointDamaged naming
+        the first piece that is missing, changed or not saved with the step."""
+        if sums is None:  # saved before the extra had checksums: the arrays' warning (if any) covers it
+            return
+        if not isinstance(sums, Mapping):
+            raise CheckpointDamaged(f"{where} is damaged: the checksums of its extra are not a dict")
+        for key in sorted(sums):
+            if key not in extra:
+                raise CheckpointDamaged(f"{where} is damaged: its extra piece {key!r} is missing")
+            if sums[key] != _json_digest(extra[key]):
+                raise CheckpointDamaged(f"{where} is damaged: its extra piece {key!r} differs from the checksum "
+                                        f"saved with it")
+        unknown = sorted(set(extra) - set(sums))
+        if unknown:
+            raise CheckpointDamaged(f"{where} is damaged: its extra has piece(s) {unknown} not saved with it")
 
     def _check_matches(self, where: str, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
         """Compares target names/shapes against the saved metadata, so that a wrong model size fails

@@ -169,3 +169,12 @@ def test_ray_mode_without_ray_says_how_to_install_it(monkeypatch):
 def test_bad_lora_settings_are_named_before_anything_starts(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         rl.check_config(load_config(CONFIG, overrides))
+
+
+@pytest.mark.parametrize("ref", ["builtins:eval", "builtins:dict", "jaxflow.tasks.arithmetic:ArithmeticTask"])
+def test_a_reward_ref_that_names_no_reward_function_is_refused(ref):
+    """task.reward_ref must name a Python function taking (response, meta), read from its signature: a builtin
+    such as eval (which would run each response as code) or a class is refused before anything starts."""
+    with pytest.raises(ConfigError, match=r"task\.reward_ref") as e:
+        rl.check_config(load_config(CONFIG, {"task.reward_ref": ref}))
+    assert ref in str(e.value)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 
 import pytest
+from checkpoint_faults import damage_extra
 from small_runs import CONFIG, check_each_step_once, job_command, records, small_config, start_until_step
 from tolerances import assert_engines_served_the_trainers_weights
 
@@ -407,7 +408,8 @@ def test_coordinated_two_engine_run_keeps_the_staleness_bound_and_the_accounting
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, base_dir, capsys):
     """The newest checkpoint damaged: the run says so, keeps it aside and resumes from the step before, each
-    step trained once; with no intact checkpoint left it stops with the directory named."""
+    step trained once; with no usable checkpoint left (damaged arrays, a wrong trajectory snapshot) it stops
+    with exit code 2, the directory and each step's damage named."""
     from jaxflow.jobs import rl
     config = small_config(tmp_path, base_dir, **{"trainer.steps": "2", "eval.every": "100"})
     assert rl.run(config) == 0
@@ -423,8 +425,10 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, bas
     assert f"resuming {workdir} from step 1" in out
     assert (ckpts / "damaged-2" / "state").is_dir()
     check_each_step_once(workdir, 3, 2)
-    for step in ("2", "3"):
-        (ckpts / step / "state" / "_METADATA").write_text("")
+    # Step 2's arrays damaged, step 3's trajectory snapshot saved wrong (its checksums match): neither usable.
+    (ckpts / "2" / "state" / "_METADATA").write_text("")
+    damage_extra(ckpts / "3", "wrong-value", resign=True)
     assert rl.run(small_config(tmp_path, base_dir, **{"trainer.steps": "4"})) == 2
     err = capsys.readouterr().err
-    assert f"no intact checkpoint in {ckpts}" in err and "step 3" in err and "step 2" in err
+    assert f"no intact checkpoint in {ckpts}" in err and "step 2" in err and "Traceback" not in err
+    assert f"checkpoint step 3 in {ckpts} is damaged: its trajectory snapshot ('trajectories') is invalid" in err
