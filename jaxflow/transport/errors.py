@@ -11,7 +11,9 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
+from jaxflow.data.checks import SampleRefused
 from jaxflow.data.param_service import UnknownVersionError
+from jaxflow.data.trajectory_service import ConsumeSuperseded
 from jaxflow.transport import wire
 
 _TRACEBACK_CHARS = 8000
@@ -70,7 +72,10 @@ register_remote_error(wire.FrameTooLarge)
 register_remote_error(wire.FrameTimeout)
 register_remote_error(TooManyConnections)
 register_remote_error(ServerBusy)
-register_remote_error(UnknownVersionError)  # the services never import the transport: it registers theirs
+# The services never import the transport: it registers their errors.
+register_remote_error(UnknownVersionError)
+register_remote_error(SampleRefused)
+register_remote_error(ConsumeSuperseded)
 
 
 def _is_encodable(value: Any) -> bool:
