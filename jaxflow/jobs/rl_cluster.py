@@ -82,7 +82,8 @@ class _Cluster:
             checkpoints=str(self.workdir / "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
             fsdp=config.cluster.trainer_mesh.fsdp, tensor=config.cluster.trainer_mesh.tensor, lora_seed=config.seed)
         self.generation = 0
-        self.vocab_size = from_hf_config(read_hf_config(base_dir), source=str(base_dir / "config.json")).vocab_size
+        config_json = pathlib.Path(base_dir, "config.json")
+        self.vocab_size = from_hf_config(read_hf_config(base_dir), source=str(config_json)).vocab_size
         ray = ray_actors.require_ray()
         self.host = ray_actors.start_host(name=names.data(self.tag), max_restarts=-1,
                                           resources=_resources(config, "data"))
