@@ -115,7 +115,7 @@ def check_token_ids(what: str, field: str, tokens: list, vocab_size: int | None)
 
 def check_env_spans(what: str, spans: Any, n: int) -> None:
     """A sample's env_spans: a list of [start, end) int pairs, sorted, disjoint, non-empty, within its `n`
-    tokens; else ValueError naming `what`."""
+    tokens; else SampleRefused naming `what`."""
     if not isinstance(spans, list):
         raise SampleRefused(f"{what}: env_spans must be a list of [start, end) pairs, got {type(spans).__name__}")
     previous_end = 0
@@ -123,7 +123,7 @@ def check_env_spans(what: str, spans: Any, n: int) -> None:
         if (not isinstance(span, (list, tuple)) or len(span) != 2 or not all(is_int(x) for x in span)
                 or not previous_end <= span[0] < span[1] <= n):
             raise SampleRefused(f"{what}: env_spans[{i}] = {span!r:.80}; spans must be sorted, disjoint, non-empty "
-                             f"[start, end) int pairs within the sample's {n} tokens")
+                                f"[start, end) int pairs within the sample's {n} tokens")
         previous_end = span[1]
 
 

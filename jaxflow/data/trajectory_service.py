@@ -147,8 +147,8 @@ class TrajectoryService:
         self._dropped: set[int] = set()  # SURPLUS ids (they leave the service; late calls are ignored)
         self._leases = Leases(self.lease_s)
         self._last: ConsumedBatch | None = None  # the batch consumed last, until the next consume or ack
-        self._consume_calls = 0  # consume calls that got to wait; only the newest may take the batch
-        self._consume_waiting = 0
+        self._consume_calls = 0  # consume calls for the next buffer so far; only the newest may take it
+        self._consume_waiting = 0  # consume calls waiting now (a gauge in `stats`)
 
     # ---- helpers (hold the lock) -------------------------------------------------------------
     def _slots(self, step: int) -> int:

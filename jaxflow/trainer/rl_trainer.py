@@ -232,9 +232,7 @@ def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int,
     good, rejected = [], []
     for g in groups:
         try:
-            if not isinstance(g.prompt, list):
-                raise ValueError(f"group {g.group_id}: the prompt is a {type(g.prompt).__name__}, not a list")
-            checks.check_token_ids(f"group {g.group_id}", "prompt", g.prompt, vocab_size)
+            checks.check_token_ids(f"group {g.group_id}", "prompt", list(g.prompt), vocab_size)
             checks.check_samples(g.group_id, len(g.samples), g.samples, "consumed", g.v_start, version,
                                  finished=False, vocab_size=vocab_size)
             checks.check_rewards(g.group_id, len(g.samples), g.rewards)
