@@ -5,8 +5,9 @@ reward and snapshot field is checked here first, in full, and the error names th
 the sample index, the field and element) and what was expected. Booleans are not accepted as numbers.
 
 What is wrong with a sample or a reward (rather than with the call) raises `SampleRefused`, a ValueError
-whose `reason` says which kind of fault it is (`REFUSAL_REASONS`), so that the service can count refusals
-by kind. The same checks screen a consumed batch in the trainer (`jaxflow.trainer.rl_trainer.screen_groups`).
+whose `reason` says which kind of fault it is (`jaxflow.data.service_errors`), so that the service can
+count refusals by kind. The same checks screen a consumed batch in the trainer
+(`jaxflow.trainer.rl_trainer.screen_groups`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from typing import Any
 
 from jaxflow.data.records import FINISH_REASONS, Sample
+from jaxflow.data.service_errors import SampleRefused
 from jaxflow.data.timeouts import check_timeout  # noqa: F401  (the services call it as checks.check_timeout)
 
 # Token ids at or above this do not fit the trainer's int32 batch, whatever the model: refused even when the
@@ -22,18 +24,6 @@ from jaxflow.data.timeouts import check_timeout  # noqa: F401  (the services cal
 TOKEN_ID_LIMIT = 2**31
 # float32's largest finite value: the trainer computes each group's reward mean and std in float32.
 FLOAT32_MAX = 3.4028234663852886e38
-# Why a sample or reward was refused: an id the model cannot embed, more tokens than a trainer row holds, a
-# reward (or a group's reward statistics) that is not finite, anything else wrong with the sample.
-REFUSAL_REASONS = ("token_id", "length", "reward", "malformed")
-
-
-class SampleRefused(ValueError):
-    """A sample or reward that cannot be trained on. reason: one of REFUSAL_REASONS. The message names the
-    group, the sample, the field and the element."""
-
-    def __init__(self, message: str, reason: str = "malformed"):
-        super().__init__(message)
-        self.reason = reason
 
 
 def is_int(x: Any) -> bool:

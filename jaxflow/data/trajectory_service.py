@@ -37,7 +37,7 @@ fit the trainer's int32 batch); with `max_sequence_tokens` (the trainer's row, r
 whose prompt and tokens together are longer; and rewards whose group statistics overflow float32 (a sum of
 episode turns can). A refused `finish` or `reward` raises `SampleRefused` (a ValueError naming the group,
 sample and element) and changes nothing but the counters `refused` and `refused_<reason>` (one per refused
-call, by `checks.REFUSAL_REASONS`): the group stays with its worker, which fails it (the coordinator does,
+call, by `REFUSAL_REASONS`): the group stays with its worker, which fails it (the coordinator does,
 so it is counted as failed) or lets its lease run out (it is then dispatched again, up to max_attempts).
 
 `consume` is exactly once. It is idempotent for the step just consumed: a trainer whose reply was lost asks
@@ -58,10 +58,10 @@ import time
 from typing import Any
 
 from jaxflow.data import checks
-from jaxflow.data.checks import SampleRefused
 from jaxflow.data.leases import Leases
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, Sample
+from jaxflow.data.service_errors import REFUSAL_REASONS, ConsumeSuperseded, SampleRefused
 from jaxflow.data.service_groups import FIELDS, BufferState, GroupState, census, group_task
 from jaxflow.data.service_groups import GroupRecord as _Group
 from jaxflow.data.service_snapshot import parse_snapshot
@@ -70,11 +70,6 @@ __all__ = ["BATCH_RULES", "ConsumeSuperseded", "SampleRefused", "TrajectoryServi
 
 BATCH_RULES = ("full", "ready_with_capacity")
 _DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them are ignored
-
-
-class ConsumeSuperseded(RuntimeError):
-    """A `consume` that was still waiting when a newer call for the same buffer arrived (its client gave up
-    and asked again): it gives way and takes nothing; the newer call gets the batch."""
 
 
 class TrajectoryService:
@@ -137,7 +132,7 @@ class TrajectoryService:
         self._counts = {k: 0 for k in ("created", "dispatched", "aborted", "requeued", "finished",
                                        "rewarded", "consumed", "failed", "surplus", "stale_rejected",
                                        "expired", "recovered_tokens", "consume_superseded", "refused",
-                                       *(f"refused_{r}" for r in checks.REFUSAL_REASONS))}
+                                       *(f"refused_{r}" for r in REFUSAL_REASONS))}
         self._filled_at: dict[int, float] = {}  # step -> when it reached min fill
         # Slots per buffer step, kept in step with every transition (dispatch must stay O(1)).
         self._reserved: collections.Counter[int] = collections.Counter()

@@ -11,9 +11,8 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from jaxflow.data.checks import SampleRefused
 from jaxflow.data.param_service import UnknownVersionError
-from jaxflow.data.trajectory_service import ConsumeSuperseded
+from jaxflow.data.service_errors import ConsumeSuperseded, SampleRefused
 from jaxflow.transport import wire
 
 _TRACEBACK_CHARS = 8000
