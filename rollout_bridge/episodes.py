@@ -110,6 +110,10 @@ class EpisodeEngine(Engine):
         self.renderer = ObservationRenderer(tokenizer)
         self.counts: collections.Counter = collections.Counter()
         self._episodes: dict[str, _Episode] = {}
+        # Per request id, turns the inner engine had already handed out when their episode was handed back:
+        # the pump drops that many of its next completions for the id, which belong to no live episode (a
+        # resubmitted episode of the same id must not take them).
+        self._stale_turns: collections.Counter = collections.Counter()
         self._closing_envs: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._threads = [threading.Thread(target=self._loop.run_forever, name="episodes-loop", daemon=True),
@@ -146,6 +150,12 @@ class EpisodeEngine(Engine):
         for rid in rids:
             with self._lock:
                 ep = self._episodes.pop(rid, None)
+                if ep is not None and ep.in_inner and rid not in returned:
+                    # Its turn went to the inner engine after that engine's abort ran (abort it now), or its
+                    # completion is on its way to the pump (which must drop it).
+                    returned.update({c.request_id: c for c in self.inner.abort([rid])})
+                    if rid not in returned:
+                        self._stale_turns[rid] += 1
             if ep is None:
                 continue
             if ep.task is not None:
@@ -231,8 +241,11 @@ class EpisodeEngine(Engine):
                 return
             for c in done:
                 with self._lock:
+                    if self._stale_turns[c.request_id]:  # the turn of an episode handed back
+                        self._stale_turns[c.request_id] -= 1
+                        continue
                     ep = self._episodes.get(c.request_id)
-                    if ep is None:
+                    if ep is None or not ep.in_inner:
                         continue
                     ep.in_inner = False
                     ep.task = asyncio.run_coroutine_threadsafe(self._turn_done(ep, c), self._loop)
@@ -337,12 +350,14 @@ class EpisodeEngine(Engine):
         params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                 stop_token_ids=tuple(dict.fromkeys((*p.stop_token_ids, *self.turn_stop_ids))),
                                 seed=p.seed)
+        # Under the lock, so that an abort sees the turn either not yet submitted (and this returns) or on the
+        # inner engine (whose abort returns it). The inner engine never takes this lock.
         with self._lock:
             if self._episodes.get(ep.request.request_id) is not ep:
                 return  # aborted meanwhile
             ep.in_inner = True
-        self.inner.submit(Request(ep.request.request_id, ep.request.prompt, params, prefix=ep.sample,
-                                  meta=ep.request.meta))
+            self.inner.submit(Request(ep.request.request_id, ep.request.prompt, params, prefix=ep.sample,
+                                      meta=ep.request.meta))
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

@@ -5,6 +5,7 @@ growing the sample."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 from waiting import wait_until
@@ -204,3 +205,52 @@ def test_a_threaded_environment_keeps_its_loop_across_calls():
         return same, env.env.loop is not asyncio.get_running_loop()
 
     assert asyncio.run(calls()) == (True, True)
+
+
+class GatedEngine(ScriptedEngine):
+    """A ScriptedEngine whose finished turns reach `poll` only while `gate` is set: a turn handed out before
+    its episode's abort is still on its way when the episode is resubmitted."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.handed_out = 0
+
+    def _hand_out(self, completion):
+        self.handed_out += 1
+        super()._hand_out(completion)
+
+    def poll(self, timeout=None):
+        if not self.gate.is_set():
+            time.sleep(timeout or 0)
+            return []
+        return super().poll(timeout)
+
+
+def test_a_turn_handed_out_before_its_episode_was_aborted_never_reaches_the_resubmitted_episode():
+    """Episode e0's first turn is finished by the inner engine but not yet polled when e0 is aborted (the
+    abort returns e0 as it was, with no turn) and resubmitted. The resubmitted episode runs its own turns:
+    the old turn is dropped, not applied to it as well (which would answer one turn twice and lose or
+    corrupt the episode)."""
+    inner = GatedEngine()
+    engine = EpisodeEngine(inner, lambda meta: Answers(turns=3), CharTokenizer(), turn_stop_ids=[STOP],
+                           step_timeout_s=30, env_name="answers")
+    got: dict[str, Completion] = {}
+    try:
+        r = request(0)
+        engine.submit(r)
+        wait_until(lambda: inner.handed_out == 1, 60, "e0's first turn to finish on the inner engine")
+        (aborted,) = engine.abort(["e0"])
+        assert aborted.sample.finish_reason == "abort" and aborted.sample.tokens == []
+        engine.submit(Request(r.request_id, r.prompt, r.params, prefix=aborted.sample, meta=r.meta))
+        wait_until(lambda: inner.handed_out == 2, 60, "the resubmitted e0's first turn to finish")
+        inner.gate.set()
+        wait_until(lambda: collect(engine, got, "e0"), 60, "the resubmitted e0 to finish")
+        assert engine.poll(timeout=0.5) == []  # e0 comes out once
+    finally:
+        inner.gate.set()
+        engine.close()
+    done = got["e0"]
+    assert done.info.get("env_failure") is None and done.info["turns"] == 3 and done.sample.reward == 3.0
+    assert done.sample.tokens[:len(TURN)] == [ord(c) for c in TURN]
+    assert len(done.sample.env_spans) == 2 and engine.counts["episodes"] == 1
