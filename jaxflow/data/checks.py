@@ -3,6 +3,11 @@
 A service call either changes nothing (it raised) or completes its transition: so every argument, sample,
 reward and snapshot field is checked here first, in full, and the error names the bad thing (the group,
 the sample index, the field and element) and what was expected. Booleans are not accepted as numbers.
+
+What is wrong with a sample or a reward (rather than with the call) raises `SampleRefused`, a ValueError
+whose `reason` says which kind of fault it is (`jaxflow.data.service_errors`), so that the service can
+count refusals by kind. The same checks screen a consumed batch in the trainer
+(`jaxflow.trainer.rl_trainer.screen_groups`).
 """
 
 from __future__ import annotations
@@ -11,7 +16,14 @@ import math
 from typing import Any
 
 from jaxflow.data.records import FINISH_REASONS, Sample
+from jaxflow.data.service_errors import SampleRefused
 from jaxflow.data.timeouts import check_timeout  # noqa: F401  (the services call it as checks.check_timeout)
+
+# Token ids at or above this do not fit the trainer's int32 batch, whatever the model: refused even when the
+# vocab size is not known.
+TOKEN_ID_LIMIT = 2**31
+# float32's largest finite value: the trainer computes each group's reward mean and std in float32.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def is_int(x: Any) -> bool:
@@ -40,63 +52,83 @@ def check_str(name: str, value: Any, empty_ok: bool = True) -> str:
     return value
 
 
-def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool) -> None:
-    """Raises ValueError naming `what` (e.g. "group 3 sample 1") and the field of the first problem:
-    token ids non-negative ints, log-probs finite numbers <= 0, versions ints in [v_start, v_max], the
-    three lists of one length, finish_reason None or one of FINISH_REASONS (done if `finished`)."""
+def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool, *, vocab_size: int | None = None,
+                 max_tokens: int | None = None) -> None:
+    """Raises SampleRefused naming `what` (e.g. "group 3 sample 1") and the field of the first problem:
+    token ids ints in [0, vocab_size) (below TOKEN_ID_LIMIT when vocab_size is None), at most `max_tokens`
+    of them (None: no cap), log-probs finite numbers <= 0, versions ints in [v_start, v_max], the three
+    lists of one length, finish_reason None or one of FINISH_REASONS (done if `finished`), reward None or
+    finite."""
     if not isinstance(s, Sample):
-        raise ValueError(f"{what}: is a {type(s).__name__}, not a Sample")
+        raise SampleRefused(f"{what}: is a {type(s).__name__}, not a Sample")
     for field in ("tokens", "logprobs", "versions"):
         if not isinstance(getattr(s, field), list):
-            raise ValueError(f"{what}: {field} must be a list, got {type(getattr(s, field)).__name__}")
+            raise SampleRefused(f"{what}: {field} must be a list, got {type(getattr(s, field)).__name__}")
     n = len(s.tokens)
+    if max_tokens is not None and n > max_tokens:  # before the per-token loops: a huge sample costs nothing
+        raise SampleRefused(f"{what}: {n} tokens, more than the {max_tokens} a trainer row leaves it", "length")
     if len(s.logprobs) != n or len(s.versions) != n:
-        raise ValueError(f"{what}: {n} tokens but {len(s.logprobs)} log-probs and {len(s.versions)} versions")
-    for i, t in enumerate(s.tokens):
-        if not is_int(t) or t < 0:
-            raise ValueError(f"{what}: tokens[{i}] = {t!r}; token ids must be non-negative ints")
+        raise SampleRefused(f"{what}: {n} tokens but {len(s.logprobs)} log-probs and {len(s.versions)} versions")
+    check_token_ids(what, "tokens", s.tokens, vocab_size)
     for i, lp in enumerate(s.logprobs):
         if not is_number(lp) or not math.isfinite(lp) or lp > 0:
-            raise ValueError(f"{what}: logprobs[{i}] = {lp!r}; log-probs must be finite numbers <= 0")
+            raise SampleRefused(f"{what}: logprobs[{i}] = {lp!r}; log-probs must be finite numbers <= 0")
     for i, v in enumerate(s.versions):
         if not is_int(v):
-            raise ValueError(f"{what}: versions[{i}] = {v!r}; versions must be ints")
+            raise SampleRefused(f"{what}: versions[{i}] = {v!r}; versions must be ints")
     if n and (min(s.versions) < v_start or max(s.versions) > v_max):
-        raise ValueError(f"{what}: token versions span [{min(s.versions)}, {max(s.versions)}], "
-                         f"outside [v_start={v_start}, latest published={v_max}]")
+        raise SampleRefused(f"{what}: token versions span [{min(s.versions)}, {max(s.versions)}], "
+                            f"outside [v_start={v_start}, latest published={v_max}]")
     if s.finish_reason is not None and (not isinstance(s.finish_reason, str)
                                         or s.finish_reason not in FINISH_REASONS):
-        raise ValueError(f"{what}: finish_reason {s.finish_reason!r} is not None or one of {FINISH_REASONS}")
+        raise SampleRefused(f"{what}: finish_reason {s.finish_reason!r} is not None or one of {FINISH_REASONS}")
     if finished and not s.done:
-        raise ValueError(f"{what} is not finished (finish_reason={s.finish_reason!r})")
+        raise SampleRefused(f"{what} is not finished (finish_reason={s.finish_reason!r})")
     check_env_spans(what, s.env_spans, n)
     if s.reward is not None and (not is_number(s.reward) or not math.isfinite(s.reward)):
-        raise ValueError(f"{what}: reward {s.reward!r:.80} must be None or a finite number")
+        raise SampleRefused(f"{what}: reward {s.reward!r:.80} must be None or a finite number", "reward")
+
+
+def check_token_ids(what: str, field: str, tokens: list, vocab_size: int | None) -> None:
+    """Every element of `tokens` an int in [0, vocab_size) (vocab_size None: [0, TOKEN_ID_LIMIT)), else
+    SampleRefused naming `what`, `field` and the element: "malformed" for a non-int or a negative one,
+    "token_id" for an id the model cannot embed."""
+    limit = TOKEN_ID_LIMIT if vocab_size is None else min(vocab_size, TOKEN_ID_LIMIT)
+    for i, t in enumerate(tokens):
+        if not is_int(t) or t < 0:
+            raise SampleRefused(f"{what}: {field}[{i}] = {t!r:.80}; token ids must be non-negative ints")
+        if t >= limit:
+            model = "the model's vocab" if vocab_size is not None else "int32"
+            raise SampleRefused(f"{what}: {field}[{i}] = {t}; token ids must be below {limit} ({model})",
+                                "token_id")
 
 
 def check_env_spans(what: str, spans: Any, n: int) -> None:
     """A sample's env_spans: a list of [start, end) int pairs, sorted, disjoint, non-empty, within its `n`
-    tokens; else ValueError naming `what`."""
+    tokens; else SampleRefused naming `what`."""
     if not isinstance(spans, list):
-        raise ValueError(f"{what}: env_spans must be a list of [start, end) pairs, got {type(spans).__name__}")
+        raise SampleRefused(f"{what}: env_spans must be a list of [start, end) pairs, got {type(spans).__name__}")
     previous_end = 0
     for i, span in enumerate(spans):
         if (not isinstance(span, (list, tuple)) or len(span) != 2 or not all(is_int(x) for x in span)
                 or not previous_end <= span[0] < span[1] <= n):
-            raise ValueError(f"{what}: env_spans[{i}] = {span!r:.80}; spans must be sorted, disjoint, non-empty "
-                             f"[start, end) int pairs within the sample's {n} tokens")
+            raise SampleRefused(f"{what}: env_spans[{i}] = {span!r:.80}; spans must be sorted, disjoint, non-empty "
+                                f"[start, end) int pairs within the sample's {n} tokens")
         previous_end = span[1]
 
 
 def check_samples(group_id: int, n: int, samples: Any, what: str, v_start: int, v_max: int,
-                  finished: bool) -> None:
+                  finished: bool, *, vocab_size: int | None = None, max_tokens: int | None = None) -> None:
+    """`n` samples, each passing `check_sample` (with `vocab_size` and `max_tokens`); TypeError for a
+    non-list, SampleRefused naming the group and sample otherwise."""
     if not isinstance(samples, list):
         raise TypeError(f"group {group_id}: {what} samples must be a list of {n} Samples, "
                         f"got {type(samples).__name__}")
     if len(samples) != n:
-        raise ValueError(f"group {group_id}: {what} has {len(samples)} samples, expected {n}")
+        raise SampleRefused(f"group {group_id}: {what} has {len(samples)} samples, expected {n}")
     for i, s in enumerate(samples):
-        check_sample(f"group {group_id} sample {i}", s, v_start, v_max, finished)
+        check_sample(f"group {group_id} sample {i}", s, v_start, v_max, finished, vocab_size=vocab_size,
+                     max_tokens=max_tokens)
 
 
 def check_renewal(worker: Any, group_ids: Any, progress: Any) -> dict:
@@ -115,12 +147,22 @@ def check_renewal(worker: Any, group_ids: Any, progress: Any) -> dict:
 
 
 def check_rewards(group_id: int, n: int, rewards: Any) -> None:
-    """One finite number per sample, else ValueError naming the group and the bad element."""
+    """One finite number per sample, whose group statistics (sum, mean and squared deviations, as the
+    trainer computes them in float32) are finite too: else SampleRefused naming the group and the bad
+    element (reason "reward"; "malformed" for a list of the wrong length or not a list)."""
     if not isinstance(rewards, list):
-        raise ValueError(f"group {group_id}: rewards must be a list of {n} finite numbers, got {rewards!r}")
+        raise SampleRefused(f"group {group_id}: rewards must be a list of {n} finite numbers, got {rewards!r:.80}")
     if len(rewards) != n:
-        raise ValueError(f"group {group_id}: {len(rewards)} rewards for {n} samples; rewards must be "
-                         f"{n} finite numbers")
+        raise SampleRefused(f"group {group_id}: {len(rewards)} rewards for {n} samples; rewards must be "
+                            f"{n} finite numbers")
     for i, r in enumerate(rewards):
         if not is_number(r) or not math.isfinite(r):
-            raise ValueError(f"group {group_id}: rewards[{i}] = {r!r}; rewards must be {n} finite numbers")
+            raise SampleRefused(f"group {group_id}: rewards[{i}] = {r!r:.80}; rewards must be {n} finite numbers",
+                                "reward")
+    # Each reward finite is not enough: 2e38 + 2e38 overflows float32, and the advantages become NaN.
+    largest = max(abs(r) for r in rewards) if rewards else 0.0
+    total = sum(rewards) if largest <= FLOAT32_MAX else math.inf
+    spread = sum((r - total / n) ** 2 for r in rewards) if abs(total) <= FLOAT32_MAX else math.inf
+    if spread > FLOAT32_MAX:
+        raise SampleRefused(f"group {group_id}: rewards {rewards!r:.200} overflow float32 in their sum or spread "
+                            f"(the trainer's advantages would be NaN)", "reward")

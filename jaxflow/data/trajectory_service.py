@@ -29,9 +29,23 @@ whole snapshot first (`jaxflow.data.service_snapshot`). A dispatched group carri
 seconds that its worker extends with `renew` (a coordinator does so from its loop), reporting there each
 group's tokens so far; a lease that runs out (a dead, hung or departed worker) hands the group back with
 the samples last reported (counted as `expired`, their tokens as `recovered_tokens`), and the worker that
-let it lapse is told so if it calls about it later. `release_worker` does the same at once. `consume`
-is idempotent for the step just consumed: a trainer whose reply was lost asks again for the same step and
-gets the same batch, counted once; the batch is kept until the next step is consumed (or `ack`).
+let it lapse is told so if it calls about it later. `release_worker` does the same at once.
+
+Samples the model cannot train on. With `vocab_size` (the model's; every job that has a model passes it),
+`finish` refuses token ids outside [0, vocab_size) (ids >= 2**31 are refused even without it: they do not
+fit the trainer's int32 batch); with `max_sequence_tokens` (the trainer's row, rollout.max_len), a sample
+whose prompt and tokens together are longer; and rewards whose group statistics overflow float32 (a sum of
+episode turns can). A refused `finish` or `reward` raises `SampleRefused` (a ValueError naming the group,
+sample and element) and changes nothing but the counters `refused` and `refused_<reason>` (one per refused
+call, by `REFUSAL_REASONS`): the group stays with its worker, which fails it (the coordinator does,
+so it is counted as failed) or lets its lease run out (it is then dispatched again, up to max_attempts).
+
+`consume` is exactly once. It is idempotent for the step just consumed: a trainer whose reply was lost asks
+again for the same step and gets the same batch, counted once; the batch is kept until the next step is
+consumed (or `ack`). A retry that arrives while the first call still waits (its client gave up) supersedes
+it: the older call raises `ConsumeSuperseded` and takes nothing, so the batch goes to the retry, and the
+kept batch is never replaced (counted as `consume_superseded`; `stats()["consume_waiting"]` says how many
+calls wait).
 """
 
 from __future__ import annotations
@@ -47,9 +61,12 @@ from jaxflow.data import checks
 from jaxflow.data.leases import Leases
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, Sample
+from jaxflow.data.service_errors import REFUSAL_REASONS, ConsumeSuperseded, SampleRefused
 from jaxflow.data.service_groups import FIELDS, BufferState, GroupState, census, group_task
 from jaxflow.data.service_groups import GroupRecord as _Group
 from jaxflow.data.service_snapshot import parse_snapshot
+
+__all__ = ["BATCH_RULES", "ConsumeSuperseded", "SampleRefused", "TrajectoryService"]
 
 BATCH_RULES = ("full", "ready_with_capacity")
 _DROPPED_KEPT = 100_000  # SURPLUS ids remembered, so that late calls about them are ignored
@@ -74,12 +91,21 @@ class TrajectoryService:
       reserve_groups: reservations per buffer (B' >= B, default B); above B is redundant rollout.
       clock: the time source, seconds (a simulator passes its virtual clock; tests a fake one).
       lease_s: seconds a dispatched group stays with its worker without a `renew` (None: for ever).
+      vocab_size: the model's vocabulary size: `finish` refuses token ids at or above it (None: no model is
+        known; ids must still be below 2**31).
+      max_sequence_tokens: the most tokens of a group's prompt plus one of its samples, the trainer's row
+        (rollout.max_len): `finish` refuses longer samples (None: no cap).
     """
 
     def __init__(self, source: PromptSource, *, batch_groups: int, group_size: int, eta: int,
                  batch_rule: str = "full", min_fill: float = 1.0, patience_s: float | None = None,
                  max_attempts: int = 3, initial_version: int = 0, reserve_groups: int | None = None,
-                 clock=time.monotonic, lease_s: float | None = 60.0):
+                 clock=time.monotonic, lease_s: float | None = 60.0, vocab_size: int | None = None,
+                 max_sequence_tokens: int | None = None):
+        for name, value in (("vocab_size", vocab_size), ("max_sequence_tokens", max_sequence_tokens)):
+            if value is not None:
+                checks.check_int(name, value, 1)
+        self.vocab_size, self.max_sequence_tokens = vocab_size, max_sequence_tokens
         if lease_s is not None and not (checks.is_number(lease_s) and 0 < lease_s < math.inf):
             raise ValueError(f"lease_s must be None or a finite number of seconds > 0, got {lease_s!r}")
         self.lease_s = None if lease_s is None else float(lease_s)
@@ -105,7 +131,8 @@ class TrajectoryService:
         self._groups: dict[int, _Group] = {}
         self._counts = {k: 0 for k in ("created", "dispatched", "aborted", "requeued", "finished",
                                        "rewarded", "consumed", "failed", "surplus", "stale_rejected",
-                                       "expired", "recovered_tokens")}
+                                       "expired", "recovered_tokens", "consume_superseded", "refused",
+                                       *(f"refused_{r}" for r in REFUSAL_REASONS))}
         self._filled_at: dict[int, float] = {}  # step -> when it reached min fill
         # Slots per buffer step, kept in step with every transition (dispatch must stay O(1)).
         self._reserved: collections.Counter[int] = collections.Counter()
@@ -115,6 +142,8 @@ class TrajectoryService:
         self._dropped: set[int] = set()  # SURPLUS ids (they leave the service; late calls are ignored)
         self._leases = Leases(self.lease_s)
         self._last: ConsumedBatch | None = None  # the batch consumed last, until the next consume or ack
+        self._consume_calls = 0  # consume calls for the next buffer so far; only the newest may take it
+        self._consume_waiting = 0  # consume calls waiting now (a gauge in `stats`)
 
     # ---- helpers (hold the lock) -------------------------------------------------------------
     def _slots(self, step: int) -> int:
@@ -190,6 +219,23 @@ class TrajectoryService:
     def _check_samples(self, g: _Group, samples: list[Sample], what: str, finished: bool) -> None:
         checks.check_samples(g.group_id, g.n, samples, what, g.v_start, self._published, finished)
 
+    def _check_finished(self, g: _Group, samples: list[Sample], rewards: list[float] | None) -> None:
+        """`finish`'s checks: the samples against the model too (vocab, row length), and the rewards.
+        A refusal is counted by reason and re-raised; nothing else changes."""
+        max_tokens = None if self.max_sequence_tokens is None else self.max_sequence_tokens - len(g.prompt)
+        try:
+            checks.check_samples(g.group_id, g.n, samples, "finish", g.v_start, self._published, True,
+                                 vocab_size=self.vocab_size, max_tokens=max_tokens)
+            if rewards is not None:
+                checks.check_rewards(g.group_id, g.n, rewards)
+        except SampleRefused as e:
+            self._refused(e)
+            raise
+
+    def _refused(self, e: SampleRefused) -> None:
+        self._counts["refused"] += 1
+        self._counts[f"refused_{e.reason}"] += 1
+
     # ---- rollout side --------------------------------------------------------------------------
     def needs_sync(self, version: int) -> bool:
         """True when a worker holding `version` can no longer be given work (version + eta < v_train)."""
@@ -242,7 +288,8 @@ class TrajectoryService:
     def finish(self, group_id: int, worker: str, samples: list[Sample],
                rewards: list[float] | None = None) -> int | None:
         """All n samples of a running group are done. With rewards the group occupies a buffer at once
-        (returns its step); without, it waits for `reward`. Validated before anything changes."""
+        (returns its step); without, it waits for `reward`. Validated before anything changes: samples or
+        rewards that cannot be trained on raise SampleRefused, counted (module docstring)."""
         checks.check_int("group_id", group_id)
         checks.check_str("worker", worker, empty_ok=False)
         with self._lock:
@@ -250,23 +297,22 @@ class TrajectoryService:
             if group_id in self._dropped:
                 return None
             g = self._group(group_id, GroupState.RUNNING, worker)
-            self._check_samples(g, samples, "finish", finished=True)
-            if rewards is not None:
-                self._check_rewards(g, rewards)
+            self._check_finished(g, samples, rewards)
             g.samples = list(samples)  # the service now owns these Sample objects
             self._move(g, GroupState.FINISHED)
             self._counts["finished"] += 1
             return self._occupy(g, rewards) if rewards is not None else None
-
-    def _check_rewards(self, g: _Group, rewards: list[float]) -> None:
-        checks.check_rewards(g.group_id, g.n, rewards)
 
     def reward(self, group_id: int, rewards: list[float]) -> int:
         """Rewards for a finished group; it occupies the earliest feasible buffer. Returns the step."""
         checks.check_int("group_id", group_id)
         with self._lock:
             g = self._group(group_id, GroupState.FINISHED)
-            self._check_rewards(g, rewards)
+            try:
+                checks.check_rewards(g.group_id, g.n, rewards)
+            except SampleRefused as e:
+                self._refused(e)
+                raise
             return self._occupy(g, rewards)
 
     def _room(self, step: int) -> bool:
@@ -471,7 +517,8 @@ class TrajectoryService:
         the end of the data. Raises TimeoutError if not ready within `timeout` seconds.
 
         Asking again for the step consumed last (its reply was lost) returns the same batch, not counted
-        again, until the next step is consumed or `ack(version)` releases it.
+        again, until the next step is consumed or `ack(version)` releases it. A call still waiting when a
+        newer one for the same buffer arrives raises ConsumeSuperseded and takes nothing.
         """
         checks.check_int("version", version, 0)
         timeout = checks.check_timeout(timeout)
@@ -481,17 +528,16 @@ class TrajectoryService:
                 return self._last
             if version != self._v_train:
                 raise ValueError(f"trainer asks for buffer {version}, but the next buffer is {self._v_train}")
-            while True:
-                state = self._buffer_state(version)
-                if state != BufferState.PENDING:
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"buffer {version} not ready after {timeout}s: {self._summary(version)}")
-                # Re-check patience timers and leases now and then (waiters are notified of the rest).
-                wait = 0.05 if self.patience_s is not None else 0.25 if self.lease_s is not None else None
-                self._lock.wait(wait if left is None else min(left, wait or left))
-                self._expire()
+            # A call still waiting here was given up on by its client (the trainer consumes one buffer at a
+            # time): this newer one supersedes it, so the batch goes to a caller that is still there.
+            self._consume_calls += 1
+            call = self._consume_calls
+            self._lock.notify_all()
+            self._consume_waiting += 1
+            try:
+                state = self._wait_ready(version, call, deadline, timeout)
+            finally:
+                self._consume_waiting -= 1
             groups = sorted((g for g in self._groups.values()
                              if g.state == GroupState.OCCUPIED and g.step == version), key=lambda g: g.group_id)
             for g in groups:
@@ -510,6 +556,25 @@ class TrajectoryService:
                                                                g.rewards, g.meta, g.step) for g in groups],
                                        state.value)
             return self._last
+
+    def _wait_ready(self, version: int, call: int, deadline: float | None, timeout: float | None) -> BufferState:
+        """Waits (holding the lock between waits) until buffer `version` is not PENDING; its state. Raises
+        ConsumeSuperseded once a newer consume call arrived, TimeoutError after `deadline`."""
+        while True:
+            if call != self._consume_calls:
+                self._counts["consume_superseded"] += 1
+                raise ConsumeSuperseded(f"consume({version}) gave way to a newer call for buffer {version} "
+                                        f"(its client gave up and asked again); it took nothing")
+            state = self._buffer_state(version)
+            if state != BufferState.PENDING:
+                return state
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"buffer {version} not ready after {timeout}s: {self._summary(version)}")
+            # Re-check patience timers and leases now and then (waiters are notified of the rest).
+            wait = 0.05 if self.patience_s is not None else 0.25 if self.lease_s is not None else None
+            self._lock.wait(wait if left is None else min(left, wait or left))
+            self._expire()
 
     def ack(self, version: int) -> None:
         """The trainer received batch `version`: the service need not keep it for a repeated `consume`."""
@@ -532,7 +597,8 @@ class TrajectoryService:
             steps = sorted(k for k in set(self._reserved) | set(self._occupied) if self._slots(k))
             buffers = {s: {"reserved": self._reserved[s], "occupied": self._occupied[s]} for s in steps}
             return {"v_train": self._v_train, "published": self._published, "counts": dict(self._counts),
-                    "groups": gauges, "buffers": buffers, "next_buffer": self._summary(self._v_train)}
+                    "groups": gauges, "buffers": buffers, "next_buffer": self._summary(self._v_train),
+                    "consume_waiting": self._consume_waiting}
 
     # ---- snapshot ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

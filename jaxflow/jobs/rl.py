@@ -233,7 +233,9 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     service = TrajectoryService(prompt_source(config, records),
                                 batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
                                 batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
-                                reserve_groups=strategy.reserve_groups(t.batch_groups))
+                                reserve_groups=strategy.reserve_groups(t.batch_groups),
+                                # What the trainer can train: ids the model embeds, sequences a row holds.
+                                vocab_size=trainer.vocab_size, max_sequence_tokens=config.rollout.max_len)
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
     start_step, extra = 0, {}
     if ckpt.latest_step() is not None:

@@ -54,6 +54,7 @@ from jaxflow.jobs.ray_rollout import start_fleet
 from jaxflow.jobs.resume import ExtraCheck
 from jaxflow.jobs.run_log import RunLog
 from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
+from jaxflow.models.config import from_hf_config, read_hf_config
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards import RewardPool
 
@@ -85,6 +86,8 @@ class _Cluster:
                                       reserve_groups=Coordination.from_config(config.rollout.coordination)
                                       .reserve_groups(t.batch_groups)))
         self.generation = 0
+        config_json = pathlib.Path(base_dir, "config.json")
+        self.vocab_size = from_hf_config(read_hf_config(base_dir), source=str(config_json)).vocab_size
         ray = ray_actors.require_ray()
         self.host = ray_actors.start_host(name=names.data(self.tag), max_restarts=-1,
                                           resources=_resources(config, "data"))
@@ -98,7 +101,9 @@ class _Cluster:
         service = TrajectoryService(prompt_source(config, self.train_records),
                                     batch_groups=t.batch_groups, group_size=config.rollout.group_size, eta=t.eta,
                                     batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
-                                    reserve_groups=strategy.reserve_groups(t.batch_groups))
+                                    reserve_groups=strategy.reserve_groups(t.batch_groups),
+                                    # What the trainers can train: ids the model embeds, sequences a row holds.
+                                    vocab_size=self.vocab_size, max_sequence_tokens=config.rollout.max_len)
         if snapshot is not None:
             service.restore(snapshot)
         return service

@@ -204,6 +204,8 @@ def train_loop(config: ml_collections.ConfigDict, parts: LoopParts, *, start_ste
                            consumed_tokens_per_s=consumed_tokens / elapsed,
                            groups_aborted=float(counts["aborted"]), groups_failed=float(counts["failed"]),
                            groups_surplus=float(counts["surplus"]),
+                           # finishes the service refused (ids the model cannot embed, too long, bad rewards)
+                           finishes_refused=float(counts.get("refused", 0)),
                            weight_syncs=float(coordinator.counts["syncs"]))
             rollout_idle = metrics["rollout_idle_frac"]
             metrics.update({k: float(coordinator.counts[k]) for k in _COORDINATION_METRICS})

@@ -79,6 +79,9 @@ class TrajectoryBatch:
         return int(np.asarray(self.loss_mask).sum())
 
 
+# Token ids beyond int32 would raise OverflowError (numpy) while the batch is written: checked first.
+_INT32_LIMIT = 2**31
+
 # The batch's fields and their dtypes.
 FIELD_DTYPES = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32, "loss_mask": np.float32,
                 "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32,
@@ -278,6 +281,11 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
                              f"log-probs and {len(t.versions)} versions")
         if not len(t.prompt):
             raise ValueError(f"trajectory {i} has an empty prompt")
+        for field in ("prompt", "completion"):
+            ids = getattr(t, field)
+            if len(ids) and not -_INT32_LIMIT <= min(ids) <= max(ids) < _INT32_LIMIT:
+                raise ValueError(f"trajectory {i}: {field} token ids span [{min(ids)}, {max(ids)}], outside the int32 "
+                                 f"range the batch holds (screen them first: rl_trainer.screen_groups)")
         if any(not 0 <= a < b <= n for a, b in t.env_spans):
             raise ValueError(f"trajectory {i}: env_spans {list(t.env_spans)} are not [start, end) ranges within "
                              f"its {n} completion tokens")

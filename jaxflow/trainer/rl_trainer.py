@@ -14,11 +14,12 @@ response lengths, and the staleness histogram {v - token version: tokens} of the
 `trainer.skip_zero_signal`, groups whose samples all scored the same (advantage 0 on every token) are
 consumed and accounted but left out of the update.
 
-A consumed group that could not be trained (NaN or positive log-probs, non-finite rewards, token versions
-out of range, longer than a row: the trajectory service refuses these at `finish`, so only a service that
-does not check gets here) is dropped from the update by `screen_groups`, logged with its reason and
-counted in the step's `groups_rejected` metric; the job goes on. Only a buffer with no usable group at
-all raises, naming every group and its fault.
+A consumed group that could not be trained (token ids the model cannot embed, NaN or positive log-probs,
+rewards whose float32 statistics are not finite, token versions out of range, longer than a row: the
+trajectory service refuses these at `finish`, so only a service that does not check gets here) is
+dropped from the update by `screen_groups` before the batch is built, logged with its reason and counted in
+the step's `groups_rejected` metric; the job goes on, and the update trains the other groups. Only a buffer
+with no usable group at all raises, naming every group and its fault.
 
 Every option of the update is a key of the run config's trainer section: `step_config` and
 `optimizer_config` read them all and `check_trainer_config` validates them, naming the bad key, before a
@@ -223,14 +224,17 @@ def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
     return out
 
 
-def screen_groups(groups: list[FinishedGroup], version: int,
-                  seq_len: int) -> tuple[list[FinishedGroup], list[tuple[int, str]]]:
+def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int,
+                  vocab_size: int | None = None) -> tuple[list[FinishedGroup], list[tuple[int, str]]]:
     """(the groups the update at `version` can train, [(group id, why not)] for the others, each logged).
-    Raises ValueError naming every group and its fault when none is usable."""
+    vocab_size: the model's; prompt and sample token ids must lie in [0, vocab_size) (None: below 2**31,
+    what the int32 batch holds). Raises ValueError naming every group and its fault when none is usable."""
     good, rejected = [], []
     for g in groups:
         try:
-            checks.check_samples(g.group_id, len(g.samples), g.samples, "consumed", g.v_start, version, finished=False)
+            checks.check_token_ids(f"group {g.group_id}", "prompt", list(g.prompt), vocab_size)
+            checks.check_samples(g.group_id, len(g.samples), g.samples, "consumed", g.v_start, version,
+                                 finished=False, vocab_size=vocab_size)
             checks.check_rewards(g.group_id, len(g.samples), g.rewards)
             longest = max((len(s.tokens) for s in g.samples), default=0)
             if not g.samples or len(g.prompt) + longest > seq_len:
@@ -281,6 +285,7 @@ class RLTrainer:
         self.mesh, self.seq_len, self.cfg = mesh, seq_len, trainer
         self.device_weights = device_weights
         self.graphdef = nnx.graphdef(model)
+        self.vocab_size = model.config.vocab_size  # token ids a batch may hold: [0, vocab_size)
         # With LoRA adapters (`trainer.lora`, added when the model was loaded) the optimizer trains them
         # alone: the base is the frozen rest, an argument of the step, and each version is the adapters.
         self.lora = model.layers.lora
@@ -346,7 +351,7 @@ class RLTrainer:
             raise ValueError(f"buffer {consumed.step} handed to the trainer at version {v}")
         if not consumed.groups:
             raise ValueError(f"buffer {v} holds no groups: the prompt source is exhausted")
-        usable, rejected = screen_groups(consumed.groups, v, self.seq_len)
+        usable, rejected = screen_groups(consumed.groups, v, self.seq_len, self.vocab_size)
         signal = [max(g.rewards) != min(g.rewards) for g in usable]
         groups = usable
         if self.cfg.skip_zero_signal:

@@ -12,6 +12,7 @@ import traceback
 from typing import Any
 
 from jaxflow.data.param_service import UnknownVersionError
+from jaxflow.data.service_errors import ConsumeSuperseded, SampleRefused
 from jaxflow.transport import wire
 
 _TRACEBACK_CHARS = 8000
@@ -70,7 +71,10 @@ register_remote_error(wire.FrameTooLarge)
 register_remote_error(wire.FrameTimeout)
 register_remote_error(TooManyConnections)
 register_remote_error(ServerBusy)
-register_remote_error(UnknownVersionError)  # the services never import the transport: it registers theirs
+# The services never import the transport: it registers their errors.
+register_remote_error(UnknownVersionError)
+register_remote_error(SampleRefused)
+register_remote_error(ConsumeSuperseded)
 
 
 def _is_encodable(value: Any) -> bool:

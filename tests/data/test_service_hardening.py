@@ -5,6 +5,7 @@ across a lost reply."""
 import copy
 import json
 import math
+import socket
 import threading
 import time
 
@@ -14,8 +15,8 @@ from waiting import wait_until
 
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import Sample
-from jaxflow.data.trajectory_service import TrajectoryService
-from jaxflow.transport import rpc
+from jaxflow.data.trajectory_service import ConsumeSuperseded, SampleRefused, TrajectoryService
+from jaxflow.transport import rpc, wire
 
 
 def records(n):
@@ -47,6 +48,14 @@ def place(request):
         yield p
 
 
+def assert_only_refusals_counted(svc, before, reason, calls=1):
+    """The service is as `before`, but for `calls` refusals counted under `reason`."""
+    expected = copy.deepcopy(before)
+    expected["counts"]["refused"] += calls
+    expected["counts"][f"refused_{reason}"] += calls
+    assert svc.stats() == expected
+
+
 # ---- 1. samples and rewards validated completely ---------------------------------------------------
 
 BAD_SAMPLES = [
@@ -74,27 +83,99 @@ def test_bad_sample_is_refused_before_anything_changes(place, name, bad, match):
         svc.finish(t.group_id, "w0", [bad, done(t)[0]], [1.0, 0.0])
     with pytest.raises(ValueError, match=f"group {t.group_id} {match}"):
         svc.abort(t.group_id, "w0", [bad, done(t)[0]])
-    assert svc.stats() == before
+    assert_only_refusals_counted(svc, before, "malformed")  # the finish's; an abort is not a refusal
     assert svc.finish(t.group_id, "w0", done(t), [1.0, 0.0]) == 0  # the group is still the worker's
 
 
-@pytest.mark.parametrize("rewards,match", [
-    ([math.nan, 1.0], r"rewards\[0\]"), ([1.0, math.inf], r"rewards\[1\]"), (["1", 0.0], r"rewards\[0\]"),
-    ([True, 0.0], r"rewards\[0\]"), ([1.0], "1 rewards for 2 samples"), (1.0, "rewards must be a list"),
-    ([None, 1.0], r"rewards\[0\]")])
-def test_bad_rewards_are_refused_at_finish_and_reward(place, rewards, match):
+@pytest.mark.parametrize("rewards,match,reason", [
+    ([math.nan, 1.0], r"rewards\[0\]", "reward"), ([1.0, math.inf], r"rewards\[1\]", "reward"),
+    (["1", 0.0], r"rewards\[0\]", "reward"), ([True, 0.0], r"rewards\[0\]", "reward"),
+    ([1.0], "1 rewards for 2 samples", "malformed"), (1.0, "rewards must be a list", "malformed"),
+    ([None, 1.0], r"rewards\[0\]", "reward"),
+    # Each finite, but their sum overflows float32 (the trainer's advantages would be NaN).
+    ([3e38, 3e38], "rewards .* overflow float32", "reward"), ([1e308, 1e308], "rewards .* overflow float32", "reward")])
+def test_bad_rewards_are_refused_at_finish_and_reward(place, rewards, match, reason):
     svc = place(make())
     t1, t2 = svc.dispatch("w0", 0, 2)
     before = svc.stats()
-    with pytest.raises(ValueError, match=f"group {t1.group_id}: {match}"):
+    with pytest.raises(SampleRefused, match=f"group {t1.group_id}: {match}"):
         svc.finish(t1.group_id, "w0", done(t1), rewards)
-    assert svc.stats() == before
+    assert_only_refusals_counted(svc, before, reason)
     svc.finish(t2.group_id, "w0", done(t2))
     before = svc.stats()
-    with pytest.raises(ValueError, match=f"group {t2.group_id}: {match}"):
+    with pytest.raises(SampleRefused, match=f"group {t2.group_id}: {match}"):
         svc.reward(t2.group_id, rewards)
-    assert svc.stats() == before
+    assert_only_refusals_counted(svc, before, reason)
     svc.reward(t2.group_id, [0, 1])
+
+
+def test_token_ids_the_model_cannot_embed_are_refused_and_counted(place):
+    """An id >= the model's vocab would NaN the whole update (every good group with it), and one >= 2**31
+    does not even fit the trainer's int32 batch: `finish` refuses both by name and counts them; the group
+    stays its worker's, which fails it (counted) or finishes it with good samples."""
+    svc = place(make(vocab_size=64))
+    bad_group, good_group = svc.dispatch("w0", 0, 2)
+    before = svc.stats()
+    for bad_id in (64, 2**31, 2**40):
+        samples = done(bad_group)
+        samples[1].tokens[1] = bad_id
+        where = rf"group {bad_group.group_id} sample 1: tokens\[1\] = {bad_id}"
+        with pytest.raises(SampleRefused, match=where) as e:
+            svc.finish(bad_group.group_id, "w0", samples, [1.0, 0.0])
+        assert e.value.reason == "token_id"
+    assert_only_refusals_counted(svc, before, "token_id", calls=3)
+    svc.fail(bad_group.group_id, "finish refused")  # what the coordinator does with a refused group
+    assert svc.finish(good_group.group_id, "w0", done(good_group, length=3), [1.0, 0.0]) == 0
+    counts = svc.stats()["counts"]
+    assert counts["failed"] == 1 and counts["rewarded"] == 1 and counts["created"] == 2
+
+
+def test_without_a_model_ids_must_still_fit_int32(place):
+    svc = place(make())  # no vocab_size: the model is not known
+    (t,) = svc.dispatch("w0", 0, 1)
+    samples = done(t)
+    samples[0].tokens[0] = 2**31
+    with pytest.raises(SampleRefused, match="int32"):
+        svc.finish(t.group_id, "w0", samples, [1.0, 0.0])
+    samples[0].tokens[0] = 2**31 - 1  # the model is not known: any int32 id is taken
+    assert svc.finish(t.group_id, "w0", samples, [1.0, 0.0]) == 0
+    assert svc.stats()["counts"]["refused_token_id"] == 1
+
+
+def test_an_episode_whose_turn_rewards_sum_to_inf_is_refused_and_counted(place):
+    svc = place(make())
+    (t,) = svc.dispatch("w0", 0, 1)
+    samples = done(t)
+    for s in samples:  # each turn's reward is finite; the episode's sum is not
+        s.reward = float(sum([1e308, 1e308]))
+    before = svc.stats()
+    with pytest.raises(SampleRefused, match=f"group {t.group_id} sample 0: reward inf") as e:
+        svc.finish(t.group_id, "w0", samples, [s.reward for s in samples])
+    assert e.value.reason == "reward"
+    assert_only_refusals_counted(svc, before, "reward")
+
+
+def test_a_sample_longer_than_a_trainer_row_is_refused_and_counted(place):
+    """A sample the trainer could not lay out in a row (prompt + tokens > max_sequence_tokens) is refused at
+    `finish`, whatever its size, before its tokens are looked at one by one."""
+    svc = place(make(max_sequence_tokens=16))
+    t1, t2 = svc.dispatch("w0", 0, 2)
+    assert len(t1.prompt) == 2
+    before = svc.stats()
+    for length in (15, 100_000):
+        with pytest.raises(SampleRefused, match=f"group {t1.group_id} sample 0: {length} tokens") as e:
+            svc.finish(t1.group_id, "w0", done(t1, length=length), [1.0, 0.0])
+        assert e.value.reason == "length"
+    assert_only_refusals_counted(svc, before, "length", calls=2)
+    assert svc.finish(t1.group_id, "w0", done(t1, length=14), [1.0, 0.0]) == 0  # prompt + 14 = 16 fits
+
+
+def test_service_options_are_checked():
+    for kw in ({"vocab_size": 0}, {"max_sequence_tokens": -1}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            make(**kw)
+    with pytest.raises(TypeError, match="vocab_size"):
+        make(vocab_size=64.0)
 
 
 # ---- 5. arguments checked first; restore validates the whole snapshot -------------------------------
@@ -319,3 +400,67 @@ def test_consume_retry_after_a_lost_reply_gets_the_same_batch_counted_once():
         assert stats["counts"]["consumed"] == 2 and stats["groups"]["consumed"] == 2
         with pytest.raises(ValueError, match="next buffer is 1"):
             impatient.consume(2, timeout=0.1)
+
+
+def _threads_waiting(service) -> int:
+    """Threads waiting on the service's condition (CPython's Condition keeps them in `_waiters`)."""
+    return len(service._lock._waiters)
+
+
+def test_a_consume_retried_while_the_first_call_waits_gets_the_batch_once():
+    """The trainer's first consume(0) is still waiting in the service when the trainer, having given up on
+    it, asks again. The newer call gets the batch; the older one gives way and takes nothing, even when
+    the prompts have run out (the older used to take the groups and leave the retry an empty batch, which
+    then replaced the kept one)."""
+    svc = make(n_prompts=2, batch_groups=2, eta=0)  # the prompts run out with this batch
+    outcome = {}
+
+    def consume(name):
+        try:
+            outcome[name] = svc.consume(0, timeout=30)
+        except Exception as e:  # noqa: BLE001 - recorded for the assertions below
+            outcome[name] = e
+
+    first = threading.Thread(target=consume, args=("first",), daemon=True)
+    first.start()
+    wait_until(lambda: _threads_waiting(svc) == 1, 10, "the first consume to wait")
+    retry = threading.Thread(target=consume, args=("retry",), daemon=True)
+    retry.start()
+    wait_until(lambda: _threads_waiting(svc) == 2 or "first" in outcome, 10, "the retry to arrive")
+    for t in svc.dispatch("w", 0, 2):
+        svc.finish(t.group_id, "w", done(t), [1.0, 0.0])
+    first.join(10)
+    retry.join(10)
+    batch = outcome["retry"]
+    assert [len(g.samples) for g in batch.groups] == [2, 2], outcome  # no group lost to the abandoned call
+    wait_until(lambda: _threads_waiting(svc) == 0, 10, "every consume to return")
+    assert svc.consume(0, timeout=1).groups == batch.groups  # the kept batch is not replaced by an empty one
+    assert isinstance(outcome["first"], ConsumeSuperseded), outcome
+    counts = svc.stats()["counts"]
+    assert counts["consumed"] == 2 and counts["consume_superseded"] == 1
+
+
+def test_a_served_consume_retried_while_the_abandoned_call_waits_gets_the_batch_once():
+    """The same over the RPC server: the first request's client is gone (its connection is still open, as
+    a client that timed out leaves it), the retry comes on another connection."""
+    service = make(n_prompts=2, batch_groups=2, eta=0)
+    with rpc.Server(service, SERVICE_METHODS["TrajectoryService"], token="t").start() as server, \
+            rpc.Client(server.address, token="t") as trainer, rpc.Client(server.address, token="t") as worker, \
+            socket.create_connection(server.address, timeout=10) as abandoned:
+        wire.send_message(abandoned, {"token": "t"})
+        wire.recv_message(abandoned, 1 << 20)
+        wire.send_message(abandoned, {"id": 1, "method": "consume", "args": [0], "kwargs": {"timeout": 30}})
+        wait_until(lambda: worker.stats()["consume_waiting"] == 1, 10, "the first consume to wait")
+        got = {}
+        retry = threading.Thread(target=lambda: got.update(batch=trainer.consume(0, timeout=30)), daemon=True)
+        retry.start()
+        reply = wire.recv_message(abandoned, 1 << 20)  # the abandoned call gives way at once
+        assert not reply["ok"] and reply["error"]["type"].endswith("ConsumeSuperseded"), reply
+        for t in worker.dispatch("w", 0, 2):
+            worker.finish(t.group_id, "w", done(t), [1.0, 0.0])
+        retry.join(10)
+        assert len(got["batch"].groups) == 2
+        assert trainer.consume(0, timeout=1).groups == got["batch"].groups
+        stats = worker.stats()
+        assert stats["counts"]["consumed"] == 2 and stats["counts"]["consume_superseded"] == 1
+        assert stats["consume_waiting"] == 0

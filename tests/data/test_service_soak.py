@@ -1,5 +1,6 @@
 """Soak: a served trajectory service (real rpc Server and Clients on loopback) under a seeded random mix of
-worker deaths, hung workers (lease expiry), lost consume replies, duplicated requests and malformed samples.
+worker deaths, hung workers (lease expiry), lost consume replies, duplicated requests and malformed samples
+(token ids the model cannot embed among them).
 
 Throughout: every group is in exactly one state (accounted once), every group the service counts as
 consumed reached the trainer exactly once with the samples its worker sent, the staleness bound holds,
@@ -17,12 +18,12 @@ from waiting import wait_until
 
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import Sample
-from jaxflow.data.trajectory_service import TrajectoryService
+from jaxflow.data.trajectory_service import SampleRefused, TrajectoryService
 from jaxflow.transport import rpc, wire
 
 pytestmark = pytest.mark.slow  # a long randomised run against a served service
 
-ETA, BATCH, N, LEASE = 2, 3, 2, 0.2
+ETA, BATCH, N, LEASE, VOCAB = 2, 3, 2, 0.2, 1000
 
 
 class Clock:
@@ -42,7 +43,8 @@ class Soak:
         self.clock = Clock()
         records = [{"prompt": [1 + i % 40, 2], "meta": {"i": i}} for i in range(100_000)]
         self.service = TrajectoryService(PromptSource(records, shuffle=False, num_epochs=1), batch_groups=BATCH,
-                                         group_size=N, eta=ETA, lease_s=LEASE, clock=self.clock, max_attempts=50)
+                                         group_size=N, eta=ETA, lease_s=LEASE, clock=self.clock, max_attempts=50,
+                                         vocab_size=VOCAB)
         self.server = rpc.Server(self.service, SERVICE_METHODS["TrajectoryService"], token="t").start()
         self.client = rpc.Client(self.server.address, token="t")
         self.v = 0  # the trainer's version
@@ -86,10 +88,10 @@ class Soak:
         gid = self.rng.choice(sorted(st["held"]))
         t = st["held"].pop(gid)
         samples = self._complete(w, t)
-        if self.rng.random() < 0.15:  # a malformed sample or reward: refused, nothing changes
+        if self.rng.random() < 0.15:  # a malformed sample or reward: refused, nothing changes but its count
             before = self.client.stats()
             bad = [Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason) for s in samples]
-            kind = self.rng.randrange(4)
+            kind = self.rng.randrange(5)
             rewards = [1.0, 0.0]
             if kind == 0:
                 bad[0].logprobs[0] = math.nan
@@ -97,10 +99,14 @@ class Soak:
                 bad[1].logprobs[-1] = "x"
             elif kind == 2:
                 rewards = [math.inf, 0.0]
-            else:
+            elif kind == 3:
                 bad[0].versions[0] = 10 ** 9
-            with pytest.raises(ValueError, match=f"group {gid}"):
+            else:
+                bad[1].tokens[0] = VOCAB  # an id the model cannot embed
+            with pytest.raises(SampleRefused, match=f"group {gid}") as refused:
                 self.client.finish(gid, w, bad, rewards)
+            before["counts"]["refused"] += 1
+            before["counts"][f"refused_{refused.value.reason}"] += 1
             assert self.client.stats() == before
             self.ops["bad"] += 1
         self.client.finish(gid, w, samples, [float(gid % 2), 1.0])

@@ -157,10 +157,16 @@ def test_bad_input_is_rejected_and_nothing_is_lost(service_factory):
         (ValueError, "next buffer is 0", lambda: svc.consume(3, timeout=0.1)),
         (ValueError, "group .* is running, not finished", lambda: svc.reward(t.group_id, [1.0, 1.0])),
     ]
+    refused = 0
     for exc, match, call in bad:
         with pytest.raises(exc, match=match):
             call()
-        assert svc.stats() == before  # the service keeps running and nothing stored changed
+        after = svc.stats()  # the service keeps running and nothing stored changed
+        refused = after["counts"]["refused"]  # but for the count of refused samples and rewards
+        assert after == {**before, "counts": {**before["counts"], "refused": refused,
+                                              "refused_malformed": after["counts"]["refused_malformed"],
+                                              "refused_reward": after["counts"]["refused_reward"]}}
+    assert refused == 5  # the bad versions, lengths, sample count, unfinished sample and NaN reward
     svc.finish(t.group_id, "w0", samples(t, 0), rewards=[1.0, 0.0])
     with pytest.raises(ValueError, match="is occupied, not running"):  # duplicate completion
         svc.finish(t.group_id, "w0", samples(t, 0), rewards=[1.0, 0.0])

@@ -81,3 +81,17 @@ def test_no_host_conversion_without_a_parameter_service(trainer_and_source, monk
     trainer.train(batch(0, seed=0))
     trainer.publish(Calls([], "trajectories"))
     assert source.versions() == [1]
+
+
+def test_a_group_with_ids_the_model_cannot_embed_is_dropped_and_the_rest_trained(trainer_and_source):
+    """A service that does not check (or an older one) hands over a group with an id the model cannot embed
+    (the update would be NaN and skipped, good groups included) and one with an id beyond int32 (batching
+    would raise OverflowError): both are dropped and counted, and the others train with a finite loss."""
+    trainer, _ = trainer_and_source
+    consumed = batch(0, seed=0)
+    consumed.groups[1].samples[0].tokens[-1] = trainer.model().config.vocab_size
+    consumed.groups[2].samples[3].tokens[0] = 2**31
+    metrics, _ = trainer.train(consumed)
+    assert metrics["groups_rejected"] == 2 and metrics["groups_trained"] == 2
+    assert np.isfinite(metrics["loss"]) and metrics["updates_skipped"] == 0
+    assert trainer.version == 1
