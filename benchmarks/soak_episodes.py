@@ -139,8 +139,8 @@ class Episodes:
 
     step_timeout_s: the episode engines' limit on one environment call, seconds (the blocking environment
     blocks twice as long; the isolated one's limit is HANGING_TIMEOUT_S). The hanging kind's environments live
-    in one process (`jaxflow.envs.isolated`),
-    replaced after a hang; `isolated` is that factory (its `hung` and `restarts` count the replacements).
+    in one process (`jaxflow.envs.isolated`), replaced after a hang; `isolated` is that factory (its `hung`
+    and `restarts` count the replacements).
     """
 
     def __init__(self, step_timeout_s: float):
