@@ -554,6 +554,7 @@ class Soak:
             "refusals_injected_over_run": {r: self.injected_total[r] for r in REFUSAL_REASONS},
             "refusals_match": injected == counted,
             "refusals_injected_all": sum(injected.values()), "refusals_counted_all": sum(counted.values()),
+            "bad_token_ids": f"{self.ops['bad_token_id_vocab']} / {self.ops['bad_token_id_int32']}",
             "env_groups": " / ".join(str(self.ops[f"env_{k}"]) for k in soak_episodes.ENV_KINDS),
             "damaged_resumes": len(self.resumes),
             "consume_superseded": c["consume_superseded"], "expired": c["expired"],
