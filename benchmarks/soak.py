@@ -133,7 +133,7 @@ class Soak:
         self.retry: dict | None = None  # a consume retry in flight: {"thread", "result", "error"}
         self.saved: dict[int, dict] = {}  # checkpoint step -> the run's books at that step
         self.resumes: list[dict] = []
-        self.episodes = soak_episodes.Episodes(step_timeout_s=0.3)
+        self.episodes = soak_episodes.Episodes(step_timeout_s=1.0)
         self.ckpt, self.state_of = None, None
 
     # ---- the service --------------------------------------------------------------------------
@@ -320,7 +320,8 @@ class Soak:
         if not groups:
             self._violation(f"consume({self.v}) handed over an empty batch")
         for g in groups:
-            if self.v - g.v_start > ETA or any(self.v - min(s.versions) > ETA for s in g.samples):
+            # (an episode whose environment failed before its first turn has no tokens)
+            if self.v - g.v_start > ETA or any(self.v - min(s.versions, default=self.v) > ETA for s in g.samples):
                 self.ops["staleness_violations"] += 1
                 self._violation(f"group {g.group_id} trained at {self.v}, started at {g.v_start}")
             if g.samples != self.sent.get(g.group_id):

@@ -3,7 +3,7 @@
 and the environments the soak mixes: a normal one, one that blocks its thread in `async def step`, one in a
 process of its own that hangs that process, and the calculator fed a degenerate tool turn.
 
-    episodes = Episodes(step_timeout_s=0.3)
+    episodes = Episodes(step_timeout_s=1.0)
     samples, rewards, failures = episodes.run_group("blocking", prompt=[1, 2], n=2, version=3, key="g7")
 
 Not a benchmark of its own: imported by soak.py (and, by reference, by the isolated environment's process,
@@ -26,7 +26,8 @@ TOOL_ID = 900  # the one token that decodes to "<tool>": a few thousand of them 
 TURN = [ord(c) for c in "hi"] + [STOP]
 DEGENERATE_TOKENS = 3000
 ENV_KINDS = ("normal", "blocking", "hanging", "degenerate")
-HANGING_TIMEOUT_S = 5.0  # the isolated environment's step_timeout_s: its process starts within it
+HANGING_TIMEOUT_S = 8.0  # the isolated environment's step_timeout_s: its process starts within it
+SLACK_TIMEOUT_S = 30.0  # the others' (they must never time out, even on a loaded machine)
 
 
 class SoakTokenizer:
@@ -137,10 +138,10 @@ class HangingEnv:
 class Episodes:
     """One EpisodeEngine per environment kind (ENV_KINDS), each over its own ScriptedEngine.
 
-    step_timeout_s: the episode engines' limit on one environment call, seconds (the blocking environment
-    blocks twice as long; the isolated one's limit is HANGING_TIMEOUT_S). The hanging kind's environments live
-    in one process (`jaxflow.envs.isolated`), replaced after a hang; `isolated` is that factory (its `hung`
-    and `restarts` count the replacements).
+    step_timeout_s: the blocking environment's episode engine's limit on one environment call, seconds (it
+    blocks three times as long); the isolated one's limit is HANGING_TIMEOUT_S, the others' SLACK_TIMEOUT_S.
+    The hanging kind's environments live in one process (`jaxflow.envs.isolated`), replaced after a hang;
+    `isolated` is that factory (its `hung` and `restarts` count the replacements).
     """
 
     def __init__(self, step_timeout_s: float):
@@ -151,8 +152,10 @@ class Episodes:
         self.isolated = isolated("soak_episodes:HangingEnv")
         factories = {"normal": lambda meta: Answers(), "blocking": lambda meta: Answers(),
                      "hanging": self.isolated, "degenerate": lambda meta: CalculatorEnv()}
-        # The isolated environments' reset waits for their process to start (seconds): a longer limit there.
-        limits = {kind: HANGING_TIMEOUT_S if kind == "hanging" else step_timeout_s for kind in factories}
+        # Only the blocking environment's limit is short; the isolated environments' reset waits for their
+        # process to start (seconds), and the others must not time out even on a loaded machine.
+        limits = {"normal": SLACK_TIMEOUT_S, "blocking": step_timeout_s, "hanging": HANGING_TIMEOUT_S,
+                  "degenerate": SLACK_TIMEOUT_S}
         self.engines = {kind: EpisodeEngine(ScriptedEngine(), make, self.tokenizer, turn_stop_ids=[STOP],
                                             step_timeout_s=limits[kind], env_name=kind, max_turns=4)
                         for kind, make in factories.items()}
@@ -173,7 +176,7 @@ class Episodes:
         for i in range(n):
             meta = {"q": i, "answer": 3}
             if kind == "blocking" and i == 0:
-                meta["block_s"] = 2 * self.step_timeout_s
+                meta["block_s"] = 3 * self.step_timeout_s
             if kind == "hanging" and hang and i == 0:
                 meta["hang"] = True
             if kind == "degenerate":

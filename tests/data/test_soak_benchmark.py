@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import soak  # noqa: E402
 
 
-@pytest.mark.slow  # ~20-30 s: a served service, episodes, an isolated environment process, checkpoints
+@pytest.mark.slow  # 20-45 s: a served service, episodes, an isolated environment process, checkpoints
 def test_a_short_soak_holds_its_invariants(tmp_path):
     out_path = tmp_path / "soak.json"
     assert soak.main(["--ops", "300", "--seed", "1", "--json", str(out_path)]) == 0
