@@ -117,7 +117,7 @@ def reward_of_one(response):
 
 @pytest.mark.parametrize("ref, says", [
     ("builtins:eval", "names a builtin"),
-    ("builtins:print", "names a builtin"),
+    ("operator:add", "names a builtin"),  # takes two arguments: refused for what it is, not its arity
     ("math:sqrt", "names a builtin"),
     (f"{__name__}:Holder", "names a class"),
     (f"{__name__}:reward_of_one", r"has the signature \(response\), which cannot be called with 2"),
