@@ -18,8 +18,9 @@ import time
 from jaxflow.data.records import Sample
 from jaxflow.envs.base import Step
 from jaxflow.envs.calculator import TOOL_OPEN, CalculatorEnv
-from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams
+from rollout_bridge.engine import Request, SamplingParams
 from rollout_bridge.episodes import EpisodeEngine
+from rollout_bridge.scripted import CharTokenizer, ScriptedEngine
 
 STOP = ord("#")  # the end-of-turn (tool-call) marker of every scripted model turn
 TOOL_ID = 900  # the one token that decodes to "<tool>": a few thousand of them are a degenerate turn
@@ -30,73 +31,12 @@ HANGING_TIMEOUT_S = 8.0  # the isolated environment's step_timeout_s: its proces
 SLACK_TIMEOUT_S = 30.0  # the others' (they must never time out, even on a loaded machine)
 
 
-class SoakTokenizer:
-    """One token per character (its code point), token TOOL_ID is "<tool>", and a ChatML-like template."""
-
-    eos_id = None
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(TOOL_OPEN if i == TOOL_ID else chr(i) for i in ids)
-
-    def id_to_token(self, i):
-        return self.decode([i])
-
-    def apply_chat_template(self, messages, add_generation_prompt=False, **kwargs):
-        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-
-class ScriptedEngine(Engine):
-    """Answers every request at once with one model turn at `version`: "hi#", or with meta["turn"] ==
-    "degenerate" DEGENERATE_TOKENS unterminated `<tool>` markers then "#" (cut at max_tokens)."""
-
-    version = 0  # set per group by `Episodes.run_group`
-    paused = False
-
-    def __init__(self):
-        self._init_admission()
-
-    def _invalid(self, request):
-        return None
-
-    def _in_flight(self, request_id):
-        return False
-
-    def _accept(self, request, sample):
-        degenerate = (request.meta or {}).get("turn") == "degenerate"
-        turn = [TOOL_ID] * DEGENERATE_TOKENS + [STOP] if degenerate else TURN
-        ids = turn[:request.params.max_tokens - len(sample.tokens)]
-        sample.tokens += ids
-        sample.logprobs += [-0.5] * len(ids)
-        sample.versions += [self.version] * len(ids)
-        sample.finish_reason = "stop" if len(ids) == len(turn) else "length"
-        self._hand_out(Completion(request.request_id, sample))
-
-    def abort(self, request_ids):
-        return []
-
-    def progress(self, request_ids):
-        return []
-
-    def update_weights(self, version, tensors, *, keep_kv=False):
-        self.version = version
-
-    def pause(self, mode="keep"):
-        return []
-
-    def resume(self):
-        pass
-
-    def load(self):
-        return EngineLoad(0, 0, 0.0, 0.0, 0)
-
-    def close(self):
-        with self._lock:
-            self._closing = True
-            self._finished.notify_all()
+def soak_turn(request: Request) -> list[int]:
+    """Every scripted model turn: "hi#", or with meta["turn"] == "degenerate" DEGENERATE_TOKENS unterminated
+    `<tool>` markers then "#"."""
+    if (request.meta or {}).get("turn") == "degenerate":
+        return [TOOL_ID] * DEGENERATE_TOKENS + [STOP]
+    return TURN
 
 
 class Answers:
@@ -148,7 +88,7 @@ class Episodes:
         from jaxflow.envs.isolated import isolated
 
         self.step_timeout_s = step_timeout_s
-        self.tokenizer = SoakTokenizer()
+        self.tokenizer = CharTokenizer({TOOL_ID: TOOL_OPEN})
         self.isolated = isolated("soak_episodes:HangingEnv")
         factories = {"normal": lambda meta: Answers(), "blocking": lambda meta: Answers(),
                      "hanging": self.isolated, "degenerate": lambda meta: CalculatorEnv()}
@@ -156,7 +96,7 @@ class Episodes:
         # process to start (seconds), and the others must not time out even on a loaded machine.
         limits = {"normal": SLACK_TIMEOUT_S, "blocking": step_timeout_s, "hanging": HANGING_TIMEOUT_S,
                   "degenerate": SLACK_TIMEOUT_S}
-        self.engines = {kind: EpisodeEngine(ScriptedEngine(), make, self.tokenizer, turn_stop_ids=[STOP],
+        self.engines = {kind: EpisodeEngine(ScriptedEngine(soak_turn), make, self.tokenizer, turn_stop_ids=[STOP],
                                             step_timeout_s=limits[kind], env_name=kind, max_turns=4)
                         for kind, make in factories.items()}
         self.failures: collections.Counter = collections.Counter()  # env_failure kind -> episodes

@@ -13,78 +13,18 @@ from waiting import wait_until
 from jaxflow.envs.base import Step
 from jaxflow.envs.config import EnvConfig
 from jaxflow.envs.threaded import ThreadedEnv
-from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams
+from rollout_bridge import scripted
+from rollout_bridge.engine import Completion, Request, SamplingParams
 from rollout_bridge.episodes import EpisodeEngine
+from rollout_bridge.scripted import CharTokenizer
 
 TURN = "hi#"  # every model turn; "#" is the tool-call marker that ends it
 STOP = ord("#")
 
 
-class CharTokenizer:
-    """One token per character (its code point), and a ChatML-like template."""
-
-    eos_id = None
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(map(chr, ids))
-
-    def id_to_token(self, i):
-        return chr(i)
-
-    def apply_chat_template(self, messages, add_generation_prompt=False, **kwargs):
-        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-
-class ScriptedEngine(Engine):
-    """Generates TURN at once for every request (cut at max_tokens), at version 0."""
-
-    version = 0
-    paused = False
-
-    def __init__(self):
-        self._init_admission()
-
-    def _invalid(self, request):
-        return None
-
-    def _in_flight(self, request_id):
-        return False
-
-    def _accept(self, request, sample):
-        room = request.params.max_tokens - len(sample.tokens)
-        ids = [ord(c) for c in TURN][:room]
-        sample.tokens += ids
-        sample.logprobs += [-0.5] * len(ids)
-        sample.versions += [0] * len(ids)
-        sample.finish_reason = "stop" if len(ids) == len(TURN) else "length"
-        self._hand_out(Completion(request.request_id, sample))
-
-    def abort(self, request_ids):
-        return []
-
-    def progress(self, request_ids):
-        return []
-
-    def update_weights(self, version, tensors, *, keep_kv=False):
-        pass
-
-    def pause(self, mode="keep"):
-        return []
-
-    def resume(self):
-        pass
-
-    def load(self):
-        return EngineLoad(0, 0, 0.0, 0.0, 0)
-
-    def close(self):
-        with self._lock:
-            self._closing = True
-            self._finished.notify_all()
+def turn_engine():
+    """The inner engine these tests run episodes on: TURN for every request, at version 0."""
+    return scripted.ScriptedEngine(lambda request: [ord(c) for c in TURN])
 
 
 class Answers:
@@ -128,7 +68,7 @@ def test_an_environment_that_blocks_its_thread_fails_its_episode_only():
             entered.set()
             release.wait(120)  # a blocking call inside `async def step`
 
-    engine = EpisodeEngine(ScriptedEngine(), lambda meta: Answers(step_hook=block), CharTokenizer(),
+    engine = EpisodeEngine(turn_engine(), lambda meta: Answers(step_hook=block), CharTokenizer(),
                            turn_stop_ids=[STOP], step_timeout_s=1.5, env_name="blocking")
     got: dict[str, Completion] = {}
     try:
@@ -159,7 +99,7 @@ def test_an_observation_over_the_token_cap_fails_its_episode(cap, max_tokens):
         return "x" * 5000 if meta["q"] == 0 else None
 
     kwargs = {} if cap is None else {"max_observation_tokens": cap}
-    engine = EpisodeEngine(ScriptedEngine(), lambda meta: Answers(step_hook=huge), CharTokenizer(),
+    engine = EpisodeEngine(turn_engine(), lambda meta: Answers(step_hook=huge), CharTokenizer(),
                            turn_stop_ids=[STOP], step_timeout_s=30, env_name="chatty", **kwargs)
     try:
         done = {c.request_id: c for c in engine.generate([request(0, max_tokens), request(1, max_tokens)],
@@ -179,7 +119,7 @@ def test_max_observation_tokens_is_checked():
         "rollout.env.max_observation_tokens must be None or >= 1, got 0"]
     assert EnvConfig.config_problems({"max_observation_tokens": None}) == []
     with pytest.raises(ValueError, match="max_observation_tokens"):
-        EpisodeEngine(ScriptedEngine(), lambda meta: Answers(), CharTokenizer(), max_observation_tokens=0)
+        EpisodeEngine(turn_engine(), lambda meta: Answers(), CharTokenizer(), max_observation_tokens=0)
 
 
 def test_a_threaded_environment_keeps_its_loop_across_calls():
@@ -207,12 +147,12 @@ def test_a_threaded_environment_keeps_its_loop_across_calls():
     assert asyncio.run(calls()) == (True, True)
 
 
-class GatedEngine(ScriptedEngine):
-    """A ScriptedEngine whose finished turns reach `poll` only while `gate` is set: a turn handed out before
-    its episode's abort is still on its way when the episode is resubmitted."""
+class GatedEngine(scripted.ScriptedEngine):
+    """A ScriptedEngine (TURN for every request) whose finished turns reach `poll` only while `gate` is set: a
+    turn handed out before its episode's abort is still on its way when the episode is resubmitted."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(lambda request: [ord(c) for c in TURN])
         self.gate = threading.Event()
         self.handed_out = 0
 
