@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None, *, check_imports: bool = True) -> int:
     try:
         timeout, argv = import_timeout_flag(sys.argv[1:] if argv is None else argv)
         if timeout is not None:
-            if not _seconds(timeout):
-                raise ConfigError(f"{TIMEOUT_FLAG}={timeout!r} must be a number of seconds > 0")
+            refs.parse_timeout(timeout, TIMEOUT_FLAG)  # a RefError naming the flag
             os.environ[refs.TIMEOUT_ENV] = timeout  # the run's other processes (reward workers, ...) too
         spec, overrides = parse_args(argv)
         refs.import_timeout_s()  # a bad $JAXFLOW_IMPORT_TIMEOUT_S is named before anything imports
@@ -110,14 +109,6 @@ def main(argv: list[str] | None = None, *, check_imports: bool = True) -> int:
     enable_compilation_cache()
     job = importlib.import_module(JOBS[config.job])
     return int(job.run(config) or 0)
-
-
-def _seconds(text: str) -> bool:
-    try:
-        value = float(text)
-    except ValueError:
-        return False
-    return 0 < value < float("inf")
 
 
 def _exit(code: int) -> None:

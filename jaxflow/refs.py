@@ -37,7 +37,7 @@ import threading
 from typing import Any, Literal
 
 __all__ = ["IMPORT_TIMEOUT_S", "TIMEOUT_ENV", "ImportHung", "RefError", "hung_imports", "import_timeout_s", "parse",
-           "resolve"]
+           "parse_timeout", "resolve"]
 
 Expect = Literal["callable", "function", "class", "any"]
 
@@ -82,14 +82,18 @@ def import_timeout_s() -> float:
     """The time limit on importing a user module, seconds: $JAXFLOW_IMPORT_TIMEOUT_S, else IMPORT_TIMEOUT_S.
     Raises RefError for a value that is not a number > 0."""
     raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return IMPORT_TIMEOUT_S
+    return IMPORT_TIMEOUT_S if raw is None else parse_timeout(raw, TIMEOUT_ENV)
+
+
+def parse_timeout(raw: str, name: str) -> float:
+    """`raw` (the text of setting `name`) as a time limit in seconds; RefError naming `name` unless it is a
+    finite number > 0."""
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise RefError(f"{TIMEOUT_ENV}={raw!r} must be a number of seconds > 0", raw)
+        raise RefError(f"{name}={raw!r} must be a number of seconds > 0", raw)
     return value
 
 
