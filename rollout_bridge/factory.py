@@ -16,7 +16,8 @@ __all__ = ["make_engine", "runs_episodes", "with_episodes"]
 
 
 def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0, decode_chunk: int = 16,
-                kv_cache_gib: float | None = 1.0, version: int = 0, lora=None, episodes: bool = True):
+                kv_cache_gib: float | None = 1.0, version: int = 0, lora=None, episodes: bool = True,
+                weight_transport: str = "auto", weight_bucket_bytes: int | None = None):
     """The engine named by `kind` ("jax" or "vllm") serving `model` (an HF directory; a JAX engine also
     takes a `Transformer`) at policy `version`, with `max_slots` sequences of up to `max_len` tokens
     (prompt + completion) at once and sampling seeded by `seed`. jax: a `JaxEngine` decoding
@@ -25,7 +26,15 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
     start, and on CPU no torch.compile). lora (a `LoRASpec`): either engine serves LoRA adapters over the
     base, and each version is the adapters alone (PEFT-named tensors). episodes: False when no request
     continues an earlier one (no environment): a JAX engine then keeps no finished turns and compiles no
-    extend programs."""
+    extend programs. weight_transport: the resolved `rollout.weight_transport`
+    (`rollout_bridge.weight_transport`): "nccl" gives a vLLM engine its NCCL group, with buckets of
+    `weight_bucket_bytes`, and is a WeightTransportMismatch for a JAX engine; the others are host or device
+    paths every engine takes as it is."""
+    if weight_transport == "nccl" and kind == "jax":
+        from rollout_bridge.weight_transport import WeightTransportMismatch
+
+        raise WeightTransportMismatch("weight_transport 'nccl' does not fit the JAX engine (it takes versions on "
+                                      "device in the job's process, or as host tensors)")
     if kind == "jax":
         from rollout_bridge.jax_engine import JaxEngine
 
@@ -38,7 +47,9 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
         from rollout_bridge.vllm_engine import VllmEngine
 
         return VllmEngine(model, version=version, max_len=max_len, max_slots=max_slots,
-                          kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True, lora=lora)
+                          kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True, lora=lora,
+                          **({"weight_transport": "nccl", "weight_bucket_bytes": weight_bucket_bytes}
+                             if weight_transport == "nccl" else {}))
     raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")
 
 

@@ -25,6 +25,12 @@ the model's config.json before anything changes, then pauses generation with req
 recomputed from prompt + tokens so far under the new weights, labels the new version, and resumes.
 `update_weights(..., keep_kv=True)` keeps the KV blocks instead (PipelineRL's in-flight update).
 
+With `weight_transport="nccl"` (GPUs only) the engine starts with vLLM's weight-transfer backend
+(`weight_transfer_config={"backend": "nccl"}`), opens an NCCL group of this process and its workers once it is
+up, and `update_weights` sends each version over it (`rollout_bridge.nccl_weights.NcclEngineLink`): the same
+checks, then pause -> vLLM's start/update/finish weight update with the broadcast, cast to the serving dtype
+in buckets of `weight_bucket_bytes`, labelled with the version -> drop the KV -> resume.
+
 `pause("keep")` is vLLM's `pause_generation(mode="keep")` with the KV kept (nothing changed, nothing
 to recompute); `pause("abort")` pauses the same way, then aborts every request in flight through
 `abort`, so their partial samples come back with exact versions. A weight update while paused leaves
@@ -80,6 +86,7 @@ from rollout_bridge.engine import (
     request_error,
 )
 from rollout_bridge.vllm_weights import check_weights, expected_hf_tensors, weight_payloads
+from rollout_bridge.weight_transport import WeightTransportMismatch
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +163,11 @@ class VllmEngine(Engine):
       cast_weights: let `update_weights` cast float tensors of another dtype; by default that is refused.
       startup_timeout: seconds to wait for vLLM to come up.
       lora: serve LoRA adapters of this spec over the base (module docstring); versions are then adapters.
+      weight_transport: how `update_weights` reaches the workers: "param_service" (host tensors through
+        the worker extension's RPC) or "nccl" (an NCCL group with this process; CUDA on both sides; not with
+        LoRA); another value is a WeightTransportMismatch.
+      weight_bucket_bytes: nccl only: bytes per bucket; more than the engine takes is WeightBucketTooLarge.
+      nccl_device: nccl only: this process's CUDA device the tensors are staged on for the broadcast.
       engine_kwargs: more `AsyncEngineArgs` fields (e.g. `enforce_eager=True`, `tensor_parallel_size=2`,
         `logprobs_mode="processed_logprobs"`); vLLM's `max_model_len` and `max_num_seqs` are refused
         (TypeError): they are `max_len` and `max_slots` here, as on `JaxEngine`.
@@ -164,11 +176,27 @@ class VllmEngine(Engine):
     def __init__(self, model_dir: str | os.PathLike, *, version: int = 0, max_len: int = 1024,
                  kv_cache_gib: float | None = 1.0, dtype: str = "float32", max_slots: int = 256,
                  seed: int = 0, cast_weights: bool = False, startup_timeout: float = 900.0,
-                 lora: LoRASpec | None = None, **engine_kwargs):
+                 lora: LoRASpec | None = None, weight_transport: str = "param_service",
+                 weight_bucket_bytes: int | None = None, nccl_device: str = "cuda", **engine_kwargs):
         # The same limits as JaxEngine's, by the same names; vLLM's own names would bypass `max_slots`.
         for vllm_name, name in _LIMIT_NAMES.items():
             if vllm_name in engine_kwargs:
                 raise TypeError(f"VllmEngine takes {name}, not {vllm_name}")
+        # Checked before vLLM starts: a transport this engine does not have, or a bucket it does not take.
+        if weight_transport not in ("param_service", "nccl") or (weight_transport == "nccl" and lora is not None):
+            raise WeightTransportMismatch(
+                f"weight_transport {weight_transport!r} does not fit a vLLM engine"
+                f"{' with LoRA (adapters go through add_lora)' if lora is not None else ''}; it takes "
+                f"param_service{'' if lora is not None else ' or nccl'}")
+        self.weight_transport = weight_transport
+        self._nccl = None
+        if weight_transport == "nccl":
+            from rollout_bridge.nccl_weights import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+
+            self._bucket_bytes = check_bucket_bytes(
+                DEFAULT_BUCKET_BYTES if weight_bucket_bytes is None else weight_bucket_bytes)
+            self._nccl_device = nccl_device
+            engine_kwargs.setdefault("weight_transfer_config", {"backend": "nccl"})
         self.model_dir = str(model_dir)
         self.config = from_hf_config(read_hf_config(model_dir),
                                      source=os.path.join(self.model_dir, "config.json"))
@@ -211,6 +239,24 @@ class VllmEngine(Engine):
             self._closing = True  # a startup that finishes late shuts itself down
             self._thread.join(timeout=60)
             raise EngineError(f"vLLM failed to start on {self.model_dir}: {type(e).__name__}: {e}") from e
+        if weight_transport == "nccl":
+            self._connect_nccl()
+
+    def _connect_nccl(self) -> None:
+        """Opens the NCCL group of this process (rank 0) and the engine's workers; stops vLLM if that fails."""
+        from rollout_bridge.nccl_weights import NcclEngineLink
+
+        parallel = self._llm.vllm_config.parallel_config
+        link = NcclEngineLink(self._llm, self._call, world_size=1 + parallel.world_size * parallel.data_parallel_size,
+                              expected=self._expected, dtype=self._dtype.name, bucket_bytes=self._bucket_bytes,
+                              device=self._nccl_device)
+        try:
+            link.connect()
+        except BaseException as e:
+            self.close()
+            raise EngineError(f"the NCCL weight group with vLLM's workers did not form: {type(e).__name__}: "
+                              f"{e}") from e
+        self._nccl = link
 
     # ----- the Engine interface (any thread) -----
 
@@ -297,6 +343,9 @@ class VllmEngine(Engine):
                 self._call(self._add_adapter(int(version), tensors))
                 self.last_update_s = time.perf_counter() - start
             return
+        if self._nccl is not None:
+            self._update_over_nccl(version, tensors, keep_kv)
+            return
         check_weights(self.config, self._layer_names, self._expected, tensors, self._dtype,
                       cast=self._cast_weights, source=f"weights of version {version}")
         chunks = weight_payloads(self._expected, tensors, self._dtype)
@@ -304,6 +353,29 @@ class VllmEngine(Engine):
             self._raise_if_down()
             start = time.perf_counter()
             self._call(self._swap_weights(int(version), chunks, keep_kv))
+            self.last_update_s = time.perf_counter() - start
+
+    def _update_over_nccl(self, version: int, tensors: Mapping[str, np.ndarray], keep_kv: bool) -> None:
+        """`update_weights` over the NCCL group: every check first (WeightsRejected, nothing paused or sent);
+        a failure once the broadcast began leaves the group unusable, so the engine stops (EngineError)."""
+        # Any float dtype: the NCCL path casts to the serving dtype on the way.
+        check_weights(self.config, self._layer_names, self._expected, tensors, self._dtype, cast=True,
+                      source=f"weights of version {version}")
+        self._nccl.check(version, tensors)
+        with self._update_lock:
+            self._raise_if_down()
+            start = time.perf_counter()
+            try:
+                self._nccl.swap(int(version), tensors, keep_kv=keep_kv, stay_paused=lambda: self._paused)
+            except WeightsRejected:
+                raise
+            except BaseException as e:
+                error = EngineError(f"sending weights of version {version} over NCCL failed; the group is "
+                                    f"unusable and the model may mix versions, so the engine stops: "
+                                    f"{type(e).__name__}: {e}")
+                self._fail(error)
+                raise error from e
+            self._version = int(version)
             self.last_update_s = time.perf_counter() - start
 
     def pause(self, mode: str = "keep", timeout: float = 60.0) -> list[Completion]:
@@ -350,6 +422,8 @@ class VllmEngine(Engine):
             if self._closing:
                 return
             self._closing = True
+        if self._nccl is not None:
+            self._nccl.close()
         if self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=300)

@@ -16,6 +16,7 @@ from typing import ClassVar
 from jaxflow.config import Section, check_bool, check_choice, check_float, check_int
 from jaxflow.coordination import Coordination
 from jaxflow.envs.config import EnvConfig
+from rollout_bridge.weight_transport import MAX_BUCKET_MB, WEIGHT_TRANSPORTS
 
 __all__ = ["ENGINES", "BaseConfig", "CheckpointConfig", "DataConfig", "EvalConfig", "ModelSection", "RolloutConfig"]
 
@@ -60,6 +61,12 @@ class RolloutConfig(Section):
     lease_s: a group dispatched to a worker goes back to the queue (with its partial tokens) if the worker does
       not renew it for this long: a dead or hung worker cannot stall training.
     kv_cache_gib: vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
+    weight_transport: the path each version takes to the engines (`rollout_bridge.weight_transport`): "auto"
+      (today's path for the engine kind and deployment: "device" for JAX engines in the job's process,
+      "param_service" for vLLM engines in it and for rollout actors, "object_store" with trainer processes),
+      one of those by name where it fits, or "nccl": vLLM engines in the job's process, on GPUs, take each
+      version by an NCCL broadcast through vLLM's weight-transfer API.
+    weight_bucket_mb: nccl only: MiB per bucket of the broadcast (at most MAX_BUCKET_MB, 1024).
     env: episodes, an environment answering between model turns (`jaxflow.envs.config.EnvConfig`).
     """
 
@@ -79,11 +86,15 @@ class RolloutConfig(Section):
     reward_memory_mb: int | None = None
     lease_s: float = 60.0
     kv_cache_gib: float = 0.5
+    weight_transport: str = "auto"
+    weight_bucket_mb: int = 256
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
 
     def problems(self) -> list[str]:
         problems: list[str] = []
         check_choice(problems, self.key("engine"), self.engine, ENGINES)
+        check_choice(problems, self.key("weight_transport"), self.weight_transport, WEIGHT_TRANSPORTS)
+        check_int(problems, self.key("weight_bucket_mb"), self.weight_bucket_mb, 1, MAX_BUCKET_MB)
         before = len(problems)
         for name, low in (("max_tokens", 1), ("max_len", 2)):
             check_int(problems, self.key(name), getattr(self, name), low)

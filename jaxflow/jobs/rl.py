@@ -13,8 +13,9 @@ processes forming one mesh, and `jaxflow.jobs.rl_cluster` drives the run through
 - a trajectory service (Reserve -> Occupy -> Consume, staleness bound eta) over the task's train prompts;
 - the newest weights: on device (`jaxflow.data.device_params`) for the JAX engines, which take them device
   to device, plus, with vLLM engines only, a parameter service of HF-named host tensors;
-- `rollout.num_engines` engines (jaxflow's JAX engine, or vLLM), all driven by one coordinator
-  (`jaxflow.coordination`) that places every request and syncs weights by the options of
+- `rollout.num_engines` engines (jaxflow's JAX engine, or vLLM; with `rollout.weight_transport = "nccl"` each
+  vLLM engine takes the parameter service's versions by an NCCL broadcast from this process), all driven by
+  one coordinator (`jaxflow.coordination`) that places every request and syncs weights by the options of
   `rollout.coordination`, with rewards scored in a process pool (a crashing or hanging reward scores
   the sample 0, counted, and never stops the run: each distinct error is printed once, the counts are
   in every step's metrics as reward_raised/timed_out/crashed/invalid and in result.json's accounting;
@@ -74,6 +75,7 @@ from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
 from jaxflow.trainer.state import abstract_train_state
 from rollout_bridge.engine import SamplingParams
 from rollout_bridge.factory import make_engine, runs_episodes, with_episodes
+from rollout_bridge.weight_transport import WeightTransportMismatch, resolve_weight_transport
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problems += number_problems(config, problems)
     problems += _task_problems(config)
     problems += cluster_problems(config.cluster)
+    if not problems:  # the transport against the engine kind and the deployment, once those are sound
+        try:
+            weight_transport(config)
+        except WeightTransportMismatch as e:
+            problems.append(str(e))
     env = config.rollout.get("env")
     if env is not None:  # the environment's factory imports and builds with its options
         problems += [p for p in env_problems(env) if p not in problems]
@@ -148,10 +155,24 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
                          seed=config.seed, decode_chunk=r.decode_chunk, kv_cache_gib=r.kv_cache_gib,
                          version=trainer.version if jax_engine else 0,
                          lora=None if jax_engine or not trainer.publish_adapters else trainer.lora,
-                         episodes=runs_episodes(r.get("env")))
+                         episodes=runs_episodes(r.get("env")), weight_transport=weight_transport(config),
+                         weight_bucket_bytes=r.get("weight_bucket_mb", 256) << 20)
     if not jax_engine and trainer.version != 0:
         engine.update_weights(trainer.version, trainer.publish_tensors())
     return engine
+
+
+def weight_transport(config) -> str:
+    """`rollout.weight_transport` resolved for the run's engine kind and deployment
+    (`rollout_bridge.weight_transport`); WeightTransportMismatch when it does not fit (LoRA adapters, which
+    vLLM takes through add_lora, do not fit nccl)."""
+    r, c = config.rollout, config.cluster
+    transport = resolve_weight_transport(r.get("weight_transport", "auto"), r.engine,
+                                         rollout_actors=c.rollout_actors, trainer_processes=c.trainer_processes)
+    if transport == "nccl" and LoRASpec.from_config(config.trainer.get("lora")) is not None:
+        raise WeightTransportMismatch("rollout.weight_transport 'nccl' does not fit trainer.lora: vLLM takes "
+                                      "adapters through add_lora; use auto")
+    return transport
 
 
 def episodes(config, tokenizer):

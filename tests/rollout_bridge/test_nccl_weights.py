@@ -1,12 +1,17 @@
 """The NCCL weight path to vLLM (`rollout_bridge.nccl_weights`): its logic on CPU, through vLLM's own
-trainer engine (`NCCLTrainerWeightTransferEngine`, with only the NCCL endpoint replaced by a recorder),
-and the real NCCL transfer where two CUDA GPUs exist (CI has none).
+trainer engine (`NCCLTrainerWeightTransferEngine`, with only the NCCL endpoint replaced by a recorder);
+the whole transfer on CPU with a gloo group standing in for NCCL (vLLM's trainer engine, packed producer
+and consumer and worker engine, in two processes: tests/rollout_bridge/gloo_weights.py); the engine's side
+(`NcclEngineLink`: pause, send, label, resume) over a stand-in AsyncLLM; and the real NCCL transfer where
+two CUDA GPUs exist (CI has none).
 
 Skipped when vLLM is not importable, except under CI, where vLLM must be there.
 """
 
+import asyncio
 import multiprocessing
 import socket
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -17,8 +22,20 @@ require_vllm("the NCCL weight sender tests")
 
 import torch  # noqa: E402  (vLLM's dependency)
 import vllm.distributed.weight_transfer.nccl_engine as nccl_engine  # noqa: E402
+import vllm.distributed.weight_transfer.packed_tensor as packed_tensor  # noqa: E402
+from gloo_weights import GlooGroup, PipeClient, worker, worker_stand_ins  # noqa: E402
 
-from rollout_bridge.nccl_weights import HFTensorSource, NcclWeightSender, TensorSpec, plan  # noqa: E402
+from rollout_bridge.engine import WeightsRejected  # noqa: E402
+from rollout_bridge.nccl_weights import (  # noqa: E402
+    HFTensorSource,
+    NcclEngineLink,
+    NcclWeightSender,
+    TensorSpec,
+    buckets,
+    check_bucket_bytes,
+    plan,
+)
+from rollout_bridge.weight_transport import MAX_BUCKET_MB, WeightBucketTooLarge, WeightDtypeRefused  # noqa: E402
 
 pytestmark = pytest.mark.slow  # vLLM engines, their own processes
 
@@ -96,7 +113,7 @@ def test_plan_orders_by_name_and_checks_every_tensor():
         plan(3, {})
     with pytest.raises(ValueError, match="'a' is given twice"):
         plan(3, [("a", np.zeros(2, np.float32)), ("a", np.zeros(2, np.float32))])
-    with pytest.raises(ValueError, match="'b' has dtype int32"):
+    with pytest.raises(WeightDtypeRefused, match="'b'"):
         plan(3, {"b": np.zeros(2, np.int32)})
     with pytest.raises(ValueError, match="non-empty name"):
         plan(3, [("", np.zeros(2, np.float32))])
@@ -126,6 +143,7 @@ def test_publish_drives_vllm_round_trip_in_order_with_the_version(sender):
     init = client.calls[0]
     assert init[0] == "init"
     assert init[1]["rank_offset"] == 1 and init[1]["world_size"] == 3 and init[1]["packed"] is True
+    assert init[1]["packed_buffer_size_bytes"] == 256 << 20
     assert init[1]["master_address"] == "127.0.0.1" and init[1]["master_port"] == 29600
     client.calls.clear()
     t = tensors()
@@ -149,7 +167,7 @@ def test_publish_rejects_before_sending_anything(sender):
     group.sent.clear()
     with pytest.raises(ValueError, match="version 2 is not newer than the latest sent version 2"):
         s.publish(2, tensors())
-    with pytest.raises(ValueError, match="dtype int64"):
+    with pytest.raises(WeightDtypeRefused):
         s.publish(3, {"x": np.zeros(3, np.int64)})
     with pytest.raises(ValueError, match="non-negative int"):
         s.publish(-1, tensors())
@@ -181,6 +199,169 @@ def test_constructor_names_the_bad_argument():
         NcclWeightSender(object(), master_address="h", master_port=1, world_size=2)
 
 
+# --- casting, buckets, limits --------------------------------------------------------------------------
+
+def test_plan_casts_to_the_engines_dtype_and_refuses_what_does_not_cast():
+    t = {**tensors(), "model.x.weight": np.ones(3, np.float64)}
+    specs = plan(1, t, dtype="bfloat16")
+    assert {s.dtype for s in specs} == {"bfloat16"}
+    source = HFTensorSource(t, specs, device="cpu")
+    for name, x in source:
+        assert x.dtype == torch.bfloat16
+        np.testing.assert_array_equal(x.float().numpy(), t[name].astype(ml_dtypes.bfloat16).astype(np.float32))
+    with pytest.raises(WeightDtypeRefused, match="'i'"):
+        plan(1, {**t, "i": np.zeros(2, np.int32)}, dtype="float32")
+    with pytest.raises(WeightDtypeRefused, match="float64"):
+        plan(1, t, dtype="float64")  # an engine serving a dtype the wire does not carry
+    assert issubclass(WeightDtypeRefused, WeightsRejected)
+
+
+def _vllm_chunks(specs, bucket_bytes):
+    """The names of each bucket vLLM's own packer makes of `specs` (on CPU tensors)."""
+    pairs = iter([(s.name, torch.zeros(s.shape, dtype=getattr(torch, s.dtype))) for s in specs])
+    out = []
+    while (chunk := packed_tensor.pack_tensors(pairs, lambda item: item[1], bucket_bytes)) is not None:
+        out.append(chunk.names)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")  # vLLM's note on a big tensor
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 256, 300, 1 << 20])
+def test_buckets_are_vllms_packing(bucket_bytes):
+    specs = plan(1, tensors(), dtype="float32")  # 16x8x4 = 512, 12x8x4 = 384, 8x4 = 32 bytes
+    mine = [[s.name for s in b] for b in buckets(specs, bucket_bytes)]
+    assert mine == _vllm_chunks(specs, bucket_bytes)
+
+
+def test_a_bucket_larger_than_the_engine_takes_is_refused_before_anything():
+    assert check_bucket_bytes(MAX_BUCKET_MB << 20) == MAX_BUCKET_MB << 20
+    client = Client()
+    with pytest.raises(WeightBucketTooLarge):
+        NcclWeightSender(client, master_address="h", master_port=1, world_size=2,
+                         bucket_bytes=(MAX_BUCKET_MB + 1) << 20)
+    with pytest.raises(WeightBucketTooLarge):
+        NcclWeightSender(client, master_address="h", master_port=1, world_size=2, bucket_bytes=1 << 20,
+                         max_bucket_bytes=1 << 19)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        check_bucket_bytes(0)
+    with pytest.raises(WeightDtypeRefused):
+        NcclWeightSender(client, master_address="h", master_port=1, world_size=2, dtype="int8")
+    assert client.calls == []
+
+
+# --- the engine's side: NcclEngineLink over a stand-in AsyncLLM --------------------------------------------
+
+class FakeLLM:
+    """The AsyncLLM coroutines NcclEngineLink uses, recorded in order; `label` is the weight version the
+    engine core serves (what vLLM attaches to each token it emits)."""
+
+    def __init__(self, client: Client):
+        self.client, self.calls, self.label = client, [], "0"
+
+    async def init_weight_transfer_engine(self, request):
+        self.calls.append("init")
+        self.client.init_weight_transfer_engine(request.init_info)
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def start_weight_update(self):
+        self.calls.append("start")
+
+    async def update_weights(self, request):
+        self.calls.append(("update", tuple(request.update_info["names"])))
+
+    async def finish_weight_update(self, weight_version=None):
+        self.calls.append(("finish", weight_version))
+        if weight_version is not None:
+            self.label = weight_version
+
+    async def reset_prefix_cache(self, reset_running_requests=False):
+        self.calls.append("reset")
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+
+@pytest.fixture
+def link(monkeypatch):
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", lambda info: Group())
+    llm = FakeLLM(Client())
+    shapes = {k: v.shape for k, v in tensors().items()}
+    link = NcclEngineLink(llm, asyncio.run, world_size=2, expected=shapes, dtype="float32", bucket_bytes=300,
+                          device="cpu", engine_cls=RecordingEngine)
+    link.connect()
+    init = llm.client.calls[0][1]
+    assert llm.calls == ["init"] and init["world_size"] == 2 and init["packed_buffer_size_bytes"] == 300
+    llm.calls.clear()
+    yield link, llm
+    link.close()
+
+
+def test_swap_pauses_sends_labels_and_resumes(link):
+    link, llm = link
+    link.swap(4, tensors())
+    assert llm.calls == [("pause", "keep", True), "start", ("update", tuple(sorted(tensors()))), ("finish", "4"),
+                         "reset", "resume"]
+    assert llm.label == "4" and link.sender.latest() == 4
+    # float32: 512, 384 and 32 bytes, each of the first two past a 300-byte bucket on its own
+    assert link.sender.last_buckets == len(buckets(plan(4, tensors(), dtype="float32"), 300)) == 3
+    llm.calls.clear()
+    link.swap(5, tensors(), keep_kv=True, stay_paused=lambda: True)  # the caller's pause outlives the update
+    assert llm.calls == [("pause", "keep", False), "start", ("update", tuple(sorted(tensors()))), ("finish", "5")]
+
+
+def test_a_rejected_version_pauses_nothing_and_the_engine_keeps_its_version(link):
+    link, llm = link
+    link.swap(2, tensors())
+    llm.calls.clear()
+    for bad, error in (({**tensors(), "model.norm.weight": np.zeros(8, np.int32)}, WeightDtypeRefused),
+                       ({**tensors(), "model.norm.weight": np.zeros(9, np.float32)}, ValueError),
+                       ({k: v for k, v in tensors().items() if k != "model.norm.weight"}, ValueError)):
+        with pytest.raises(error):
+            link.swap(3, bad)
+    with pytest.raises(ValueError, match="not newer"):
+        link.swap(2, tensors())
+    assert llm.calls == [] and llm.label == "2" and link.sender.latest() == 2
+
+
+# --- the whole transfer on CPU: vLLM's two sides over a gloo group ------------------------------------------
+
+def test_versions_cross_a_gloo_group_through_vllms_trainer_and_worker_engines(monkeypatch):
+    worker_stand_ins(monkeypatch.setattr)
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint",
+                        lambda info: GlooGroup(info.master_address, info.master_port, 0, info.world_size))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    here, there = multiprocessing.Pipe()
+    thread = threading.Thread(target=worker, args=(there,), daemon=True)
+    thread.start()
+    client = PipeClient(here)
+    s = NcclWeightSender(client, master_address="127.0.0.1", master_port=port, world_size=2, device="cpu",
+                         dtype="bfloat16", bucket_bytes=300)
+    try:
+        s.connect()  # vLLM's handshake: the worker joins on its side while this process opens rank 0
+        for version in (1, 2):
+            t = {k: (v.astype(np.float32) * version).astype(v.dtype) for k, v in tensors().items()}
+            s.publish(version, t)
+            received, broadcasts, wire = client.received
+            assert wire == (True, 300)  # the worker decodes with the trainer's wire parameters
+            want = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in t.items()}
+            assert sorted(received) == sorted(want)
+            for name in want:
+                np.testing.assert_array_equal(received[name], want[name])
+            specs = plan(version, t, dtype="bfloat16")  # 256 + 192 + 16 bytes in bfloat16
+            assert broadcasts == version * len(buckets(specs, 300)) == version * 2
+            assert [c[0] for c in client.calls[-3:]] == ["start", "update", "finish"]
+            assert client.calls[-1] == ("finish", str(version)) and s.latest() == version
+    finally:
+        s.close()
+        here.send(("stop",))
+        thread.join(60)
+    assert not thread.is_alive()
+
+
 # --- the real NCCL transfer ---------------------------------------------------------------------------
 
 def _two_gpus() -> bool:
@@ -194,11 +375,12 @@ def _worker(conn):
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
 
     torch.cuda.set_device(1)
-    group = None
+    group, bucket_bytes = None, None
     while True:
         msg = conn.recv()
         if msg[0] == "init":
             info = msg[1]
+            bucket_bytes = info["packed_buffer_size_bytes"]
             conn.send("ok")
             group = stateless_init_process_group(info["master_address"], info["master_port"],
                                                  info["rank_offset"], info["world_size"], device=1)
@@ -210,14 +392,14 @@ def _worker(conn):
 
             packed_nccl_broadcast_consumer(
                 ((n, (s, getattr(torch, d))) for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"])),
-                group=group, src=0, post_unpack_func=keep, device="cuda:1")
+                group=group, src=0, post_unpack_func=keep, buffer_size_bytes=bucket_bytes, device="cuda:1")
             torch.cuda.synchronize()
             conn.send(got)
         else:
             return
 
 
-class PipeClient(Client):
+class CudaPipeClient(Client):
     def __init__(self, conn):
         super().__init__()
         self.conn, self.received = conn, None
@@ -233,7 +415,7 @@ class PipeClient(Client):
         self.received = self.conn.recv()
 
 
-@pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA GPUs (NCCL wants one rank per GPU); CI has none")
+@pytest.mark.skipif(not _two_gpus(), reason="no two CUDA GPUs here (NCCL wants one rank per GPU); CI has none")
 def test_real_nccl_broadcast_reaches_a_worker():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -243,7 +425,7 @@ def test_real_nccl_broadcast_reaches_a_worker():
     proc = ctx.Process(target=_worker, args=(there,), daemon=True)
     proc.start()
     torch.cuda.set_device(0)
-    client = PipeClient(here)
+    client = CudaPipeClient(here)
     s = NcclWeightSender(client, master_address="127.0.0.1", master_port=port, world_size=2, device="cuda:0")
     try:
         s.connect()
