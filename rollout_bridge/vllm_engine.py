@@ -361,6 +361,7 @@ class VllmEngine(Engine):
         # Any float dtype: the NCCL path casts to the serving dtype on the way.
         check_weights(self.config, self._layer_names, self._expected, tensors, self._dtype, cast=True,
                       source=f"weights of version {version}")
+        tensors = {name: tensors[name] for name in self._expected}  # a tied lm_head.weight is not sent
         self._nccl.check(version, tensors)
         with self._update_lock:
             self._raise_if_down()

@@ -11,6 +11,7 @@ import numpy as np
 from jaxflow.models import hf_io, names
 from jaxflow.models.config import ModelConfig
 from rollout_bridge.engine import WeightsRejected
+from rollout_bridge.weight_transport import WeightDtypeRefused
 
 __all__ = ["check_weights", "expected_hf_tensors", "weight_payloads"]
 
@@ -35,8 +36,8 @@ def expected_hf_tensors(cfg: ModelConfig) -> tuple[tuple[str, ...], dict[str, tu
 def check_weights(cfg: ModelConfig, layer_names: tuple[str, ...], expected: Mapping[str, tuple[int, ...]],
                   tensors: Mapping[str, np.ndarray], dtype: np.dtype, *, cast: bool, source: str) -> None:
     """Raises WeightsRejected naming the tensor unless `tensors` are exactly the model's HF tensors by
-    name and shape, and of `dtype` (of any float dtype when `cast`). Reads only `.shape` and `.dtype`.
-    A tied model's `lm_head.weight` and old rotary buffers are tolerated (and not sent)."""
+    name and shape, and of `dtype` (of any float dtype when `cast`; WeightDtypeRefused otherwise). Reads only
+    `.shape` and `.dtype`. A tied model's `lm_head.weight` and old rotary buffers are tolerated (and not sent)."""
     hf_io.check_hf_names(cfg, layer_names, tensors.keys(), source=source, error=WeightsRejected)
     for name, want in expected.items():
         tensor = tensors[name]
@@ -48,8 +49,8 @@ def check_weights(cfg: ModelConfig, layer_names: tuple[str, ...], expected: Mapp
         castable = got_dtype.kind == "f" or got_dtype.name == "bfloat16"
         if got_dtype != dtype and not (cast and castable):
             why = "not a float dtype" if cast else "casting was not asked for"
-            raise WeightsRejected(f"{source}: tensor {name!r} has dtype {got_dtype}, expected {dtype} "
-                                  f"(the serving dtype; {why})")
+            raise WeightDtypeRefused(f"{source}: tensor {name!r} has dtype {got_dtype}, expected {dtype} "
+                                     f"(the serving dtype; {why})")
 
 
 def weight_payloads(expected: Iterable[str], tensors: Mapping[str, np.ndarray], dtype: np.dtype,

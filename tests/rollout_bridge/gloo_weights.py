@@ -133,3 +133,45 @@ class PipeClient:
         self.calls.append(("finish", weight_version))
         self.conn.send(("finish", weight_version))
         assert self.conn.recv() == "ok"
+
+
+# --- a real vLLM engine on CPU with the gloo stand-in as its weight-transfer backend -------------------------
+
+BACKEND = "jaxflow_gloo_stand_in"
+
+
+def _gloo_worker_engine():
+    """vLLM's NCCL worker engine with its group a GlooGroup (the receive path otherwise vLLM's own)."""
+    from vllm.distributed.weight_transfer import nccl_engine
+
+    class GlooWorkerEngine(nccl_engine.NCCLWeightTransferEngine):
+        def init_transfer_engine(self, init_info):
+            self.packed = init_info.packed
+            self.packed_buffer_size_bytes = init_info.packed_buffer_size_bytes
+            self.packed_num_buffers = init_info.packed_num_buffers
+            rank = self.parallel_config.rank + init_info.rank_offset
+            self.model_update_group = GlooGroup(init_info.master_address, init_info.master_port, rank,
+                                                init_info.world_size)
+
+    return GlooWorkerEngine
+
+
+def register_backend() -> None:
+    """Registers the gloo stand-in as a vLLM weight-transfer backend in this process (once), with the CPU
+    stand-ins for CUDA streams and syncs."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        cpu_stand_ins(setattr)
+        WeightTransferEngineFactory.register_engine(BACKEND, _gloo_worker_engine())
+
+
+try:  # in a vLLM worker process, importing the extension below registers the backend first
+    from rollout_bridge.vllm_worker_ext import JaxflowWorkerExtension
+
+    class GlooWorkerExtension(JaxflowWorkerExtension):
+        """jaxflow's worker extension, in a worker whose weight-transfer backend is the gloo stand-in."""
+
+    register_backend()
+except ImportError:  # no vLLM/torch: the tests that need them skip
+    pass

@@ -2,14 +2,16 @@
 trainer engine (`NCCLTrainerWeightTransferEngine`, with only the NCCL endpoint replaced by a recorder);
 the whole transfer on CPU with a gloo group standing in for NCCL (vLLM's trainer engine, packed producer
 and consumer and worker engine, in two processes: tests/rollout_bridge/gloo_weights.py); the engine's side
-(`NcclEngineLink`: pause, send, label, resume) over a stand-in AsyncLLM; and the real NCCL transfer where
-two CUDA GPUs exist (CI has none).
+(`NcclEngineLink`: pause, send, label, resume) over a stand-in AsyncLLM; with JAXFLOW_VLLM_GLOO=1, a real
+vLLM engine on CPU whose weight-transfer backend is the gloo stand-in; and the real NCCL transfer where two
+CUDA GPUs exist (CI has none).
 
 Skipped when vLLM is not importable, except under CI, where vLLM must be there.
 """
 
 import asyncio
 import multiprocessing
+import os
 import socket
 import threading
 
@@ -20,6 +22,7 @@ from engine_helpers import require_vllm
 
 require_vllm("the NCCL weight sender tests")
 
+import gloo_weights  # noqa: E402
 import torch  # noqa: E402  (vLLM's dependency)
 import vllm.distributed.weight_transfer.nccl_engine as nccl_engine  # noqa: E402
 import vllm.distributed.weight_transfer.packed_tensor as packed_tensor  # noqa: E402
@@ -440,3 +443,50 @@ def test_real_nccl_broadcast_reaches_a_worker():
         s.close()
         here.send(("stop",))
         proc.join(30)
+
+
+# --- a real vLLM engine on CPU, its weight-transfer backend the gloo stand-in ---------------------------------
+
+@pytest.mark.skipif(not os.environ.get("JAXFLOW_VLLM_GLOO"),
+                    reason="starts a vLLM engine of its own (minutes on a 2-core machine); set JAXFLOW_VLLM_GLOO=1")
+def test_vllm_engine_over_the_gloo_stand_in_serves_each_version(monkeypatch, qwen3_dir):
+    """VllmEngine(weight_transport="nccl") end to end on CPU: vLLM's layerwise reload of a real model, the
+    label on every token, and a rejected version leaving the engine on its own."""
+    from engine_helpers import GREEDY
+
+    from jaxflow.models.hf_io import iter_hf_tensors, load_model
+    from rollout_bridge.engine import Request
+    from rollout_bridge.vllm_engine import VllmEngine
+
+    worker_stand_ins(monkeypatch.setattr)
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint",
+                        lambda info: GlooGroup(info.master_address, info.master_port, 0, info.world_size))
+    base = dict(iter_hf_tensors(load_model(qwen3_dir)))
+    half = {k: (v * 0.5).astype(v.dtype) for k, v in base.items()}
+    engine = VllmEngine(qwen3_dir, weight_transport="nccl", nccl_device="cpu", weight_bucket_bytes=4096,
+                        max_len=128, max_slots=4, kv_cache_gib=0.25, enforce_eager=True,
+                        weight_transfer_config={"backend": gloo_weights.BACKEND},
+                        worker_extension_cls="gloo_weights.GlooWorkerExtension")
+
+    def greedy(tag):
+        engine.submit(Request(tag, [1, 2, 3, 4], GREEDY))
+        out = []
+        while not out:
+            out = engine.poll(timeout=1.0)
+        return out[0].sample
+
+    try:
+        before = greedy("before")
+        engine.update_weights(3, half)
+        changed = greedy("v3")
+        engine.update_weights(4, base)
+        after = greedy("v4")
+        assert set(changed.versions) == {3} and set(after.versions) == {4} and engine.version == 4
+        assert changed.tokens != before.tokens and after.tokens == before.tokens
+        np.testing.assert_allclose(after.logprobs, before.logprobs, atol=1e-5)
+        bad = {**base, "model.norm.weight": np.zeros(base["model.norm.weight"].shape, np.int32)}
+        with pytest.raises(WeightDtypeRefused):
+            engine.update_weights(5, bad)
+        assert engine.version == 4 and set(greedy("still v4").versions) == {4}
+    finally:
+        engine.close()

@@ -102,3 +102,26 @@ def test_a_mismatch_is_a_config_error_of_the_job(tmp_path):
     config = load_config("configs/arithmetic_tiny.py", {"rollout.weight_transport": "nccl"})  # the JAX engine
     with pytest.raises(ConfigError, match="rollout.weight_transport"):
         rl.check_config(config)
+
+
+def test_a_vllm_engine_refuses_a_dtype_it_cannot_take_by_name(tmp_path):
+    # The check every vLLM update runs before anything changes (both transports; nccl casts any float).
+    import numpy as np
+
+    from jaxflow.models.config import from_hf_config, read_hf_config
+    from jaxflow.models.hf_io import iter_hf_tensors, load_model
+    from jaxflow.models.tiny import write_tiny_model
+    from rollout_bridge.vllm_weights import check_weights, expected_hf_tensors
+    from rollout_bridge.weight_transport import WeightDtypeRefused
+
+    directory = write_tiny_model(tmp_path / "m")
+    cfg = from_hf_config(read_hf_config(directory))
+    layer_names, expected = expected_hf_tensors(cfg)
+    tensors = dict(iter_hf_tensors(load_model(directory)))
+    half = {k: v.astype(np.float16) for k, v in tensors.items()}
+    check_weights(cfg, layer_names, expected, half, np.dtype("float32"), cast=True, source="v1")
+    with pytest.raises(WeightDtypeRefused):
+        check_weights(cfg, layer_names, expected, half, np.dtype("float32"), cast=False, source="v1")
+    ints = {**tensors, "model.norm.weight": tensors["model.norm.weight"].astype(np.int32)}
+    with pytest.raises(WeightDtypeRefused):
+        check_weights(cfg, layer_names, expected, ints, np.dtype("float32"), cast=True, source="v1")
