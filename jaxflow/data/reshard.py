@@ -336,10 +336,16 @@ class ReshardProgram:
         self.compiled = None  # step 1
         self.join_compiled = None  # the pieces joined on the target devices
         self._inputs: list | None = None  # the sources written on the refined mesh, where there is one
-        if not self._program:
+        # Leaves whose pieces are the source's own shards skip step 1: the join makes their new buffers.
+        direct = {i for i in self._splits if dtypes[i] == np.dtype(sources[i].dtype)
+                  and plans[i][0].is_equivalent_to(self._source_shardings[i], len(self.shapes[i]))}
+        self._staged = [i for i in self._program if i not in direct]
+        if self._pieces:
+            self._compile_join(targets, dtypes)
+        if not self._staged:
             return
-        ins = [_as_named(self._source_shardings[i]) for i in self._program]
-        outs = [plans[i][0] for i in self._program]
+        ins = [_as_named(self._source_shardings[i]) for i in self._staged]
+        outs = [plans[i][0] for i in self._staged]
         refined = None if None in ins else _refinement(list({s.mesh: None for s in ins + outs}))
         gathered = [None] * len(ins)
         if refined is not None:
@@ -349,8 +355,8 @@ class ReshardProgram:
             gathered = [_gathered(a, b) for a, b in zip(ins, outs)]
             self._inputs = ins
         else:
-            ins = [self._source_shardings[i] for i in self._program]
-        out_dtypes = [dtypes[i] for i in self._program]
+            ins = [self._source_shardings[i] for i in self._staged]
+        out_dtypes = [dtypes[i] for i in self._staged]
 
         def move(leaves):
             out = []
@@ -364,27 +370,26 @@ class ReshardProgram:
             return out
 
         abstract = [jax.ShapeDtypeStruct(self.shapes[i], sources[i].dtype, sharding=s)
-                    for i, s in zip(self._program, ins)]
+                    for i, s in zip(self._staged, ins)]
         self.compiled = jax.jit(move, out_shardings=outs,
                                 donate_argnums=(0,) if donate else ()).lower(abstract).compile()
-        if self._pieces:
-            joined = list(self._pieces)
-            splits = [(*self._splits[i], _as_named(targets[i]).shard_shape(self.shapes[i])) for i in joined]
-            shapes = [self.shapes[i] for i in joined]
 
-            def join(pieces):
-                out = []
-                for parts, shape, (dim, c, tile) in zip(pieces, shapes, splits):
-                    tiles = shape[dim] // tile[dim]
-                    grid = (*shape[:dim], tiles, tile[dim] // c, *shape[dim + 1:])
-                    out.append(jnp.stack([p.reshape(grid) for p in parts], axis=dim + 1).reshape(shape))
-                return out
+    def _compile_join(self, targets: list, dtypes: list) -> None:
+        """The program over the target devices that stacks each cut leaf's pieces back into its tiles."""
+        joined = list(self._pieces)
+        splits = [(*self._splits[i], _as_named(targets[i]).shard_shape(self.shapes[i])) for i in joined]
+        shapes = [self.shapes[i] for i in joined]
 
-            abstract = [[jax.ShapeDtypeStruct(self._piece_shape(i), dtypes[i],
-                                              sharding=_as_named(targets[i])) for _ in self._pieces[i]]
-                        for i in joined]
-            self.join_compiled = jax.jit(join, out_shardings=[targets[i] for i in joined]).lower(
-                abstract).compile()
+        def join(pieces):
+            out = []
+            for parts, shape, (dim, c, tile) in zip(pieces, shapes, splits):
+                grid = (*shape[:dim], shape[dim] // tile[dim], tile[dim] // c, *shape[dim + 1:])
+                out.append(jnp.stack([p.reshape(grid) for p in parts], axis=dim + 1).reshape(shape))
+            return out
+
+        abstract = [[jax.ShapeDtypeStruct(self._piece_shape(i), dtypes[i], sharding=_as_named(targets[i]))
+                     for _ in self._pieces[i]] for i in joined]
+        self.join_compiled = jax.jit(join, out_shardings=[targets[i] for i in joined]).lower(abstract).compile()
 
     def _piece_shape(self, i: int) -> tuple:
         (dim, c), shape = self._splits[i], self.shapes[i]
@@ -395,13 +400,15 @@ class ReshardProgram:
         leaves' inputs are invalidated."""
         leaves = self.treedef.flatten_up_to(params)
         out: list[Any] = [None] * len(leaves)
-        if self.compiled is not None:
-            inputs = [leaves[i] for i in self._program]
-            if self._inputs is not None:  # the same shards under the refined mesh's names: no transfer
-                inputs = jax.device_put(inputs, self._inputs)
-            staged = self.compiled(inputs)
+        if self._program:
+            staged = {i: leaves[i] for i in self._program}
+            if self.compiled is not None:
+                inputs = [leaves[i] for i in self._staged]
+                if self._inputs is not None:  # the same shards under the refined mesh's names: no transfer
+                    inputs = jax.device_put(inputs, self._inputs)
+                staged.update(zip(self._staged, self.compiled(inputs)))
             relabelled, targets, at = [], [], []
-            for i, y in zip(self._program, staged):
+            for i, y in staged.items():
                 by_device = {shard.device: shard.data for shard in y.addressable_shards}
                 parts = [self._whole[i]] if i in self._whole else self._pieces[i]
                 shape = self.shapes[i] if i in self._whole else self._piece_shape(i)
