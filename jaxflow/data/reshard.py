@@ -340,13 +340,16 @@ class ReshardProgram:
         direct = {i for i in self._splits if dtypes[i] == np.dtype(sources[i].dtype)
                   and plans[i][0].is_equivalent_to(self._source_shardings[i], len(self.shapes[i]))}
         self._staged = [i for i in self._program if i not in direct]
+        self._final = {i for i in self._staged if plans[i][0] == targets[i]}  # step 1 makes the target's shards
         if self._pieces:
             self._compile_join(targets, dtypes)
         if not self._staged:
             return
         ins = [_as_named(self._source_shardings[i]) for i in self._staged]
         outs = [plans[i][0] for i in self._staged]
-        refined = None if None in ins else _refinement(list({s.mesh: None for s in ins + outs}))
+        moves = any(not self._source_shardings[i].is_equivalent_to(o, len(self.shapes[i]))
+                    for i, o in zip(self._staged, outs))
+        refined = None if None in ins or not moves else _refinement(list({s.mesh: None for s in ins + outs}))
         gathered = [None] * len(ins)
         if refined is not None:
             mesh, spans = refined
@@ -409,6 +412,11 @@ class ReshardProgram:
                 staged.update(zip(self._staged, self.compiled(inputs)))
             relabelled, targets, at = [], [], []
             for i, y in staged.items():
+                if i in self._final:  # the target's own shards, under another name or already its own
+                    relabelled.append(y)
+                    targets.append(self.targets[i])
+                    at.append(i)
+                    continue
                 by_device = {shard.device: shard.data for shard in y.addressable_shards}
                 parts = [self._whole[i]] if i in self._whole else self._pieces[i]
                 shape = self.shapes[i] if i in self._whole else self._piece_shape(i)
