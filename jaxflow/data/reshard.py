@@ -2,27 +2,33 @@
 
 A policy version goes from the trainer's layout (e.g. fsdp over all devices) to an engine's (e.g. tensor
 parallel, on the same devices, a subset of them, or other devices). `reshard_program` builds, once per
-(tree, source shardings, target shardings, dtypes), the program that does it in two steps:
+(tree, source shardings, target shardings, dtypes), the program that does it:
 
   1. one jitted program over the source devices re-lays the whole tree (casting it too if asked) into a
-     *staging* layout: the target's partition spec on a mesh of the source devices, so that each slice a
-     target device needs is a whole shard on some source device (on that very device where it is one of
-     the source devices). XLA does the all-to-all / all-gather; nothing goes through the host.
-  2. one batched `jax.device_put` copies each such shard to the target device that needs it (a no-op for
-     a shard already in place; skipped entirely when the target's devices are the source's, in order).
+     *staging* layout: the target's partition spec on a mesh of the source devices. With as many source
+     as target devices each target tile is then a shard on one source device (on that very device where
+     the devices are the same, in order); with c times as many, each target tile is cut into c pieces,
+     one per source device. Both layouts are written on one mesh that refines the two (`_refinement`), so
+     that XLA lowers the change to all-gathers and all-to-alls; nothing goes through the host.
+  2. one batched `jax.device_put` copies each shard or piece to the target device that needs it (nothing
+     moves for one already in place), and where tiles were cut, one jitted program over the target devices
+     joins the pieces.
 
-`jax.device_put` alone goes through the host when the devices differ and the target's slices are not shards
-of the source (it gathers each array and scatters it again), and a per-leaf, per-shard route pays Python
-and dispatch overhead on every leaf. The program is the floor's cost: one dispatch for the tree.
+`jax.device_put` alone goes through the host when the target's slices are not shards of the source (it
+gathers each array and scatters it again), and a per-leaf, per-shard route pays Python and dispatch
+overhead on every leaf; here a call is a few dispatches for the whole tree.
 
-Step 1 needs the source's device count to be a multiple of the target's (every case where the target is the
-same devices, a subset, or as many other devices). Other leaves (a target on more devices than the source,
-or on a count that does not divide it) are cut on the source devices and joined on each target device, leaf
-by leaf (`_assembled`): correct, device to device, slower.
+Step 1 needs the source's device count to be a multiple of the target's (the target on the same devices,
+on a subset, or on as many other devices). Leaves of other pairs (a target on more devices than the
+source, or on a count that does not divide it) are cut on the source devices and joined on each target
+device, leaf by leaf (`_assembled`): correct, device to device, slower; `ReshardProgram.leaves_leaf_by_leaf`
+counts them.
 
-Memory: step 1 holds, transiently on each source device, one shard of the target layout per leaf (the
-target's per-device bytes); the pod planner reads it from `ReshardProgram.compiled.memory_analysis()`.
+Memory: step 1 holds, transiently on each source device, its share of the staged tree (one target tile per
+leaf, or one piece of it); `ReshardProgram.compiled.memory_analysis()` gives it per device, and
+`copy_bytes` what step 2 copies into each target device.
 """
+
 
 from __future__ import annotations
 
@@ -288,6 +294,7 @@ class ReshardProgram:
 
     compiled: the `jax.stages.Compiled` step 1 (None when no leaf can be staged): its
       `memory_analysis()` gives per-device argument, output and temp bytes, its `as_text()` the collectives.
+    join_compiled: the program over the target devices that joins cut tiles (None when none is cut).
     copy_bytes: bytes that step 2 copies between devices, per target device (a dict device -> bytes).
     leaves_leaf_by_leaf: how many leaves take the leaf-by-leaf fallback instead.
     """
