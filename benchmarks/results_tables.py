@@ -138,6 +138,11 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("one device: in-process hand-off, ms", "cases.case=one device (as the rl job).handoff_s", "{:.1f}", 1e3),
         Figure("one device: host round trip, ms", "cases.case=one device (as the rl job).host_roundtrip_s", "{:.1f}",
                1e3),
+        *[Figure(f"{case}: hand-off against device_put", f"cases.case={case}.handoff_vs_device_put", "{:.2f}x",
+                 optional=True)
+          for case in ("8 fsdp -> same 8 fsdp", "8 fsdp -> 8 fsdp4 x tp2", "8 fsdp -> same 8 tp8",
+                       "2 data x 4 fsdp -> same 8 tp8", "8 fsdp -> 2 of them tp2 (subset)",
+                       "8 fsdp -> 1 of them (subset)", "4 fsdp -> other 4 tp4 (disjoint)")],
     ],
     "cluster_sync": [
         Figure("model", "params", "{}"),

@@ -1,6 +1,7 @@
 """How fast a new policy version reaches a JAX engine in the trainer's process, three ways, per layout.
 
-For each (trainer mesh -> engine mesh) case, the median of N repeats of:
+For each (trainer mesh -> engine mesh) case, the median of N repeats (the three routes in turn within
+each repeat, so that they share the machine's load) of:
 
   device_put    the floor: a plain `jax.device_put` of the trainer's arrays onto the engine's shardings
                 (copying: the engine must own its weights, since the train step donates the trainer's);
@@ -13,7 +14,10 @@ Each time runs until the engine's new arrays are ready. CPU "devices" stand for 
 (`--xla_force_host_platform_device_count=8`, set before jax is imported), so a copy between two of them
 is a memcpy: the figures compare routes, not interconnects. Note that `jax.device_put` itself goes
 through the host when the engine's slices are not shards of the source already (it gathers the array
-and scatters it again); the hand-off's `reshard` cuts them on the source devices instead.
+and scatters it again: on CPU devices that is two memcpys, on accelerators two PCIe crossings); the
+hand-off runs `reshard_program`'s compiled program instead (collectives among the devices, then
+device-to-device copies), whose all-to-alls on CPU devices are memcpys plus a rendezvous of the 8 device
+threads.
 
     .venv/bin/python benchmarks/weight_handoff.py --json /tmp/weight_handoff.json     # ~100M params
     .venv/bin/python benchmarks/weight_handoff.py --quick
@@ -39,12 +43,17 @@ SIZES = {
     "100m": (768, 2048, 12, 12, 4, 64, 32768),
 }
 
-# (name, trainer devices, trainer mesh (data, fsdp, tensor), engine devices, engine mesh)
+# (name, trainer devices, trainer mesh (data, fsdp, tensor), engine devices, engine mesh): the layouts a
+# job makes. The trainer's mesh is `sharding.make_mesh` over its devices; an engine's is the same call over
+# the same devices (another split), a subset of them, or devices of its own.
 CASES = [
     ("one device (as the rl job)", (0, 1), (1, 1, 1), (0, 1), (1, 1, 1)),
     ("8 fsdp -> same 8 fsdp", (0, 8), (1, 8, 1), (0, 8), (1, 8, 1)),
     ("8 fsdp -> 8 fsdp4 x tp2", (0, 8), (1, 8, 1), (0, 8), (1, 4, 2)),
+    ("8 fsdp -> same 8 tp8", (0, 8), (1, 8, 1), (0, 8), (1, 1, 8)),
+    ("2 data x 4 fsdp -> same 8 tp8", (0, 8), (2, 4, 1), (0, 8), (1, 1, 8)),
     ("8 fsdp -> 2 of them tp2 (subset)", (0, 8), (1, 8, 1), (4, 6), (1, 1, 2)),
+    ("8 fsdp -> 1 of them (subset)", (0, 8), (1, 8, 1), (0, 1), (1, 1, 1)),
     ("4 fsdp -> other 4 tp4 (disjoint)", (0, 4), (1, 4, 1), (4, 8), (1, 1, 4)),
 ]
 
@@ -56,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per route and case (median)")
     parser.add_argument("--platform", default="cpu", help="JAX platform (cases needing more devices than "
                                                           "there are are skipped)")
-    parser.add_argument("--quick", action="store_true", help="a ~10M model, 3 repeats")
+    parser.add_argument("--quick", action="store_true", help="a ~10M model, 9 repeats")
     parser.add_argument("--json", default=None, help="write the figures to this path")
     return parser
 
@@ -65,20 +74,24 @@ def parse(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
-        args.size, args.repeats = ("10m" if args.size == "100m" else args.size), 3
+        args.size, args.repeats = ("10m" if args.size == "100m" else args.size), 9
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     return args
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: compiles, pre-faults buffers
-    times = []
+def _median_times(fns: dict, repeats: int) -> dict:
+    """name -> median seconds of `fns[name]()`, the routes taken in turn within each repeat so that all
+    see the same load on a shared machine (a route's repeats back to back would each see other minutes)."""
+    for fn in fns.values():
+        fn()  # warm-up: compiles, pre-faults buffers
+    times: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def bench_case(case, model, repeats: int) -> dict:
@@ -121,8 +134,8 @@ def bench_case(case, model, repeats: int) -> dict:
 
     try:
         out = {"case": name, "trainer_devices": t1 - t0, "engine_devices": e1 - e0,
-               "device_put_s": _median_time(floor, repeats), "handoff_s": _median_time(handoff, repeats),
-               "host_roundtrip_s": _median_time(host_trip, repeats)}
+               **_median_times({"device_put_s": floor, "handoff_s": handoff, "host_roundtrip_s": host_trip},
+                               repeats)}
     finally:
         engine.close()
         source.close()

@@ -4,8 +4,8 @@ The parameter service carries each version as HF-named host tensors: what vLLM a
 but for a JAX engine in the same process it is a detour (device -> host -> HF layout -> host -> device).
 `DeviceParamSource` keeps the newest published versions as arrays on device instead, and
 `DeviceWeights.placed(shardings)` moves a version onto an engine's own mesh with `reshard`: device to
-device, never through the host (`jax.device_put` alone gathers an array on the host when the engine's
-slices are not shards of the source; `reshard` cuts and joins them on the devices instead).
+device, never through the host, by one compiled program per pair of layouts (`jaxflow.data.reshard`;
+`reshard_program` returns it, for reading its memory and collectives).
 
 Why the source copies at publish: the train step donates its state, so the arrays the trainer holds when
 it publishes are invalidated by its next step, which may run before an engine gets to pull. `publish`
@@ -27,32 +27,19 @@ import threading
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxflow.data.param_service import UnknownVersionError
+from jaxflow.data.reshard import ReshardProgram, check_shardings, device_leaves, reshard, reshard_program
 
-__all__ = ["DeviceParamSource", "DeviceWeights", "UnknownVersionError", "reshard"]
+__all__ = ["DeviceParamSource", "DeviceWeights", "ReshardProgram", "UnknownVersionError", "reshard",
+           "reshard_program"]
 
 
 def _check_version_number(version: Any) -> int:
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
         raise ValueError(f"a version must be a non-negative int, got {version!r}")
     return int(version)
-
-
-def _device_leaves(params, what: str) -> list[tuple[str, jax.Array]]:
-    """(path, array) of every leaf of `params`; raises ValueError naming a leaf that is not a live
-    jax.Array (a host array would need a host transfer; a deleted one was donated)."""
-    out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = jax.tree_util.keystr(path)
-        if not isinstance(leaf, jax.Array):
-            raise ValueError(f"{what}: leaf {name} is a {type(leaf).__name__}, not a jax.Array on device")
-        if leaf.is_deleted():
-            raise ValueError(f"{what}: leaf {name} was deleted (donated to a jitted call?)")
-        out.append((name, leaf))
-    return out
 
 
 def _check_same_layout(params, reference, what: str) -> None:
@@ -69,117 +56,7 @@ def _check_same_layout(params, reference, what: str) -> None:
 
 def _shardings_key(shardings) -> tuple:
     """A hashable key of a pytree of shardings: equal for the same structure and equal shardings."""
-    leaves = jax.tree.leaves(shardings)
-    for leaf in leaves:
-        if not isinstance(leaf, jax.sharding.Sharding):
-            raise ValueError(f"target shardings must be a pytree of jax.sharding.Sharding, found a "
-                             f"{type(leaf).__name__}")
-    return (jax.tree.structure(shardings), tuple(leaves))
-
-
-def _slice_key(index, shape) -> tuple:
-    return tuple(sl.indices(n) for sl, n in zip(index, shape))
-
-
-def _holds_every_slice(x: jax.Array, target: jax.sharding.Sharding) -> bool:
-    """Whether some shard of `x` already holds each slice that a device of `target` needs."""
-    have = {_slice_key(i, x.shape) for i in x.sharding.devices_indices_map(x.shape).values()}
-    return all(_slice_key(i, x.shape) in have for i in target.devices_indices_map(x.shape).values())
-
-
-def _join(pieces: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.Array:
-    """The array tiled by `pieces` ((offset per dimension, block)), a regular grid."""
-    if len(pieces) == 1:
-        return pieces[0][1]
-    offsets = sorted({offset[dim] for offset, _ in pieces})
-    if len(offsets) == 1:
-        return _join(pieces, dim + 1)
-    rows = [_join([p for p in pieces if p[0][dim] == o], dim + 1) for o in offsets]
-    return jnp.concatenate(rows, axis=dim)
-
-
-# One call per source shard cuts all its blocks, one per target shard joins them: bounds and grid are
-# static (eager indexing would send them from the host), and few calls keep dispatch overhead low.
-_cut = jax.jit(lambda buffer, bounds: tuple(jax.lax.slice(buffer, lo, hi) for lo, hi in bounds),
-               static_argnums=1)
-_glue = jax.jit(lambda blocks, offsets: _join(list(zip(offsets, blocks))), static_argnums=1)
-
-
-def _assembled(x: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
-    """`x` on `target`, each target shard built on its device from the blocks of the source shards that
-    overlap it: cut on the source device, copied device to device, joined on the target device. Only the
-    bytes a target device needs reach it, and the array is never whole anywhere unless the target holds
-    it whole."""
-    shape = x.shape
-    sources: dict[tuple, list[jax.Array]] = {}
-    for shard in x.addressable_shards:  # replicas share a key
-        sources.setdefault(_slice_key(shard.index, shape), []).append(shard.data)
-    cuts: dict[int, tuple[jax.Array, list]] = {}  # id(source buffer) -> (buffer, [(lo, hi)])
-    plan = []  # per target device: (device, [(offset in its shard, source buffer id, cut number)])
-    for device, index in target.addressable_devices_indices_map(shape).items():
-        want = _slice_key(index, shape)
-        pieces = []
-        for have, buffers in sources.items():
-            overlap = [(max(h[0], w[0]), min(h[1], w[1])) for h, w in zip(have, want)]
-            if any(lo >= hi for lo, hi in overlap):
-                continue
-            buffer = next((b for b in buffers if b.devices() == {device}), buffers[0])
-            bounds = cuts.setdefault(id(buffer), (buffer, []))[1]
-            bound = (tuple(lo - h[0] for (lo, _), h in zip(overlap, have)),
-                     tuple(hi - h[0] for (_, hi), h in zip(overlap, have)))
-            if bound not in bounds:  # a block that several target devices need is cut once
-                bounds.append(bound)
-            offset = tuple(lo - w[0] for (lo, _), w in zip(overlap, want))
-            pieces.append((offset, id(buffer), bounds.index(bound)))
-        plan.append((device, pieces))
-    blocks = {key: _cut(buffer, tuple(bounds)) for key, (buffer, bounds) in cuts.items()}
-    wanted = [(blocks[key][n], device) for device, pieces in plan for _, key, n in pieces]
-    moved = iter(jax.device_put([b for b, _ in wanted], [d for _, d in wanted]))
-    shards = []
-    for _device, pieces in plan:
-        here = [next(moved) for _ in pieces]
-        shards.append(here[0] if len(here) == 1 else _glue(tuple(here), tuple(o for o, _, _ in pieces)))
-    return jax.make_array_from_single_device_arrays(shape, target, shards)
-
-
-def _buffers(x: jax.Array) -> set[int]:
-    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
-
-
-def _reshard_leaf(x: jax.Array, target: jax.sharding.Sharding, copy: bool) -> jax.Array:
-    if x.sharding.is_equivalent_to(target, x.ndim):
-        return jax.device_put(x, target, may_alias=False if copy else None)
-    # `jax.device_put` moves shards device to device only when each slice the target needs is a shard
-    # already (or the source is one device, sliced in place); otherwise it goes through the host (it
-    # gathers the whole array there and scatters it again). So those are cut and joined on devices.
-    if x.size and len(x.sharding.device_set) > 1 and not _holds_every_slice(x, target):
-        y = _assembled(x, target)
-    else:
-        y = jax.device_put(x, target)
-    if copy and _buffers(y) & _buffers(x):  # shards already in place were reused
-        y = jax.device_put(y, target, may_alias=False)
-    return y
-
-
-def reshard(params, target_shardings, *, copy: bool = False):
-    """`params` (a pytree of jax.Arrays) moved onto `target_shardings` (the same pytree structure, e.g.
-    `sharding.state_shardings(params, engine_mesh)`), device to device.
-
-    Where the target's slices are shards already (or the source is one device), each is copied to its
-    device by `jax.device_put`; otherwise each target shard is cut from the overlapping source shards
-    on their devices, copied, and joined on its device (`jax.device_put` alone would gather the array
-    on the host and scatter it again). Arrays
-    already laid out as asked are returned as is (same buffers) unless `copy`; with `copy` nothing in
-    the result shares a buffer with `params`. Nothing is donated: the inputs stay valid. Transfers from
-    the host are refused (transfer guard), so a path through the host fails loudly.
-    """
-    _device_leaves(params, "reshard")
-    if jax.tree.structure(target_shardings) != jax.tree.structure(params):
-        raise ValueError(f"target shardings have tree structure {jax.tree.structure(target_shardings)}, "
-                         f"the params {jax.tree.structure(params)}")
-    _shardings_key(target_shardings)
-    with jax.transfer_guard_host_to_device("disallow_explicit"):
-        return jax.tree.map(lambda x, t: _reshard_leaf(x, t, copy), params, target_shardings)
+    return (jax.tree.structure(shardings), tuple(check_shardings(shardings)))
 
 
 class DeviceWeights:
@@ -230,10 +107,13 @@ class DeviceWeights:
                     raise error(f"{where} has dtype {new.dtype}, expected {old.dtype} (the serving dtype; "
                                 f"casting was not asked for)")
                 needs_cast = True
-        params = self.placed(shardings)
-        if needs_cast:  # relabelled with the receiver's shardings, so that none of its programs recompiles
-            params = jax.device_put(jax.tree.map(lambda a, old: a.astype(old.dtype), params, current), shardings)
-        return params
+        if not needs_cast:
+            return self.placed(shardings)
+        # Cast and moved in one program, from the placement on those shardings if publish made one (the
+        # cast then moves nothing), else from the first: cast on the source devices, fewer bytes move.
+        with self._lock:
+            source = self._placements.get(_shardings_key(shardings), self.params)
+        return reshard(source, shardings, dtypes=jax.tree.map(lambda a: a.dtype, current))
 
     def layouts(self) -> int:
         """How many placements this version holds (one per distinct target layout asked for)."""
@@ -281,7 +161,7 @@ class DeviceParamSource:
         a live device array, or shapes/dtypes/structure other than the first version's.
         """
         version = _check_version_number(version)
-        _device_leaves(params, f"params of version {version}")
+        device_leaves(params, f"params of version {version}")
         with self._lock:
             self._check_open()
             latest = next(reversed(self._versions), None)
