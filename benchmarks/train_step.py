@@ -32,7 +32,7 @@ from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
 from jaxflow.trainer.batch import Trajectory, make_batch
 from jaxflow.trainer.state import create_train_state, train_state_shardings
-from jaxflow.trainer.step import StepConfig, TrainStep, make_optimizer
+from jaxflow.trainer.step import LOGPROB_CHUNK, StepConfig, TrainStep, make_optimizer
 
 # name -> (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
 SIZES = {
@@ -83,7 +83,8 @@ def train_flops_per_token(cfg: ModelConfig, context: int) -> float:
     return 6 * cfg.num_params() + 12 * cfg.num_layers * context * cfg.num_heads * cfg.head_dim
 
 
-def bench_variant(cfg, mesh, batch, remat: bool, steps: int) -> dict:
+def bench_variant(cfg, mesh, batch, remat: bool, steps: int, logprob_chunk: int = LOGPROB_CHUNK,
+                  compute_dtype: str = "float32") -> dict:
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.device_put(params, sharding.state_shardings(params, mesh)))
@@ -91,7 +92,8 @@ def bench_variant(cfg, mesh, batch, remat: bool, steps: int) -> dict:
         lr=1e-5, warmup_steps=0, schedule="constant", total_steps=1, b1=0.9, b2=0.95, eps=1e-8,
         weight_decay=0.0, max_grad_norm=1.0)))
     state = create_train_state(model, tx, mesh)
-    step = TrainStep(nnx.graphdef(model), tx, StepConfig(remat=remat), mesh,
+    step = TrainStep(nnx.graphdef(model), tx, StepConfig(remat=remat, logprob_chunk=logprob_chunk,
+                                                         compute_dtype=compute_dtype), mesh,
                      train_state_shardings(state.params, tx, mesh))
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
@@ -120,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--dtype", default=None, help="parameter dtype (default bfloat16 on GPU/TPU, else float32)")
+    parser.add_argument("--logprob-chunk", type=int, default=LOGPROB_CHUNK,
+                        help="positions per chunk of the LM head (trainer.logprob_chunk; 0: the whole sequence)")
+    parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="what the update computes in (model.compute_dtype)")
     parser.add_argument("--variants", default="padded,packed,packed+remat",
                         help="comma-separated subset of padded, packed, packed+remat (a big model's padded "
                              "step takes minutes)")
@@ -166,7 +172,7 @@ def main(argv=None) -> int:
     peak = peak_flops(device)
     cpu_peak = matmul_peak_flops() if device.platform == "cpu" else None
     for name, (batch, remat) in variants.items():
-        r = bench_variant(cfg, mesh, batch, remat, args.steps)
+        r = bench_variant(cfg, mesh, batch, remat, args.steps, args.logprob_chunk, args.compute_dtype)
         flops = train_flops_per_token(cfg, args.seq_len) * r["tokens"] / r["step_time_s"]
         r["mfu"] = flops / (peak * jax.device_count()) if peak else None
         r["cpu_mfu"] = flops / cpu_peak if cpu_peak else None
@@ -189,6 +195,7 @@ def main(argv=None) -> int:
         main_r = results.get("packed") or next(iter(results.values()))
         results_meta.write_json(args.json, {
             "size": args.size, "params": cfg.num_params(), "dtype": dtype,
+            "logprob_chunk": args.logprob_chunk, "compute_dtype": args.compute_dtype,
             "device": device.device_kind, "devices": jax.device_count(),
             "tokens_per_s": main_r["tokens_per_s"], "step_time_s": main_r["step_time_s"],
             "mfu": main_r["mfu"], "cpu_mfu": main_r["cpu_mfu"], "cpu_matmul_peak_flops": cpu_peak,

@@ -11,13 +11,14 @@ import ml_collections
 
 from jaxflow.config import ConfigError
 from jaxflow.envs.config import env_problems, environment_factory, turn_stop_ids
+from jaxflow.models import precision
 
 __all__ = ["make_engine", "runs_episodes", "with_episodes"]
 
 
 def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0, decode_chunk: int = 16,
                 kv_cache_gib: float | None = 1.0, version: int = 0, lora=None, episodes: bool = True,
-                weight_transport: str = "auto", weight_bucket_bytes: int | None = None):
+                weight_transport: str = "auto", weight_bucket_bytes: int | None = None, dtype: str | None = None):
     """The engine named by `kind` ("jax" or "vllm") serving `model` (an HF directory; a JAX engine also
     takes a `Transformer`) at policy `version`, with `max_slots` sequences of up to `max_len` tokens
     (prompt + completion) at once and sampling seeded by `seed`. jax: a `JaxEngine` decoding
@@ -29,7 +30,12 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
     extend programs. weight_transport: the resolved `rollout.weight_transport`
     (`rollout_bridge.weight_transport`): "nccl" gives a vLLM engine its NCCL group, with buckets of
     `weight_bucket_bytes`, and is a WeightTransportMismatch for a JAX engine; the others are host or device
-    paths every engine takes as it is."""
+    paths every engine takes as it is. dtype: what the engine computes in (`model.compute_dtype`: "float32"
+    or "bfloat16"); a JAX engine casts the weights it is given (and each version it syncs) to it, vLLM is
+    started with it and casts the versions it is sent. None: the model's own dtype (JAX), float32 (vLLM). A dtype
+    neither engine takes is a DtypeError before any engine starts."""
+    if dtype is not None:
+        precision.dtype_of(dtype)
     if weight_transport == "nccl" and kind == "jax":
         from rollout_bridge.weight_transport import WeightTransportMismatch
 
@@ -42,12 +48,14 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
             from jaxflow.models import hf_io
             model = hf_io.load_model(model, lora=lora)
         return JaxEngine(model, max_slots=max_slots, max_len=max_len, decode_chunk=decode_chunk, version=version,
-                         seed=seed, reuse_turns=episodes)
+                         seed=seed, reuse_turns=episodes, compute_dtype=dtype)
     if kind == "vllm":
         from rollout_bridge.vllm_engine import VllmEngine
 
+        # A version arrives in the trainer's parameter dtype; an engine computing in another one casts it.
         return VllmEngine(model, version=version, max_len=max_len, max_slots=max_slots,
                           kv_cache_gib=kv_cache_gib, seed=seed, enforce_eager=True, lora=lora,
+                          dtype=dtype or "float32", cast_weights=dtype not in (None, "float32"),
                           **({"weight_transport": "nccl", "weight_bucket_bytes": weight_bucket_bytes}
                              if weight_transport == "nccl" else {}))
     raise ValueError(f"unknown engine {kind!r}; valid: jax, vllm")

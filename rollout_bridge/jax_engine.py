@@ -53,7 +53,7 @@ from flax import nnx
 from jaxflow import sharding
 from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
-from jaxflow.models import hf_io, lora
+from jaxflow.models import hf_io, lora, precision
 from jaxflow.models.transformer import Transformer
 from rollout_bridge import jax_decode, jax_slots, jax_warmup
 from rollout_bridge.engine import (
@@ -102,6 +102,10 @@ class JaxEngine(Engine):
         is also the smallest decode attention window (`jax_slots.attention_windows`).
       seed: draws per-request seeds for requests without one.
       param_dtype: the serving dtype (default the checkpoint's); only for a model directory.
+      compute_dtype: the dtype the engine decodes in ("float32" or "bfloat16"; `model.compute_dtype`): the
+        weights are cast to it once, here and at each weight sync (which then takes weights of any float
+        dtype, e.g. a trainer's float32 master weights), and the KV cache is kept in it. None: the model's
+        own dtype. A name the engine cannot take is a DtypeError before anything is built.
       cast_weights: let `update_weights` cast tensors of another dtype; by default that is refused.
       logprobs_mode: "raw" or "processed" (module docstring).
       prefill_batch: most sequences per prefill call (calls are padded to a power of two).
@@ -122,7 +126,7 @@ class JaxEngine(Engine):
     def __init__(self, model: str | os.PathLike | Transformer, *, max_slots: int = 32,
                  max_len: int = 1024, decode_chunk: int = 16, mesh: jax.sharding.Mesh | None = None,
                  version: int = 0, prefill_buckets: Iterable[int] = (32, 64, 128, 256, 512, 1024),
-                 seed: int = 0, param_dtype=None, cast_weights: bool = False,
+                 seed: int = 0, param_dtype=None, compute_dtype: str | None = None, cast_weights: bool = False,
                  logprobs_mode: str = "raw", prefill_batch: int = 8, prefill_fanout: int = 8,
                  max_stop_ids: int = 8, rules=None, warmup: bool = True, reuse_turns: bool = True):
         if logprobs_mode not in jax_decode.LOGPROBS_MODES:
@@ -131,6 +135,7 @@ class JaxEngine(Engine):
             raise ValueError(f"need max_slots, decode_chunk, prefill_batch, prefill_fanout >= 1 and "
                              f"max_len >= 2; got {max_slots}, {decode_chunk}, {prefill_batch}, "
                              f"{prefill_fanout}, {max_len}")
+        compute = None if compute_dtype is None else precision.dtype_of(compute_dtype)
         self._mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
         self._rules = rules
         if isinstance(model, Transformer):
@@ -138,10 +143,13 @@ class JaxEngine(Engine):
                 raise ValueError("param_dtype applies to a model directory; a loaded Transformer is "
                                  "served in its own dtype")
         else:
-            model = hf_io.load_model(model, mesh=self._mesh, param_dtype=param_dtype, rules=rules)
+            model = hf_io.load_model(model, mesh=self._mesh, param_dtype=param_dtype or compute, rules=rules)
         self.config = cfg = model.config
-        self._param_dtype = model.embed[...].dtype
         self._graphdef, params = nnx.split(model)
+        if compute is not None and compute != model.embed[...].dtype:
+            params = precision.cast_floating(params, compute)  # once; a sync casts each version the same way
+            cast_weights = True
+        self._param_dtype = model.embed[...].dtype if compute is None else compute
         # Placed exactly as update_weights places new weights, so a swap never triggers a recompile; and
         # copied, so that a trainer donating its own params (one process, same mesh) leaves ours intact.
         self._all_shardings = sharding.state_shardings(params, self._mesh, rules)

@@ -162,9 +162,10 @@ class TrainerActor:
         mesh = distributed.global_mesh(fsdp=spec["fsdp"], tensor=spec["tensor"])
         # Adapters start from the same seed in every process (and as the single-process job's would).
         model = hf_io.load_model(spec["model_dir"], mesh=mesh, lora=LoRASpec.from_config(spec["trainer"].get("lora")),
-                                 lora_seed=spec["lora_seed"])
+                                 lora_seed=spec["lora_seed"], param_dtype=spec["trainer"].get("param_dtype", "float32"))
         self.trainer = RLTrainer(model, spec["trainer"], mesh, seq_len=spec["seq_len"],
-                                 max_sequences=spec["max_sequences"])
+                                 max_sequences=spec["max_sequences"],
+                                 compute_dtype=spec.get("compute_dtype", "float32"))
         self.mesh, self.process_id = mesh, process_id
         self.ckpt = Checkpointer(spec["checkpoints"], max_to_keep=spec["max_to_keep"])
         self.validate_extra = spec.get("validate_extra")
@@ -267,13 +268,14 @@ class TrainerGroup:
     @staticmethod
     def spec(model_dir: str, trainer: ml_collections.ConfigDict, *, seq_len: int, max_sequences: int,
              checkpoints: str, max_to_keep: int, fsdp: int = -1, tensor: int = 1, init_timeout_s: float = 120.0,
-             heartbeat_timeout_s: int = 60, lora_seed: int = 0,
+             heartbeat_timeout_s: int = 60, lora_seed: int = 0, compute_dtype: str = "float32",
              validate_extra: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
-        """What every trainer process is built from (LoRA: `trainer.lora`, adapters drawn from `lora_seed`).
+        """What every trainer process is built from (LoRA: `trainer.lora`, adapters drawn from `lora_seed`;
+        master weights in `trainer.param_dtype`, the update computing in `compute_dtype`).
         validate_extra: the checkpoint extra's check (`Checkpointer.restore`'s `validate`; picklable), run by
         every process on the same extra, so that all pass over the same damaged steps."""
         return {"model_dir": str(model_dir), "trainer": trainer, "seq_len": seq_len, "max_sequences": max_sequences,
-                "lora_seed": lora_seed, "validate_extra": validate_extra,
+                "lora_seed": lora_seed, "compute_dtype": compute_dtype, "validate_extra": validate_extra,
                 "checkpoints": str(checkpoints), "max_to_keep": max_to_keep, "fsdp": fsdp, "tensor": tensor,
                 "init_timeout_s": init_timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s}
 

@@ -16,6 +16,7 @@ from typing import ClassVar
 from jaxflow.config import Section, check_bool, check_choice, check_float, check_int
 from jaxflow.coordination import Coordination
 from jaxflow.envs.config import EnvConfig
+from jaxflow.models.precision import COMPUTE_DTYPES, EXPORT_DTYPES
 from rollout_bridge.weight_transport import MAX_BUCKET_MB, WEIGHT_TRANSPORTS
 
 __all__ = ["ENGINES", "BaseConfig", "CheckpointConfig", "DataConfig", "EvalConfig", "ModelSection", "RolloutConfig"]
@@ -136,17 +137,22 @@ class CheckpointConfig(Section):
 
     every: train steps between checkpoints (and one after the last step).
     max_to_keep: checkpoints kept; older ones are deleted.
+    export_dtype: the dtype of the HF model the run exports at its end (workdir/export): "float32",
+      "bfloat16" or "float16". None: the trainer's parameter dtype (trainer.param_dtype).
     """
 
     SECTION: ClassVar[str] = "checkpoint"
 
     every: int = 25
     max_to_keep: int = 2
+    export_dtype: str | None = None
 
     def problems(self) -> list[str]:
         problems: list[str] = []
         for name in ("every", "max_to_keep"):
             check_int(problems, self.key(name), getattr(self, name), 1)
+        if self.export_dtype is not None:
+            check_choice(problems, self.key("export_dtype"), self.export_dtype, EXPORT_DTYPES)
         return problems
 
 
@@ -203,6 +209,9 @@ class ModelSection(Section):
     tie_word_embeddings: the LM head reuses the token embedding.
     vocab_size: tokenizer vocabulary to train (the model rounds it up to a multiple of 64).
     extra_tokens: strings that become one token each in the tokenizer (tool-call markers).
+    compute_dtype: what the RL update and the engines compute in: "float32" or "bfloat16" (master weights in
+      trainer.param_dtype; log-probs, losses and their reductions float32 either way). It applies to any base
+      model, and is not part of the base model's cache key.
     """
 
     SECTION: ClassVar[str] = "model"
@@ -217,10 +226,12 @@ class ModelSection(Section):
     tie_word_embeddings: bool = True
     vocab_size: int = 512
     extra_tokens: tuple[str, ...] = ()
+    compute_dtype: str = "float32"
 
     def problems(self) -> list[str]:
         problems: list[str] = []
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "vocab_size"):
             check_int(problems, self.key(name), getattr(self, name), 1)
+        check_choice(problems, self.key("compute_dtype"), self.compute_dtype, COMPUTE_DTYPES)
         return problems

@@ -156,7 +156,7 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
                          version=trainer.version if jax_engine else 0,
                          lora=None if jax_engine or not trainer.publish_adapters else trainer.lora,
                          episodes=runs_episodes(r.get("env")), weight_transport=weight_transport(config),
-                         weight_bucket_bytes=r.get("weight_bucket_mb", 256) << 20)
+                         weight_bucket_bytes=r.get("weight_bucket_mb", 256) << 20, dtype=compute_dtype(config))
     if not jax_engine and trainer.version != 0:
         engine.update_weights(trainer.version, trainer.publish_tensors())
     return engine
@@ -173,6 +173,12 @@ def weight_transport(config) -> str:
         raise WeightTransportMismatch("rollout.weight_transport 'nccl' does not fit trainer.lora: vLLM takes "
                                       "adapters through add_lora; use auto")
     return transport
+
+
+def compute_dtype(config) -> str:
+    """model.compute_dtype: what the update and the engines compute in (float32 when a config file's
+    hand-written model section leaves it out)."""
+    return config.model.get("compute_dtype", "float32")
 
 
 def episodes(config, tokenizer):
@@ -240,9 +246,11 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     # service does, so that a driver pulling the version it just saw as latest still finds it.
     device_weights = DeviceParamSource(keep=2)
     trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh, lora=LoRASpec.from_config(config.trainer.get("lora")),
-                                         lora_seed=config.seed), config.trainer, mesh,
-                        seq_len=config.rollout.max_len, device_weights=device_weights,
-                        max_sequences=config.trainer.batch_groups * config.rollout.group_size)
+                                         lora_seed=config.seed,
+                                         param_dtype=config.trainer.get("param_dtype", "float32")),
+                        config.trainer, mesh, seq_len=config.rollout.max_len, device_weights=device_weights,
+                        max_sequences=config.trainer.batch_groups * config.rollout.group_size,
+                        compute_dtype=compute_dtype(config))
     print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
           f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
     if trainer.lora is not None:
@@ -344,7 +352,8 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         ledger.close()
         run_log.close()
     def export():  # the merged HF model; with LoRA also the adapters alone, in PEFT's format
-        hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True)
+        hf_io.export_model(trainer.model(), workdir / "export", tokenizer_dir=base_dir, overwrite=True,
+                           dtype=config.checkpoint.get("export_dtype"))
         if trainer.lora is not None:
             lora.write_adapter(workdir / "adapter", trainer.lora, lora.peft_tensors(trainer.model().layers),
                                base_model=str(base_dir.resolve()), overwrite=True)

@@ -59,7 +59,8 @@ class Evaluator:
         self.engine = JaxEngine(trainer.model() if model is None else model,
                                 max_slots=r.max_slots if shared else min(r.max_slots, 64),
                                 max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version,
-                                reuse_turns=self.episodes)
+                                reuse_turns=self.episodes,
+                                compute_dtype=config.model.get("compute_dtype", "float32"))
         if isinstance(weights, DeviceParamSource):
             weights.add_target(self.engine.param_shardings)
         self.engine = with_episodes(r.get("env"), tokenizer)(self.engine)  # evals run the task's episodes too

@@ -49,12 +49,15 @@ class BaseModelMissing(FileNotFoundError):
 
 # Task options that do not shape the base model: the reward scores RL samples and evals, not demonstrations.
 _NOT_FINGERPRINTED_TASK_KEYS = ("reward_ref",)
+# Model options that do not either: the RL run's compute dtype (the warm start computes in float32).
+_NOT_FINGERPRINTED_MODEL_KEYS = ("compute_dtype",)
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> str:
     """A short hash of everything that shapes the base model (task, model, warm-start settings)."""
     task = {k: v for k, v in config.task.to_dict().items() if k not in _NOT_FINGERPRINTED_TASK_KEYS}
-    parts = {"task": task, "model": config.model.to_dict(), "base": {
+    model = {k: v for k, v in config.model.to_dict().items() if k not in _NOT_FINGERPRINTED_MODEL_KEYS}
+    parts = {"task": task, "model": model, "base": {
         k: v for k, v in config.base.to_dict().items() if k not in ("dir", "build_if_missing")}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 

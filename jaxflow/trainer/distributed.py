@@ -317,7 +317,8 @@ def train_on_mesh(config: ml_collections.ConfigDict, buffers: Iterable[ConsumedB
     """
     check_process_config(config)
     mesh = global_mesh(**config.mesh)
-    trainer = RLTrainer(hf_io.load_model(config.model_dir, mesh=mesh), config.trainer, mesh,
+    model = hf_io.load_model(config.model_dir, mesh=mesh, param_dtype=config.trainer.get("param_dtype", "float32"))
+    trainer = RLTrainer(model, config.trainer, mesh,
                         seq_len=config.seq_len, max_sequences=config.max_sequences)
     metrics = [trainer.train(consumed)[0] for consumed in buffers]
     out = {"process_id": jax.process_index(), "num_processes": jax.process_count(),

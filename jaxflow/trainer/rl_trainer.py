@@ -46,12 +46,12 @@ from jaxflow.data import checks
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup
 from jaxflow.data.trajectory_service import BATCH_RULES
-from jaxflow.models import hf_io, lora
+from jaxflow.models import hf_io, lora, precision
 from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
 from jaxflow.trainer.state import TrainState, create_train_state, frozen_state, train_state_shardings, trainable
-from jaxflow.trainer.step import PROX_MODES, StepConfig, TrainStep, make_optimizer
+from jaxflow.trainer.step import LOGPROB_CHUNK, PROX_MODES, StepConfig, TrainStep, make_optimizer
 
 SCHEDULES = ("constant", "cosine")
 
@@ -106,6 +106,12 @@ class TrainerConfig(Section):
     prox: pi_prox, decoupled PPO's proximal policy: "recompute" (the step's starting weights; an extra forward
       pass when minibatches > 1) or "loglinear" (AReaL's interpolation between mu and pi_theta, no pass).
     remat: recompute each block's activations in the backward pass (less memory, ~1/3 more compute).
+    logprob_chunk: sequence positions per chunk of the LM head when the update computes token log-probs and
+      entropy: each chunk's [rows, chunk, vocab] logits are made, used and recomputed in the backward pass, so
+      no [rows, T, vocab] array exists. A sequence no longer than the chunk is one chunk. 0: the whole
+      sequence at once.
+    param_dtype: the dtype the trainer keeps its (master) weights in: "float32" or "bfloat16"; the model
+      computes in model.compute_dtype, and AdamW's moments are float32 either way.
     skip_zero_signal: leave groups whose samples all scored the same out of the update: their advantage is 0 on
       every token, so they cost trainer time and only dilute the token-mean loss (still consumed and accounted).
     advantage: the advantage estimator: grpo, dr_grpo or rloo.
@@ -136,6 +142,8 @@ class TrainerConfig(Section):
     micro_batch_rows: int = 0
     prox: str = "recompute"
     remat: bool = False
+    logprob_chunk: int = LOGPROB_CHUNK
+    param_dtype: str = "float32"
     skip_zero_signal: bool = True
     advantage: str = "grpo"
     adv_scale_by_std: bool = True
@@ -156,10 +164,11 @@ class TrainerConfig(Section):
     def problems(self) -> list[str]:
         problems: list[str] = []
         for name, low in (("steps", 1), ("batch_groups", 1), ("eta", 0), ("minibatches", 1),
-                          ("micro_batch_rows", 0), ("warmup_steps", 0)):
+                          ("micro_batch_rows", 0), ("warmup_steps", 0), ("logprob_chunk", 0)):
             check_int(problems, self.key(name), getattr(self, name), low)
         for name, valid in (("batch_rule", BATCH_RULES), ("prox", PROX_MODES), ("advantage", ADVANTAGE_ESTIMATORS),
-                            ("adv_std_ddof", (0, 1)), ("schedule", SCHEDULES)):
+                            ("adv_std_ddof", (0, 1)), ("schedule", SCHEDULES),
+                            ("param_dtype", precision.PARAM_DTYPES)):
             check_choice(problems, self.key(name), getattr(self, name), valid)
         for name in ("remat", "skip_zero_signal", "adv_scale_by_std", "pack", "share_prompts"):
             check_bool(problems, self.key(name), getattr(self, name))
@@ -193,17 +202,22 @@ def loss_config(section: ml_collections.ConfigDict) -> losses.LossConfig:
     return losses.LossConfig.from_config(section)
 
 
-def step_config(trainer: ml_collections.ConfigDict) -> StepConfig:
+def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float32") -> StepConfig:
     """What the jitted update computes, from the run config's trainer section: the loss (`trainer.loss.*`),
-    `minibatches`, `prox` and `remat`. A bad value raises ValueError naming its key."""
+    `minibatches`, `prox`, `remat` and `logprob_chunk`; and the model's compute dtype (`model.compute_dtype`).
+    A bad value raises ValueError naming its key."""
     loss = loss_config(trainer.loss)
+    chunk = trainer.get("logprob_chunk", LOGPROB_CHUNK)
     problems: list[str] = []
     check_int(problems, "trainer.minibatches", trainer.minibatches, 1)
     check_choice(problems, "trainer.prox", trainer.prox, PROX_MODES)
     check_bool(problems, "trainer.remat", trainer.remat)
+    check_int(problems, "trainer.logprob_chunk", chunk, 0)
+    check_choice(problems, "model.compute_dtype", compute_dtype, precision.COMPUTE_DTYPES)
     if problems:
         raise ConfigError("bad trainer config: " + "; ".join(problems), problems)
-    return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=trainer.prox, remat=trainer.remat)
+    return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=trainer.prox, remat=trainer.remat,
+                      logprob_chunk=chunk, compute_dtype=compute_dtype)
 
 
 def check_trainer_config(trainer: ml_collections.ConfigDict) -> None:
@@ -275,10 +289,12 @@ class RLTrainer:
     The train step is compiled once, here, for one padded batch shape (`batch_shape`): a run pays one
     compile before its first step, whatever its batches hold. A batch with more sequences than
     `max_sequences` gets a shape twice as deep, compiled when it arrives (with a warning).
+    compute_dtype: what the update computes in (`model.compute_dtype`); the weights stay in the model's dtype
+    (`trainer.param_dtype`, applied when the model is loaded).
     """
 
     def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int, max_sequences: int,
-                 device_weights: DeviceParamSource | None = None):
+                 device_weights: DeviceParamSource | None = None, compute_dtype: str = "float32"):
         check_trainer_config(trainer)
         self.batch_shape = batch_shape(max_sequences, seq_len, trainer.minibatches, trainer.micro_batch_rows,
                                        mesh.shape["data"] * mesh.shape["fsdp"])
@@ -295,7 +311,7 @@ class RLTrainer:
         self.state: TrainState = create_train_state(model, self.tx, mesh)
         self.shardings = train_state_shardings(self.state.params, self.tx, mesh)
         self.minibatches = trainer.minibatches
-        self.step_config = step_config(trainer)
+        self.step_config = step_config(trainer, compute_dtype)
         # The KL reference: the initial policy, frozen (a copy: the state's arrays are donated to the step).
         self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.step_config.loss.kl_coef > 0
                            else None)

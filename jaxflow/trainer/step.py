@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow import sharding
+from jaxflow.models import precision
 from jaxflow.trainer import losses
 from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
 from jaxflow.trainer.state import TrainState
@@ -40,21 +41,31 @@ from jaxflow.trainer.state import TrainState
 logger = logging.getLogger(__name__)
 
 PROX_MODES = ("recompute", "loglinear")
+# Positions per chunk of the log-prob computation (`token_logprobs`) unless the config says otherwise.
+LOGPROB_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """What the update computes. loss: a `losses.LossConfig`. minibatches: optimizer updates per batch
     (K). prox: how π_prox is obtained (see module docstring). remat: recompute each block in the
-    backward pass to save activation memory.
+    backward pass to save activation memory. logprob_chunk: sequence positions per chunk of the
+    log-prob and entropy computation (`token_logprobs`); 0 computes the whole sequence at once.
+    compute_dtype: what the forward and backward pass compute in ("float32" or "bfloat16"); the
+    parameters stay in their own (master) dtype, and so do their gradients.
     """
 
     loss: losses.LossConfig = losses.LossConfig()
     minibatches: int = 1
     prox: str = "recompute"
     remat: bool = False
+    logprob_chunk: int = LOGPROB_CHUNK
+    compute_dtype: str = "float32"
 
     def __post_init__(self):
+        if isinstance(self.logprob_chunk, bool) or not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 0:
+            raise ValueError(f"logprob_chunk must be an int >= 0, got {self.logprob_chunk!r}")
+        precision.dtype_of(self.compute_dtype)
         if self.prox not in PROX_MODES:
             raise ValueError(f"unknown prox mode {self.prox!r}; valid: {', '.join(PROX_MODES)}")
         if self.minibatches < 1:
@@ -86,25 +97,68 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
             lambda path, _: not any(str(getattr(k, "key", k)).endswith(("norm", "bias")) for k in path),
             params)
 
-    return optax.chain(
+    return float32_state(optax.chain(
         optax.clip_by_global_norm(config.max_grad_norm),
         optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
-                    weight_decay=config.weight_decay, mask=decay_mask))
+                    weight_decay=config.weight_decay, mask=decay_mask)))
 
 
-def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False):
-    """log π(token_t | tokens_<t) and the policy entropy at t, both [b, T] float32 (0 at t = 0).
+def float32_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` with its state, and the arithmetic of its updates, in float32 whatever the parameters' dtype:
+    AdamW's moments of bfloat16 master weights stay float32 (a bfloat16 second moment loses the small
+    squared gradients). The updates come out float32; `optax.apply_updates` casts each sum to its
+    parameter's dtype. For float32 parameters this is `tx` itself, state structure included."""
+    def up(tree):
+        return None if tree is None else precision.cast_floating(tree, jnp.float32)
 
-    The entropy carries no gradient: it is a diagnostic.
-    """
-    logits = model(mb.tokens, mb.positions, mb.segment_ids, mb.context_ids, remat=remat)[:, :-1]
-    # logit - logsumexp rather than a gathered log_softmax: no [b, T, V] log-probabilities to store for
+    return optax.GradientTransformation(lambda params: tx.init(up(params)),
+                                        lambda grads, state, params=None: tx.update(up(grads), state, up(params)))
+
+
+def _logits_sharding(mesh, shape):
+    """The sharding of logits [b, positions, V]: rows as the batch, vocab as the LM head's vocab axis."""
+    return sharding.named_sharding(("batch", "seq", "vocab"), shape, mesh)
+
+
+def _chunk_logprobs(model: nnx.Module, h_bcd: jax.Array, targets_bc: jax.Array, mesh=None):
+    """log π(target) and the entropy, both [b, c] float32, from hidden states h_bcd [b, c, D]: the LM head
+    for these c positions only, upcast to float32 before the logsumexp whatever the compute dtype."""
+    logits = model.logits(h_bcd).astype(jnp.float32)
+    if mesh is not None:
+        logits = jax.lax.with_sharding_constraint(logits, _logits_sharding(mesh, logits.shape))
+    # logit - logsumexp rather than a gathered log_softmax: no [b, c, V] log-probabilities to store for
     # the backward pass (0.96x the tiny model's train step).
     lse = jax.nn.logsumexp(logits, axis=-1)
-    logp = jnp.take_along_axis(logits, mb.tokens[:, 1:, None], axis=-1)[..., 0] - lse
+    logp = jnp.take_along_axis(logits, targets_bc[..., None], axis=-1)[..., 0] - lse
     logits, lse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
     probs = jnp.exp(logits - lse[..., None])
     entropy = lse - jnp.sum(probs * logits, axis=-1)
+    return logp, entropy
+
+
+def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False, chunk: int = 0, mesh=None):
+    """log π(token_t | tokens_<t) and the policy entropy at t, both [b, T] float32 (0 at t = 0).
+
+    chunk: positions per chunk of the LM head. 0, or a chunk that covers the sequence, makes the logits
+    [b, T-1, V] at once. Otherwise the positions are cut into chunks (the last one padded), mapped over in
+    turn, each under `jax.checkpoint`: the backward pass recomputes a chunk's logits instead of keeping
+    them, so this part holds O(b x chunk x V) floats instead of O(b x T x V). mesh: when given, each
+    chunk's logits are constrained to the batch and vocab shardings (`jaxflow.sharding`).
+    The entropy carries no gradient: it is a diagnostic.
+    """
+    h_btd = model.hidden_states(mb.tokens, mb.positions, mb.segment_ids, mb.context_ids, remat=remat)[:, :-1]
+    targets_bt = mb.tokens[:, 1:]
+    b, n, d = h_btd.shape
+    if chunk <= 0 or chunk >= n:
+        logp, entropy = _chunk_logprobs(model, h_btd, targets_bt, mesh)
+    else:
+        k = -(-n // chunk)
+        pad = k * chunk - n  # padded positions compute junk that is sliced off below
+        h_kbcd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, k, chunk, d).swapaxes(0, 1)
+        t_kbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, k, chunk).swapaxes(0, 1)
+        per_chunk = jax.checkpoint(lambda xs: _chunk_logprobs(model, xs[0], xs[1], mesh))
+        logp, entropy = jax.lax.map(per_chunk, (h_kbcd, t_kbc))
+        logp, entropy = (x.swapaxes(0, 1).reshape(b, k * chunk)[:, :n] for x in (logp, entropy))
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
     return pad(logp), pad(entropy)
 
@@ -129,16 +183,22 @@ def _has_tokens(mb: TrajectoryBatch) -> jax.Array:
 
 
 def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch,
-                ref_params, frozen=None) -> tuple[TrainState, dict[str, Any]]:
+                ref_params, frozen=None, mesh=None) -> tuple[TrainState, dict[str, Any]]:
     m, b, t = batch.tokens.shape
     k = cfg.minibatches
     version = state.version
     lc = cfg.loss
     uses_prox = losses.POLICY_LOSS_USES_PROX[lc.name]
 
+    compute = jnp.dtype(cfg.compute_dtype)
+
     def forward(params, mb):  # with LoRA, params are the adapters and `frozen` the base
-        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-        return token_logprobs(model, mb, cfg.remat)
+        # The one cast to the compute dtype, inside the differentiated function: gradients come back in
+        # the parameters' own dtype.
+        params = precision.cast_floating(params, compute)
+        model = (nnx.merge(graphdef, params) if frozen is None
+                 else nnx.merge(graphdef, params, precision.cast_floating(frozen, compute)))
+        return token_logprobs(model, mb, cfg.remat, cfg.logprob_chunk, mesh)
 
     def forward_logp(params, mb):  # no work on a micro-batch with nothing to train
         return jax.lax.cond(_has_tokens(mb), lambda: forward(params, mb)[0],
@@ -247,7 +307,7 @@ class TrainStep:
         frozen_shardings = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
 
         def fn(state, batch, ref_params, frozen):
-            return _train_step(graphdef, tx, cfg, state, batch, ref_params, frozen)
+            return _train_step(graphdef, tx, cfg, state, batch, ref_params, frozen, mesh)
 
         self._jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings, state_shardings.params,
                                                  frozen_shardings),

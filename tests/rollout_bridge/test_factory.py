@@ -35,3 +35,11 @@ def test_no_environment_leaves_the_engine_as_it_is(env):
     engine = object()
     assert not runs_episodes(env)
     assert with_episodes(env, tokenizer=None)(engine) is engine
+
+
+def test_a_dtype_no_engine_takes_is_named_before_an_engine_starts():
+    from jaxflow.models.precision import DtypeError
+
+    for kind in ("jax", "vllm"):
+        with pytest.raises(DtypeError, match="model.compute_dtype"):
+            make_engine(kind, "/nonexistent", 64, 4, dtype="float16")

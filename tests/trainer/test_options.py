@@ -298,9 +298,9 @@ def test_loglinear_prox_and_kl_reference_change_the_forward_passes(monkeypatch):
     calls = []
     original = step_module.token_logprobs
 
-    def counting(model, mb, remat=False):
+    def counting(model, mb, remat=False, *more):
         calls.append(remat)
-        return original(model, mb, remat)
+        return original(model, mb, remat, *more)
 
     monkeypatch.setattr(step_module, "token_logprobs", counting)
     counts = {}
