@@ -8,6 +8,11 @@ model's full HF tensor set (what a parameter-service pull delivers).
 
     .venv/bin/python benchmarks/engines.py --json /tmp/engines.json
     .venv/bin/python benchmarks/engines.py --quick
+    .venv/bin/python benchmarks/engines.py --size 0.6b --json /tmp/engines_0.6b.json
+
+`--size 0.6b` is Qwen3-0.6B's shape (28 layers, hidden 1,024, vocab 151,936) with random weights in its published
+bfloat16 (`jaxflow.models.random_hf`, written once to runs/base/qwen3-0.6b-random and reused), on a workload sized
+for it: 16 requests of median 24 tokens, 8 concurrent.
 
 The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload),
 jax_vs_vllm_by_workload (long_tail and uniform), and decode_vs_bandwidth: the JAX engine's tokens/s as a
@@ -29,7 +34,9 @@ import numpy as np
 import results_meta
 from machine_limits import read_bandwidth
 
+from jaxflow.models import presets
 from jaxflow.models.hf_io import iter_hf_tensors, load_model
+from jaxflow.models.random_hf import make_random_hf_model
 from jaxflow.models.tiny import write_tiny_model
 from rollout_bridge.engine import Request, SamplingParams
 
@@ -38,6 +45,10 @@ MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
     "small": dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32),
 }
+# name -> a published shape (jaxflow.models.presets), with random weights
+PRESET_SIZES = {"0.6b": "qwen3-0.6b"}
+# The workload each preset size defaults to: a 2-core CPU decodes a 0.6B float32 model at tens of tokens/s.
+PRESET_WORKLOAD = {"requests": 16, "median_tokens": 24, "max_tokens": 64, "slots": 8, "repeats": 1}
 
 
 def workload(n: int, median: int, max_tokens: int, long_tail: bool, seed: int = 0) -> list[Request]:
@@ -77,12 +88,16 @@ def run_engine(engine, requests: list[Request], tensors, repeats: int) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
-    parser.add_argument("--requests", type=int, default=256, help="a rollout round: several per slot")
-    parser.add_argument("--median-tokens", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=384)
-    parser.add_argument("--slots", type=int, default=64, help="concurrent sequences per engine")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", "--size", dest="model", default="tiny",
+                        choices=sorted(MODELS) + sorted(PRESET_SIZES),
+                        help="tiny and small: jaxflow's tiny layouts; 0.6b: Qwen3-0.6B's shape")
+    parser.add_argument("--requests", type=int, default=None, help="a rollout round: several per slot "
+                        "(default 256; 16 at a preset size)")
+    parser.add_argument("--median-tokens", type=int, default=None, help="default 64; 24 at a preset size")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 384; 64 at a preset size")
+    parser.add_argument("--slots", type=int, default=None, help="concurrent sequences per engine (default 64; 8 at "
+                        "a preset size)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 3; 1 at a preset size")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
@@ -93,12 +108,25 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     meta_started = results_meta.begin(argv)
-    if args.quick:
-        args.requests, args.slots, args.repeats, args.max_tokens = 128, 32, 2, 256
+    preset = PRESET_SIZES.get(args.model)
+    defaults = (PRESET_WORKLOAD if preset else
+                {"requests": 256, "median_tokens": 64, "max_tokens": 384, "slots": 64, "repeats": 3})
+    if args.quick and not preset:
+        defaults.update(requests=128, slots=32, repeats=2, max_tokens=256)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
-    workdir = tempfile.mkdtemp(prefix="jaxflow-engines-")
-    model_dir = os.path.join(workdir, "model")
-    write_tiny_model(model_dir, **MODELS[args.model])
+    if preset:
+        model_dir = os.path.join(results_meta.ROOT, "runs", "base", f"{preset}-random")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            make_random_hf_model(model_dir, preset)
+        cfg = presets.preset(preset)
+        shape = {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+    else:
+        model_dir = os.path.join(tempfile.mkdtemp(prefix="jaxflow-engines-"), "model")
+        write_tiny_model(model_dir, **MODELS[args.model])
+        shape = MODELS[args.model]
     tensors = dict(iter_hf_tensors(load_model(model_dir)))
     max_len = args.max_tokens + 64
     loads = {"long_tail": workload(args.requests, args.median_tokens, args.max_tokens, True),
@@ -146,9 +174,10 @@ def main(argv=None) -> int:
     print("engine start-up (load, compile, warm-up): "
           + ", ".join(f"{eng} {seconds:.1f} s" for eng, seconds in startup_s.items()))
     jax_tps = results["jax"]["long_tail"]["tokens_per_s"]
-    cfg = MODELS[args.model]
     weight_bytes = sum(t.nbytes for t in tensors.values())
-    kv_bytes_per_position = 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * 4  # fp32 K and V
+    # K and V in the weights' dtype (the JAX engine's cache takes it): 4 bytes for tiny/small, 2 for 0.6b's bf16.
+    itemsize = next(iter(tensors.values())).dtype.itemsize
+    kv_bytes_per_position = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * itemsize
     mean_context = statistics.mean(len(q.prompt) + q.params.max_tokens / 2 for q in loads["long_tail"])
     bandwidth = read_bandwidth()
     bound = bandwidth * args.slots / (weight_bytes + args.slots * kv_bytes_per_position * mean_context)
@@ -167,7 +196,7 @@ def main(argv=None) -> int:
             "jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
             "jax_vs_vllm_by_workload": ratios,
             "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,
-            "read_bandwidth_bytes_per_s": bandwidth,
+            "read_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
             "results": results, "startup_s": startup_s, "args": vars(args)}, meta_started)
         print(f"wrote {args.json}")
     return 0

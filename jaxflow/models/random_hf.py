@@ -100,7 +100,7 @@ def write_filler_tokenizer(directory: str | os.PathLike, vocab_size: int, *, spe
     return written
 
 
-def make_random_hf_model(directory: str | os.PathLike, preset: str = "qwen3-0.6b", *, dtype: str = "float32",
+def make_random_hf_model(directory: str | os.PathLike, preset: str = "qwen3-0.6b", *, dtype: str | None = None,
                          seed: int = 0, overwrite: bool = False, log=print) -> pathlib.Path:
     """Writes a randomly initialised model of a published shape, plus a tokenizer of its vocab size.
 
@@ -112,7 +112,8 @@ def make_random_hf_model(directory: str | os.PathLike, preset: str = "qwen3-0.6b
     Args:
       directory: the model directory; created if missing.
       preset: a `jaxflow.models.presets` name (e.g. "qwen3-0.6b").
-      dtype: "float32" or "bfloat16": the weights' and config.json's dtype (f32: 4 bytes a parameter).
+      dtype: "float32" or "bfloat16": the weights' and config.json's dtype, and so the dtype jaxflow trains and
+        serves them in; None: the preset's published `torch_dtype` (bfloat16 for every preset here).
       seed: seeds the weights.
       overwrite: replace a model already in `directory` (else FileExistsError).
       log: progress lines go here (building a 0.6B model takes tens of seconds and its size in memory).
@@ -126,13 +127,14 @@ def make_random_hf_model(directory: str | os.PathLike, preset: str = "qwen3-0.6b
     from jaxflow.models.hf_io import export_model
     from jaxflow.models.transformer import Transformer
 
+    hf = presets.hf_config(preset)
+    dtype = hf.get("torch_dtype", "float32") if dtype is None else dtype
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     directory = pathlib.Path(directory)
     if (directory / "config.json").exists() and not overwrite:
         raise FileExistsError(f"{directory} already holds a model (config.json); pass overwrite=True or choose "
                               "another directory")
-    hf = presets.hf_config(preset)
     hf["torch_dtype"] = dtype
     cfg = presets.preset(preset)
     cfg = dataclasses.replace(cfg, dtype=dtype)
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--out", required=True, help="the model directory to write")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="default: the preset's published dtype")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)

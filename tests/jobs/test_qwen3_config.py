@@ -58,3 +58,19 @@ def test_filler_tokenizer_has_the_asked_vocab_and_encodes_any_text(tmp_path):
         write_filler_tokenizer(tmp_path, 700, special_ids={ENDOFTEXT: 5, IM_START: 691, IM_END: 692})
     with pytest.raises(ValueError, match="vocab_size"):
         write_filler_tokenizer(tmp_path, 100)
+
+
+def test_a_missing_base_dir_gets_the_random_preset_not_a_warm_start(tmp_path, monkeypatch):
+    """base.random_preset: ensure_base_model hands a missing base.dir to the random-model maker (stubbed here: a
+    0.6B model is a benchmark's to write, not a test's) and never builds one by warm start."""
+    from jaxflow.jobs import warm_start
+    from jaxflow.models import random_hf
+
+    made = []
+    monkeypatch.setattr(random_hf, "make_random_hf_model", lambda d, preset, log=print: made.append((d, preset)))
+    monkeypatch.setattr(warm_start, "build_base_model", lambda *a, **k: pytest.fail("warm start ran"))
+    config = load_config(f"{CONFIG}:cpu_smoke", {"base.dir": str(tmp_path / "model")})
+    assert warm_start.ensure_base_model(config, log=lambda line: None) == tmp_path / "model"
+    assert made == [(tmp_path / "model", "qwen3-0.6b")]
+    assert warm_start.fingerprint(config) == warm_start.fingerprint(
+        load_config(f"{CONFIG}:cpu_smoke", {"base.dir": str(tmp_path / "model"), "base.random_preset": "qwen3-8b"}))
