@@ -10,9 +10,9 @@ model's full HF tensor set (what a parameter-service pull delivers).
     .venv/bin/python benchmarks/engines.py --quick
     .venv/bin/python benchmarks/engines.py --size 0.6b --json /tmp/engines_0.6b.json
 
-`--size 0.6b` is Qwen3-0.6B's shape (28 layers, hidden 1,024, vocab 151,936) with random weights in its published
-bfloat16 (`jaxflow.models.random_hf`, written once to runs/base/qwen3-0.6b-random and reused), on a workload sized
-for it: 16 requests of median 24 tokens, 8 concurrent.
+`--size 0.6b` is Qwen3-0.6B's shape (28 layers, hidden 1,024, vocab 151,936) with random weights
+(`jaxflow.models.random_hf`: its published bfloat16, written once to runs/base/qwen3-0.6b-random and reused),
+served in float32 by both engines, on a workload sized for it: 16 requests of median 24 tokens, 8 concurrent.
 
 The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload),
 jax_vs_vllm_by_workload (long_tail and uniform), and decode_vs_bandwidth: the JAX engine's tokens/s as a
@@ -136,7 +136,10 @@ def main(argv=None) -> int:
     from rollout_bridge.jax_engine import JaxEngine
 
     t0 = time.perf_counter()
-    engine = JaxEngine(model_dir, max_slots=args.slots, max_len=max_len)
+    # A preset's bfloat16 checkpoint is served in float32 by both engines (vLLM's CPU build is not relied on for
+    # bfloat16); the weight syncs then cast the bfloat16 tensors, as the engines allow when told so.
+    serve = {"param_dtype": "float32", "cast_weights": True} if preset else {}
+    engine = JaxEngine(model_dir, max_slots=args.slots, max_len=max_len, **serve)
     engine.warmed()  # its background compiles too: start-up ends when every decode bucket is ready
     startup_s = {"jax": time.perf_counter() - t0}
     try:
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
         from rollout_bridge.vllm_engine import VllmEngine
 
         t0 = time.perf_counter()
-        engine = VllmEngine(model_dir, max_len=max_len, max_slots=args.slots)
+        engine = VllmEngine(model_dir, max_len=max_len, max_slots=args.slots,
+                            **({"dtype": "float32", "cast_weights": True} if preset else {}))
         startup_s["vllm"] = time.perf_counter() - t0
         try:
             results["vllm"] = {name: run_engine(engine, reqs, tensors, args.repeats)
@@ -174,9 +178,8 @@ def main(argv=None) -> int:
     print("engine start-up (load, compile, warm-up): "
           + ", ".join(f"{eng} {seconds:.1f} s" for eng, seconds in startup_s.items()))
     jax_tps = results["jax"]["long_tail"]["tokens_per_s"]
-    weight_bytes = sum(t.nbytes for t in tensors.values())
-    # K and V in the weights' dtype (the JAX engine's cache takes it): 4 bytes for tiny/small, 2 for 0.6b's bf16.
-    itemsize = next(iter(tensors.values())).dtype.itemsize
+    itemsize = 4  # both engines serve float32: weights and K/V (the JAX engine's cache takes the weights' dtype)
+    weight_bytes = sum(t.size * itemsize for t in tensors.values())
     kv_bytes_per_position = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * itemsize
     mean_context = statistics.mean(len(q.prompt) + q.params.max_tokens / 2 for q in loads["long_tail"])
     bandwidth = read_bandwidth()

@@ -32,8 +32,8 @@ Commands:
       --config.task.path=/shared/gsm8k_train.jsonl --config.base.dir=/shared/Qwen3-0.6B \
       --config.workdir=/shared/runs/qwen3_gsm8k
 
-Only `:cpu_smoke` has run on the project's machines (docs/install.md, "A real-size run"); the GPU and TPU
-variants are checked to build and pass the config checks, not run.
+The GPU and TPU variants are checked to build and pass the config checks; they have not run on GPUs or
+TPUs. docs/install.md ("A real-size run") says what `:cpu_smoke` did on the project's 2-core CPU machine.
 """
 
 import pathlib
