@@ -8,11 +8,13 @@ model's full HF tensor set (what a parameter-service pull delivers).
 
     .venv/bin/python benchmarks/engines.py --json /tmp/engines.json
     .venv/bin/python benchmarks/engines.py --quick
-    .venv/bin/python benchmarks/engines.py --size 0.6b --json /tmp/engines_0.6b.json
+    .venv/bin/python benchmarks/engines.py --size 0.6b --json benchmarks/results/engines.json
 
 `--size 0.6b` is Qwen3-0.6B's shape (28 layers, hidden 1,024, vocab 151,936) with random weights
 (`jaxflow.models.random_hf`: its published bfloat16, written once to runs/base/qwen3-0.6b-random and reused),
 served in float32 by both engines, on a workload sized for it: 16 requests of median 24 tokens, 8 concurrent.
+With --json naming an existing result file, its figures go under that file's "sizes" -> "0_6b", with a meta
+block of their own.
 
 The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload),
 jax_vs_vllm_by_workload (long_tail and uniform), and decode_vs_bandwidth: the JAX engine's tokens/s as a
@@ -25,6 +27,7 @@ vLLM runs when it is installed (`python3 -m jaxflow.setup_env`); otherwise its c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -194,7 +197,21 @@ def main(argv=None) -> int:
     ratio = ratios["long_tail"] if ratios else None
     if ratios is not None:
         print("\njax / vllm tokens/s: " + ", ".join(f"{name} {x:.2f}x" for name, x in ratios.items()))
-    if args.json:
+    if args.json and preset and os.path.isfile(args.json):
+        # A preset size goes under "sizes" of the file the default run wrote (one result file per script), with
+        # a meta block of its own; the file's own figures and meta stay as they were.
+        with open(args.json) as f:
+            existing = json.load(f)
+        figures = {"jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
+                   "jax_vs_vllm_by_workload": ratios, "decode_vs_bandwidth": decode_vs_bandwidth,
+                   "bandwidth_bound_tokens_per_s": bound, "read_bandwidth_bytes_per_s": bandwidth,
+                   "weight_bytes": weight_bytes, "results": results, "startup_s": startup_s, "args": vars(args)}
+        existing.setdefault("sizes", {})[args.model.replace(".", "_")] = {
+            **figures, "meta": results_meta.finish(meta_started)}
+        with open(args.json, "w") as f:
+            f.write(json.dumps(existing, indent=2, default=float) + "\n")
+        print(f"wrote sizes.{args.model.replace('.', '_')} of {args.json}")
+    elif args.json:
         results_meta.write_json(args.json, {
             "jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
             "jax_vs_vllm_by_workload": ratios,
