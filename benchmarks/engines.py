@@ -8,6 +8,13 @@ model's full HF tensor set (what a parameter-service pull delivers).
 
     .venv/bin/python benchmarks/engines.py --json /tmp/engines.json
     .venv/bin/python benchmarks/engines.py --quick
+    .venv/bin/python benchmarks/engines.py --size 0.6b --json benchmarks/results/engines.json
+
+`--size 0.6b` is Qwen3-0.6B's shape (28 layers, hidden 1,024, vocab 151,936) with random weights
+(`jaxflow.models.random_hf`: its published bfloat16, written once to runs/base/qwen3-0.6b-random and reused),
+served in float32 by both engines, on a workload sized for it: 16 requests of median 24 tokens, 8 concurrent.
+With --json naming an existing result file, its figures go under that file's "sizes" -> "0_6b", with a meta
+block of their own.
 
 The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload),
 jax_vs_vllm_by_workload (long_tail and uniform), and decode_vs_bandwidth: the JAX engine's tokens/s as a
@@ -20,6 +27,7 @@ vLLM runs when it is installed (`python3 -m jaxflow.setup_env`); otherwise its c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -29,7 +37,9 @@ import numpy as np
 import results_meta
 from machine_limits import read_bandwidth
 
+from jaxflow.models import presets
 from jaxflow.models.hf_io import iter_hf_tensors, load_model
+from jaxflow.models.random_hf import make_random_hf_model
 from jaxflow.models.tiny import write_tiny_model
 from rollout_bridge.engine import Request, SamplingParams
 
@@ -38,6 +48,10 @@ MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
     "small": dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32),
 }
+# name -> a published shape (jaxflow.models.presets), with random weights
+PRESET_SIZES = {"0.6b": "qwen3-0.6b"}
+# The workload each preset size defaults to: a 2-core CPU decodes a 0.6B float32 model at tens of tokens/s.
+PRESET_WORKLOAD = {"requests": 16, "median_tokens": 24, "max_tokens": 64, "slots": 8, "repeats": 1}
 
 
 def workload(n: int, median: int, max_tokens: int, long_tail: bool, seed: int = 0) -> list[Request]:
@@ -77,12 +91,16 @@ def run_engine(engine, requests: list[Request], tensors, repeats: int) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
-    parser.add_argument("--requests", type=int, default=256, help="a rollout round: several per slot")
-    parser.add_argument("--median-tokens", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=384)
-    parser.add_argument("--slots", type=int, default=64, help="concurrent sequences per engine")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", "--size", dest="model", default="tiny",
+                        choices=sorted(MODELS) + sorted(PRESET_SIZES),
+                        help="tiny and small: jaxflow's tiny layouts; 0.6b: Qwen3-0.6B's shape")
+    parser.add_argument("--requests", type=int, default=None, help="a rollout round: several per slot "
+                        "(default 256; 16 at a preset size)")
+    parser.add_argument("--median-tokens", type=int, default=None, help="default 64; 24 at a preset size")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 384; 64 at a preset size")
+    parser.add_argument("--slots", type=int, default=None, help="concurrent sequences per engine (default 64; 8 at "
+                        "a preset size)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 3; 1 at a preset size")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
@@ -93,12 +111,25 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     meta_started = results_meta.begin(argv)
-    if args.quick:
-        args.requests, args.slots, args.repeats, args.max_tokens = 128, 32, 2, 256
+    preset = PRESET_SIZES.get(args.model)
+    defaults = (PRESET_WORKLOAD if preset else
+                {"requests": 256, "median_tokens": 64, "max_tokens": 384, "slots": 64, "repeats": 3})
+    if args.quick and not preset:
+        defaults.update(requests=128, slots=32, repeats=2, max_tokens=256)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
-    workdir = tempfile.mkdtemp(prefix="jaxflow-engines-")
-    model_dir = os.path.join(workdir, "model")
-    write_tiny_model(model_dir, **MODELS[args.model])
+    if preset:
+        model_dir = os.path.join(results_meta.ROOT, "runs", "base", f"{preset}-random")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            make_random_hf_model(model_dir, preset)
+        cfg = presets.preset(preset)
+        shape = {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+    else:
+        model_dir = os.path.join(tempfile.mkdtemp(prefix="jaxflow-engines-"), "model")
+        write_tiny_model(model_dir, **MODELS[args.model])
+        shape = MODELS[args.model]
     tensors = dict(iter_hf_tensors(load_model(model_dir)))
     max_len = args.max_tokens + 64
     loads = {"long_tail": workload(args.requests, args.median_tokens, args.max_tokens, True),
@@ -108,7 +139,10 @@ def main(argv=None) -> int:
     from rollout_bridge.jax_engine import JaxEngine
 
     t0 = time.perf_counter()
-    engine = JaxEngine(model_dir, max_slots=args.slots, max_len=max_len)
+    # A preset's bfloat16 checkpoint is served in float32 by both engines (vLLM's CPU build is not relied on for
+    # bfloat16); the weight syncs then cast the bfloat16 tensors, as the engines allow when told so.
+    serve = {"param_dtype": "float32", "cast_weights": True} if preset else {}
+    engine = JaxEngine(model_dir, max_slots=args.slots, max_len=max_len, **serve)
     engine.warmed()  # its background compiles too: start-up ends when every decode bucket is ready
     startup_s = {"jax": time.perf_counter() - t0}
     try:
@@ -128,7 +162,8 @@ def main(argv=None) -> int:
         from rollout_bridge.vllm_engine import VllmEngine
 
         t0 = time.perf_counter()
-        engine = VllmEngine(model_dir, max_len=max_len, max_slots=args.slots)
+        engine = VllmEngine(model_dir, max_len=max_len, max_slots=args.slots,
+                            **({"dtype": "float32", "cast_weights": True} if preset else {}))
         startup_s["vllm"] = time.perf_counter() - t0
         try:
             results["vllm"] = {name: run_engine(engine, reqs, tensors, args.repeats)
@@ -146,9 +181,9 @@ def main(argv=None) -> int:
     print("engine start-up (load, compile, warm-up): "
           + ", ".join(f"{eng} {seconds:.1f} s" for eng, seconds in startup_s.items()))
     jax_tps = results["jax"]["long_tail"]["tokens_per_s"]
-    cfg = MODELS[args.model]
-    weight_bytes = sum(t.nbytes for t in tensors.values())
-    kv_bytes_per_position = 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * 4  # fp32 K and V
+    itemsize = 4  # both engines serve float32: weights and K/V (the JAX engine's cache takes the weights' dtype)
+    weight_bytes = sum(t.size * itemsize for t in tensors.values())
+    kv_bytes_per_position = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * itemsize
     mean_context = statistics.mean(len(q.prompt) + q.params.max_tokens / 2 for q in loads["long_tail"])
     bandwidth = read_bandwidth()
     bound = bandwidth * args.slots / (weight_bytes + args.slots * kv_bytes_per_position * mean_context)
@@ -162,12 +197,26 @@ def main(argv=None) -> int:
     ratio = ratios["long_tail"] if ratios else None
     if ratios is not None:
         print("\njax / vllm tokens/s: " + ", ".join(f"{name} {x:.2f}x" for name, x in ratios.items()))
-    if args.json:
+    if args.json and preset and os.path.isfile(args.json):
+        # A preset size goes under "sizes" of the file the default run wrote (one result file per script), with
+        # a meta block of its own; the file's own figures and meta stay as they were.
+        with open(args.json) as f:
+            existing = json.load(f)
+        figures = {"jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
+                   "jax_vs_vllm_by_workload": ratios, "decode_vs_bandwidth": decode_vs_bandwidth,
+                   "bandwidth_bound_tokens_per_s": bound, "read_bandwidth_bytes_per_s": bandwidth,
+                   "weight_bytes": weight_bytes, "results": results, "startup_s": startup_s, "args": vars(args)}
+        existing.setdefault("sizes", {})[args.model.replace(".", "_")] = {
+            **figures, "meta": results_meta.finish(meta_started)}
+        with open(args.json, "w") as f:
+            f.write(json.dumps(existing, indent=2, default=float) + "\n")
+        print(f"wrote sizes.{args.model.replace('.', '_')} of {args.json}")
+    elif args.json:
         results_meta.write_json(args.json, {
             "jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
             "jax_vs_vllm_by_workload": ratios,
             "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,
-            "read_bandwidth_bytes_per_s": bandwidth,
+            "read_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
             "results": results, "startup_s": startup_s, "args": vars(args)}, meta_started)
         print(f"wrote {args.json}")
     return 0

@@ -165,6 +165,10 @@ class BaseConfig(Section):
       (config.json, safetensors weights, tokenizer.json; no base_info.json) is used as given and never written;
       model and base settings then do not apply. Missing or empty: built when build_if_missing.
     build_if_missing: build the base model when `dir` holds none (or a stale one the warm start built).
+    random_preset: None, or a published shape (`jaxflow.models.presets`, e.g. "qwen3-0.6b"): a missing or empty
+      `dir` then gets a randomly initialised model of that shape and a tokenizer of its vocab size
+      (`jaxflow.models.random_hf`) instead of the warm start, for real-size runs that check the plumbing,
+      not learning. The model is then used as given; model and the other base settings do not apply.
     steps: warm-start steps.
     batch_size: demonstrations per warm-start step.
     lr: the warm start's peak learning rate.
@@ -176,6 +180,7 @@ class BaseConfig(Section):
 
     dir: str = "runs/base/model"
     build_if_missing: bool = True
+    random_preset: str | None = None
     steps: int = 800
     batch_size: int = 32
     lr: float = 3e-3
@@ -187,6 +192,10 @@ class BaseConfig(Section):
         if not isinstance(self.dir, str) or not self.dir:
             problems.append(f"base.dir must be a directory, got {self.dir!r}")
         check_bool(problems, self.key("build_if_missing"), self.build_if_missing)
+        if self.random_preset is not None:
+            from jaxflow.models.presets import preset_names
+
+            check_choice(problems, self.key("random_preset"), self.random_preset, preset_names())
         for name, low in (("steps", 1), ("batch_size", 1), ("num_examples", 1), ("seed", 0)):
             check_int(problems, self.key(name), getattr(self, name), low)
         check_float(problems, self.key("lr"), self.lr, 0.0, open_low=True)

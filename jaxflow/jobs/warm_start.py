@@ -51,6 +51,8 @@ class BaseModelMissing(FileNotFoundError):
 _NOT_FINGERPRINTED_TASK_KEYS = ("reward_ref",)
 # Model options that do not either: the RL run's compute dtype (the warm start computes in float32).
 _NOT_FINGERPRINTED_MODEL_KEYS = ("compute_dtype",)
+# Base keys that say where the model is or how a missing one is made, not what the warm start builds.
+_NOT_FINGERPRINTED_BASE_KEYS = ("dir", "build_if_missing", "random_preset")
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> str:
@@ -58,7 +60,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> str:
     task = {k: v for k, v in config.task.to_dict().items() if k not in _NOT_FINGERPRINTED_TASK_KEYS}
     model = {k: v for k, v in config.model.to_dict().items() if k not in _NOT_FINGERPRINTED_MODEL_KEYS}
     parts = {"task": task, "model": model, "base": {
-        k: v for k, v in config.base.to_dict().items() if k not in ("dir", "build_if_missing")}}
+        k: v for k, v in config.base.to_dict().items() if k not in _NOT_FINGERPRINTED_BASE_KEYS}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -240,7 +242,9 @@ def ensure_base_model(config: ml_collections.ConfigDict, *, log=print) -> pathli
     - A directory with an HF model and no base_info.json (a downloaded checkpoint, an export) is used as
       given and never written; one line says so. It must hold config.json, safetensors weights and
       tokenizer.json.
-    - A missing or empty directory is built when config.base.build_if_missing.
+    - A missing or empty directory is built when config.base.build_if_missing: with random weights of the
+      published shape config.base.random_preset names when set (then used as given on later runs), else by
+      the warm start.
 
     Raises:
       BaseModelMissing: the model is missing (or stale) and building it was not asked for, or the
@@ -259,6 +263,13 @@ def ensure_base_model(config: ml_collections.ConfigDict, *, log=print) -> pathli
         raise BaseModelMissing(
             f"base model {directory} {why}. Build it with: python -m jaxflow.main --config=<this config> "
             f"--config.job=warm_start  (or set --config.base.build_if_missing=True)")
+    preset = config.base.get("random_preset")
+    if preset is not None:
+        from jaxflow.models.random_hf import make_random_hf_model
+
+        log(f"base model: {directory} is missing; writing a randomly initialised {preset} there (base.random_preset)")
+        make_random_hf_model(directory, preset, log=log)
+        return directory
     log(f"warm start: building the base model in {directory} (cached for later runs)")
     build_base_model(config, directory, log=log)
     return directory
