@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep", action="store_true",
                         help=f"{', '.join(SWEEP_MODELS)} x {SWEEP_DEVICES} devices at seq {SWEEP_SEQ}, "
                              "each in a process of its own")
+    parser.add_argument("--cases", default=None,
+                        help="with --sweep: MODEL:DEVICES,... to run, in this order (default: all of the sweep)")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --sweep --json: keep the cases the file already holds and run the others")
     parser.add_argument("--quick", action="store_true",
                         help="with --sweep: only the cases that compile in minutes here; alone: qwen3-0.6b on 8 "
                              "devices at seq 2048")
@@ -164,6 +168,8 @@ def _check_args(args, parser) -> dict[str, int]:
     for name in ("seq", "micro_batches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.cases and not all(re.fullmatch(r"[\w.\-]+:\d+", c.strip()) for c in args.cases.split(",") if c.strip()):
+        parser.error(f"--cases {args.cases!r}: expected MODEL:DEVICES,... (e.g. qwen3-8b:64,qwen3-32b:256)")
     if args.rows is not None and args.rows < 1:
         parser.error(f"--rows must be >= 1, got {args.rows}")
     return mesh
@@ -519,7 +525,15 @@ def sweep(args, save=None) -> dict:
     short keeps the cases it finished)."""
     cases = QUICK_SWEEP if args.quick else [(m, n) for m in SWEEP_MODELS for n in SWEEP_DEVICES]
     cases = sorted(cases, key=lambda case: case != HEADLINE_CASE)  # the headline first
+    if args.cases:
+        cases = [(m, int(n)) for m, _, n in (c.strip().rpartition(":") for c in args.cases.split(",") if c.strip())]
     results = []
+    if args.resume and args.json and pathlib.Path(args.json).exists():
+        results = [r for r in json.loads(pathlib.Path(args.json).read_text()).get("sweep_cases", [])
+                   if "error" not in r]
+        done = {(r["model"], r["devices"]) for r in results}
+        print(f"resuming: {len(results)} case(s) kept from {args.json}")
+        cases = [c for c in cases if c not in done]
     with tempfile.TemporaryDirectory() as tmp:
         for model, devices in cases:
             path = pathlib.Path(tmp) / f"{model}-{devices}.json"

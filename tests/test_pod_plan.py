@@ -1,5 +1,5 @@
-"""The pod planner on the tiny model and 8 fake devices: it compiles the train step and the engine's programs
-from abstract shapes, and its compiled state bytes match the analytic count.
+"""The pod planner on the tiny model and 8 fake devices: it compiles the train step from abstract shapes, and
+its compiled state bytes match the analytic count.
 
 It runs in a subprocess: the planner sets the device count before JAX starts, and this process's JAX has
 started already. The HLO reader is checked on a hand-written module.
@@ -28,7 +28,7 @@ def test_tiny_plan_on_8_devices(tmp_path):
     out = tmp_path / "plan.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "benchmarks/pod_plan.py", "--model", "tiny", "--mesh", "data=2,fsdp=4",
-                           "--seq", "64", "--engine-slots", "8", "--json", str(out)],
+                           "--seq", "64", "--skip-engine", "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -37,7 +37,8 @@ def test_tiny_plan_on_8_devices(tmp_path):
     assert result["devices"] == 8
     assert abs(result["state_bytes_vs_analytic"] - 1) < 0.1
     assert result["fits_h100"] is True
-    assert set(result["programs"]) == {"train_step", "prefill", "decode", "reshard"}
+    # The engine's programs are left out to keep the test cheap; the committed sweep compiles them.
+    assert set(result["programs"]) == {"train_step"}
     for name, program in result["programs"].items():
         memory = program["memory"]
         assert memory["argument_bytes"] > 0 and memory["output_bytes"] > 0, name
