@@ -78,6 +78,22 @@ class Figure:
         return self.fmt.format(value * self.scale if self.scale != 1.0 else value)
 
 
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A table of one row per item of a list in the result file (a sweep's cases), below the headline figures:
+    `path` is the list, each column a Figure read from one item."""
+
+    path: str
+    columns: tuple[Figure, ...]
+
+    def text(self, result: dict) -> str:
+        items = Figure("", self.path).value(result)
+        header = "| " + " | ".join(f.label for f in self.columns) + " |\n"
+        rule = "| " + " | ".join("---" if f.fmt == "{}" else "---:" for f in self.columns) + " |\n"
+        rows = "".join("| " + " | ".join(f.text(item) for f in self.columns) + " |\n" for item in items)
+        return header + rule + rows
+
+
 # Each benchmark's headline figures: ratios and medians, the ones the docs quote.
 HEADLINES: dict[str, list[Figure]] = {
     "async_vs_sync": [
@@ -263,6 +279,41 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("trained tokens/s, this tree over baseline", "trained_tokens_per_s_ratio_current_vs_baseline",
                "{:.2f}x"),
     ],
+    "pod_plan": [
+        Figure("case", "headline_case", "{}"),
+        Figure("train step: compiled state over the analytic count (per device)", "state_bytes_vs_analytic",
+               "{:.3f}"),
+        Figure("train step: temp, GB a device", "temp_bytes", "{:.1f}", 1e-9),
+        Figure("analytic activations, GB a device", "analytic_activation_bytes", "{:.1f}", 1e-9),
+        Figure("temp over analytic gradients + activations", "temp_vs_analytic", "{:.2f}"),
+        Figure("fits an H100 80 GB", "fits_h100", "{}"),
+        Figure("train step: roofline on H100, s", "programs.train_step.roofline.h100.time_s", "{:.2f}"),
+        Figure("train step: roofline on TPU v5p, s", "programs.train_step.roofline.tpu_v5p.time_s", "{:.2f}"),
+        Figure("reshard to the engine: GB sent a device", "programs.reshard.collective_wire_bytes", "{:.2f}", 1e-9,
+               optional=True),
+        Figure("reshard to the engine: s on H100 links", "programs.reshard.roofline.h100.time_s", "{:.3f}",
+               optional=True),
+        Figure("log-prob temp, chunked over unchunked", "logprob_temp_ratio", "{:.3f}", optional=True),
+        Figure("train step compile time here, s", "compile_s", "{:.0f}"),
+    ],
+}
+
+# Tables of one row per case, for the benchmarks whose result file holds a sweep.
+TABLES: dict[str, Table] = {
+    "pod_plan": Table("sweep", (
+        Figure("model", "model", "{}"),
+        Figure("devices", "devices", "{}"),
+        Figure("mesh", "mesh", "{}"),
+        Figure("state, GB a device", "state_gb", "{:.1f}", optional=True),
+        Figure("temp, GB", "temp_gb", "{:.1f}", optional=True),
+        Figure("needed, GB", "needed_gb", "{:.1f}", optional=True),
+        Figure("H100 80 GB", "verdict_h100", "{}", optional=True),
+        Figure("TPU v5p 95 GB", "verdict_tpu_v5p", "{}", optional=True),
+        Figure("TPU v5e 16 GB", "verdict_tpu_v5e", "{}", optional=True),
+        Figure("step on H100, s", "step_s_h100", "{:.2f}", optional=True),
+        Figure("step on v5p, s", "step_s_tpu_v5p", "{:.2f}", optional=True),
+        Figure("compile here, s", "compile_s", "{:.0f}", optional=True),
+    )),
 }
 
 # README's "at a glance": (benchmark, label of one of its HEADLINES, what it is), at most GLANCE_ROWS.
@@ -311,7 +362,8 @@ def benchmark_block(name: str, result: dict | None) -> str:
     if name not in HEADLINES:
         raise SystemExit(f"benchmarks/results/{name}.json: results_tables.py's HEADLINES has no entry for {name!r}")
     rows = "".join(f"| {f.label} | {f.text(result)} |\n" for f in HEADLINES[name])
-    return f"{anchor}| figure | value |\n| --- | ---: |\n{rows}\n{provenance(result['meta'])}\n"
+    table = f"\n{TABLES[name].text(result)}" if name in TABLES else ""
+    return f"{anchor}| figure | value |\n| --- | ---: |\n{rows}{table}\n{provenance(result['meta'])}\n"
 
 
 def glance_block(results: dict[str, dict]) -> str:

@@ -15,9 +15,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-# Modules under benchmarks/ that are not benchmarks: the shared pieces (soak_episodes: the soak's episodes) and
-# the table generator.
-NOT_BENCHMARKS = {"incumbent_io", "results_meta", "results_tables", "soak_episodes"}
+# Modules under benchmarks/ that are not benchmarks: the shared pieces (soak_episodes: the soak's episodes;
+# hlo_stats: the pod planner's HLO reader) and the table generator.
+NOT_BENCHMARKS = {"hlo_stats", "incumbent_io", "results_meta", "results_tables", "soak_episodes"}
 # The incumbent runners' command line is incumbent_io's (they run in TRL's and Tunix's own environments).
 RUNNERS = {"incumbent_trl", "incumbent_tunix"}
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in NOT_BENCHMARKS)

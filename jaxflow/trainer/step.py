@@ -340,15 +340,28 @@ class TrainStep:
             f.name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(FIELD_DTYPES[f.name]), sharding=self.batch_sharding)
             for f in dataclasses.fields(TrajectoryBatch)})
         abstract_frozen = None if self.frozen is None else jax.tree.map(spec, self.frozen)
-        if with_ref:
-            lowered = self._jitted.lower(abstract_state, abstract_batch, abstract_state.params, abstract_frozen)
-        else:
-            lowered = self._jitted_no_ref.lower(abstract_state, abstract_batch, abstract_frozen)
+        # Traced with the mesh set, so that the model keeps activations split by rows (`rows_sharded`).
+        with jax.set_mesh(self.mesh):
+            if with_ref:
+                lowered = self._jitted.lower(abstract_state, abstract_batch, abstract_state.params,
+                                             abstract_frozen)
+            else:
+                lowered = self._jitted_no_ref.lower(abstract_state, abstract_batch, abstract_frozen)
         self._compiled[key] = lowered.compile()
         elapsed = time.perf_counter() - start
         self.compiles += 1
         self.compile_s += elapsed
         return elapsed
+
+    def compiled(self, shape: tuple[int, int, int], with_ref: bool = False):
+        """The compiled program for batches of `shape` (see `compile`, which must have run): its
+        `memory_analysis()`, `cost_analysis()` and HLO size a run before it has devices
+        (benchmarks/pod_plan.py)."""
+        key = (tuple(shape), with_ref)
+        if key not in self._compiled:
+            raise KeyError(f"the step is not compiled for batch shape {tuple(shape)} (with_ref={with_ref}); "
+                           f"call compile() first")
+        return self._compiled[key]
 
     def __call__(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
         validate_batch(batch, int(state.version))
