@@ -26,7 +26,6 @@ COMMANDS: dict[str, tuple[tuple[str, str], ...]] = {
     "python3 -m jaxflow.setup_env --no-vllm": (("tests/test_setup_env.py", '"--no-vllm"'),),
     # The suite itself: CI's command.
     ".venv/bin/python -m pytest -q -n 2": ((".ci/run", ".venv/bin/python -m pytest -q -n 2"),),
-    ".venv/bin/python -m pytest -q tests/colabs": ((NOTEBOOKS, "def test_"),),
     ".venv/bin/lint-imports": (("tests/test_layers.py", '"lint-imports"'),),
     ".venv/bin/ruff check .": (("tests/test_lint.py", '_ruff(".")'),),
     ".venv/bin/mkdocs build --strict -f docs/mkdocs/mkdocs.yml -d build/site": (
