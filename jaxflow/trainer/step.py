@@ -120,10 +120,11 @@ def _logits_sharding(mesh, shape):
     return sharding.named_sharding(("batch", "seq", "vocab"), shape, mesh)
 
 
-def _chunk_logprobs(model: nnx.Module, h_bcd: jax.Array, targets_bc: jax.Array, mesh=None):
+def _chunk_logprobs(model: nnx.Module, h_bcd: jax.Array, targets_bc: jax.Array, mesh=None, weight=None):
     """log π(target) and the entropy, both [b, c] float32, from hidden states h_bcd [b, c, D]: the LM head
-    for these c positions only, upcast to float32 before the logsumexp whatever the compute dtype."""
-    logits = model.logits(h_bcd).astype(jnp.float32)
+    (`weight`, default the model's own) for these c positions only, upcast to float32 before the
+    logsumexp whatever the compute dtype."""
+    logits = model.logits(h_bcd, weight).astype(jnp.float32)
     if mesh is not None:
         logits = jax.lax.with_sharding_constraint(logits, _logits_sharding(mesh, logits.shape))
     # logit - logsumexp rather than a gathered log_softmax: no [b, c, V] log-probabilities to store for
@@ -156,7 +157,12 @@ def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False, 
         pad = k * chunk - n  # padded positions compute junk that is sliced off below
         h_kbcd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, k, chunk, d).swapaxes(0, 1)
         t_kbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, k, chunk).swapaxes(0, 1)
-        per_chunk = jax.checkpoint(lambda xs: _chunk_logprobs(model, xs[0], xs[1], mesh))
+        # The head's weight is laid out once for every chunk (gathered over fsdp, the vocab left on its own
+        # axis): inside the loop each chunk would gather it again, in the forward and twice in the backward.
+        weight, axes = model.head_weight()
+        if mesh is not None:
+            weight = jax.lax.with_sharding_constraint(weight, sharding.named_sharding(axes, weight.shape, mesh))
+        per_chunk = jax.checkpoint(lambda xs: _chunk_logprobs(model, xs[0], xs[1], mesh, weight))
         logp, entropy = jax.lax.map(per_chunk, (h_kbcd, t_kbc))
         logp, entropy = (x.swapaxes(0, 1).reshape(b, k * chunk)[:, :n] for x in (logp, entropy))
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
