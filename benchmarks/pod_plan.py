@@ -586,7 +586,8 @@ def _sweep_row(r: dict) -> dict:
     row = {"model": r["model"], "devices": r["devices"], "mesh": mesh_text(r["mesh"]),
            "state_gb": (m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"]) / 1e9,
            "temp_gb": m["temp_bytes"] / 1e9, "needed_gb": m["needed_bytes"] / 1e9,
-           "state_bytes_vs_analytic": r["state_bytes_vs_analytic"], "compile_s": r["compile_s"]}
+           "state_bytes_vs_analytic": r["state_bytes_vs_analytic"], "compile_s": r["compile_s"],
+           "compute": f"{r.get('compute_dtype')}, chunk {r.get('logprob_chunk') or 'none'}"}
     for name in ACCELERATORS:
         rf = train["roofline"][name]
         row[f"fits_{name}"] = rf["fits"]

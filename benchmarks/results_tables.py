@@ -304,6 +304,7 @@ TABLES: dict[str, Table] = {
         Figure("model", "model", "{}"),
         Figure("devices", "devices", "{}"),
         Figure("mesh", "mesh", "{}"),
+        Figure("compute, log-prob chunk", "compute", "{}", optional=True),
         Figure("state, GB a device", "state_gb", "{:.1f}", optional=True),
         Figure("temp, GB", "temp_gb", "{:.1f}", optional=True),
         Figure("needed, GB", "needed_gb", "{:.1f}", optional=True),
