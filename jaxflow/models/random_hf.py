@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 import time
@@ -23,7 +22,7 @@ import time
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from jaxflow.models.tiny import CHATML_TEMPLATE, ENDOFTEXT, IM_END, IM_START
+from jaxflow.models.tiny import ENDOFTEXT, IM_END, IM_START, write_tokenizer_config
 from jaxflow.tokenizer import Tokenizer
 
 __all__ = ["filler_token", "make_random_hf_model", "write_filler_tokenizer"]
@@ -83,17 +82,7 @@ def write_filler_tokenizer(directory: str | os.PathLike, vocab_size: int, *, spe
     tokenizer.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
                                   for t in (ENDOFTEXT, IM_START, IM_END)])
     tokenizer.save(str(directory / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "unk_token": None,
-        "model_max_length": model_max_length,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHATML_TEMPLATE,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    write_tokenizer_config(directory, model_max_length)
     written = Tokenizer.from_dir(directory)
     if written.vocab_size != vocab_size:  # a filler colliding with an alphabet entry would shrink it
         raise AssertionError(f"wrote {written.vocab_size} ids, meant {vocab_size}")

@@ -139,10 +139,17 @@ def write_tiny_tokenizer(directory: str | os.PathLike, vocab_size: int = 512, se
     tokenizer.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     tokenizer.save(str(directory / "tokenizer.json"))
 
+    # AutoTokenizer honours tokenizer_class only without a config.json: with one, transformers 5 picks the class
+    # from model_type (Qwen2Tokenizer for qwen2), which rebuilds the tokenizer from vocab and merges with Qwen2's
+    # pre-tokenizer. Using that same pre-tokenizer above keeps the ids equal either way.
+    write_tokenizer_config(directory, model_max_length)
+    return Tokenizer.from_dir(directory)
+
+
+def write_tokenizer_config(directory: pathlib.Path, model_max_length: int) -> None:
+    """tokenizer_config.json for a ChatML tokenizer.json in `directory`: the fast tokenizer class, <|im_end|> as
+    EOS, <|endoftext|> as padding and the chat template, as transformers and vLLM read them."""
     config = {
-        # AutoTokenizer honours this only without a config.json: with one, transformers 5 picks the class from
-        # model_type (Qwen2Tokenizer for qwen2), which rebuilds the tokenizer from vocab and merges with Qwen2's
-        # pre-tokenizer. Using that same pre-tokenizer above keeps the ids equal either way.
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
         "eos_token": IM_END,
@@ -153,7 +160,6 @@ def write_tiny_tokenizer(directory: str | os.PathLike, vocab_size: int = 512, se
         "chat_template": CHATML_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return Tokenizer.from_dir(directory)
 
 
 def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3ForCausalLM",
