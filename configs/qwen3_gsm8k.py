@@ -116,6 +116,9 @@ def _cpu_smoke(config: ml_collections.ConfigDict) -> None:
     every 2 steps, 4 eval prompts at the start and the end."""
     config.base.dir = f"runs/base/{PRESET}-random"
     config.base.random_preset = PRESET
+    # Random weights answer nothing: a reward that varies with any output keeps the gradient (and so the
+    # check that the exported weights moved) from being zero.
+    config.task.reward_ref = "jaxflow.tasks.arithmetic:length_parity_reward"
     config.data.train_prompts = 200
     config.rollout.group_size, config.rollout.max_tokens, config.rollout.max_len = 4, 16, 96
     config.rollout.max_slots = config.rollout.coordination.max_running = 8
@@ -124,5 +127,8 @@ def _cpu_smoke(config: ml_collections.ConfigDict) -> None:
     config.trainer.steps = 3
     config.trainer.eta = 1
     config.eval.every, config.eval.num_prompts = 100, 4
+    # bfloat16 compute over float32 master weights and AdamW state: the engines' copies of the weights take
+    # half the memory, which a 24 GB machine needs beside the float32 trainer state.
+    config.model.compute_dtype = "bfloat16"
     # A float32 checkpoint of 0.6B parameters and their AdamW moments is ~7 GB: keep one.
     config.checkpoint.every, config.checkpoint.max_to_keep = 2, 1

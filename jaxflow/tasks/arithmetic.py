@@ -157,6 +157,13 @@ def _uses_tool(expression: str, fraction: float) -> bool:
     return h / 2 ** 64 < fraction
 
 
+def length_parity_reward(response: str, meta: dict) -> float:
+    """1.0 if the response has an even number of characters, else 0.0, whatever the question: a plumbing
+    reward for runs whose model cannot answer (a real-size model with random weights), under which every
+    group still has varied rewards, so the update's gradient is not zero and the weights move."""
+    return float(len(response) % 2 == 0)
+
+
 def even_answer_reward(response: str, meta: dict) -> float:
     """1.0 if the response's `<answer>` is an even integer, else 0.0, whatever the question: a sanity-check
     reward that any policy learns within a few steps (one token's distribution moves), so a short run shows

@@ -15,6 +15,7 @@ from jaxflow import tasks
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.models.tiny import IM_START, write_tiny_tokenizer
 from jaxflow.tasks import arithmetic, countdown, get_task, jsonl_qa
+from jaxflow.tasks.arithmetic import length_parity_reward
 
 GENERATED = ("arithmetic", "countdown")
 ALL = GENERATED + ("jsonl_qa",)
@@ -408,3 +409,7 @@ def test_jsonl_qa_parquet(tmp_path):
         jsonl_qa.load_qa(path)
     with pytest.raises(ValueError, match="no column"):
         jsonl_qa.load_qa(path, answer_field="solution")
+
+
+def test_length_parity_reward_varies_with_any_output():
+    assert [length_parity_reward(text, {}) for text in ("", "a", "ab", "abc")] == [1.0, 0.0, 1.0, 0.0]
