@@ -148,7 +148,7 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("Qwen3-0.6B shape: its run's command", "sizes.0_6b.meta.command", "`{}`", optional=True),
     ],
     "realsize_e2e": [
-        Figure("every check held, both engines", "all_checks_held", "{}"),
+        Figure("every check held, in the engines that ran", "all_checks_held", "{}"),
         Figure("peak RSS, GiB (the larger engine's run)", "peak_rss_gib", "{:.1f}"),
         Figure("JAX engine: checks held", "engines.jax.all_checks_held", "{}", optional=True),
         Figure("JAX engine: wall time, s (make the model excluded)", "engines.jax.wall_s", "{:.0f}", optional=True),
