@@ -165,7 +165,7 @@ class TrainerActor:
                                  lora_seed=spec["lora_seed"], param_dtype=spec["trainer"].get("param_dtype", "float32"))
         self.trainer = RLTrainer(model, spec["trainer"], mesh, seq_len=spec["seq_len"],
                                  max_sequences=spec["max_sequences"],
-                                 compute_dtype=spec.get("compute_dtype", "float32"))
+                                 compute_dtype=spec["compute_dtype"])
         self.mesh, self.process_id = mesh, process_id
         self.ckpt = Checkpointer(spec["checkpoints"], max_to_keep=spec["max_to_keep"])
         self.validate_extra = spec.get("validate_extra")

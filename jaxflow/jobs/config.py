@@ -244,3 +244,9 @@ class ModelSection(Section):
             check_int(problems, self.key(name), getattr(self, name), 1)
         check_choice(problems, self.key("compute_dtype"), self.compute_dtype, COMPUTE_DTYPES)
         return problems
+
+
+def compute_dtype(config) -> str:
+    """model.compute_dtype: what the update and the engines compute in; the section's default when a config
+    file's hand-written model section leaves the key out."""
+    return config.model.get("compute_dtype", ModelSection.compute_dtype)

@@ -60,7 +60,15 @@ from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.envs.config import env_problems
 from jaxflow.jobs import warm_start
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked, reward_pool_options
-from jaxflow.jobs.config import BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection, RolloutConfig
+from jaxflow.jobs.config import (
+    BaseConfig,
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    ModelSection,
+    RolloutConfig,
+    compute_dtype,
+)
 from jaxflow.jobs.prompts import prompt_source, train_records
 from jaxflow.jobs.resume import ExtraCheck
 from jaxflow.jobs.run_log import RunLog
@@ -156,7 +164,7 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
                          version=trainer.version if jax_engine else 0,
                          lora=None if jax_engine or not trainer.publish_adapters else trainer.lora,
                          episodes=runs_episodes(r.get("env")), weight_transport=weight_transport(config),
-                         weight_bucket_bytes=r.get("weight_bucket_mb", 256) << 20, dtype=compute_dtype(config))
+                         weight_bucket_bytes=r.weight_bucket_mb << 20, dtype=compute_dtype(config))
     if not jax_engine and trainer.version != 0:
         engine.update_weights(trainer.version, trainer.publish_tensors())
     return engine
@@ -173,12 +181,6 @@ def weight_transport(config) -> str:
         raise WeightTransportMismatch("rollout.weight_transport 'nccl' does not fit trainer.lora: vLLM takes "
                                       "adapters through add_lora; use auto")
     return transport
-
-
-def compute_dtype(config) -> str:
-    """model.compute_dtype: what the update and the engines compute in (float32 when a config file's
-    hand-written model section leaves it out)."""
-    return config.model.get("compute_dtype", "float32")
 
 
 def episodes(config, tokenizer):
@@ -247,7 +249,7 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     device_weights = DeviceParamSource(keep=2)
     trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh, lora=LoRASpec.from_config(config.trainer.get("lora")),
                                          lora_seed=config.seed,
-                                         param_dtype=config.trainer.get("param_dtype", "float32")),
+                                         param_dtype=config.trainer.param_dtype),
                         config.trainer, mesh, seq_len=config.rollout.max_len, device_weights=device_weights,
                         max_sequences=config.trainer.batch_groups * config.rollout.group_size,
                         compute_dtype=compute_dtype(config))

@@ -49,6 +49,7 @@ from jaxflow.cluster.weights import PUBLISHER_METHODS, ManifestSource, RayWeight
 from jaxflow.coordination import Coordination
 from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked, reward_pool_options
+from jaxflow.jobs.config import compute_dtype
 from jaxflow.jobs.prompts import prompt_source
 from jaxflow.jobs.ray_rollout import start_fleet
 from jaxflow.jobs.resume import ExtraCheck
@@ -82,7 +83,7 @@ class _Cluster:
             str(base_dir), t, seq_len=config.rollout.max_len, max_sequences=t.batch_groups * config.rollout.group_size,
             checkpoints=str(self.workdir / "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
             fsdp=config.cluster.trainer_mesh.fsdp, tensor=config.cluster.trainer_mesh.tensor, lora_seed=config.seed,
-            compute_dtype=config.model.get("compute_dtype", "float32"),
+            compute_dtype=compute_dtype(config),
             validate_extra=ExtraCheck(group_size=config.rollout.group_size, batch_groups=t.batch_groups, eta=t.eta,
                                       reserve_groups=Coordination.from_config(config.rollout.coordination)
                                       .reserve_groups(t.batch_groups)))

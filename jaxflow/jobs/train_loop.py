@@ -23,6 +23,7 @@ import ml_collections
 
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.jobs.bookkeeping import REWARD_FAILURES, Ledger, RewardErrors, StopRequest, accounting, check_first_batch
+from jaxflow.jobs.config import compute_dtype
 from jaxflow.jobs.evaluation import evaluate
 from jaxflow.jobs.prompts import eval_records
 from jaxflow.jobs.run_log import RunLog
@@ -60,7 +61,7 @@ class Evaluator:
                                 max_slots=r.max_slots if shared else min(r.max_slots, 64),
                                 max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version,
                                 reuse_turns=self.episodes,
-                                compute_dtype=config.model.get("compute_dtype", "float32"))
+                                compute_dtype=compute_dtype(config))
         if isinstance(weights, DeviceParamSource):
             weights.add_target(self.engine.param_shardings)
         self.engine = with_episodes(r.get("env"), tokenizer)(self.engine)  # evals run the task's episodes too
