@@ -294,7 +294,7 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("reshard to the engine: s on H100 links", "programs.reshard.roofline.h100.time_s", "{:.3f}",
                optional=True),
         Figure("log-prob temp, chunked over unchunked", "logprob_temp_ratio", "{:.3f}", optional=True),
-        Figure("train step compile time here, s", "compile_s", "{:.0f}"),
+        Figure("train step compile time on the planning CPU, s", "compile_s", "{:.0f}"),
     ],
 }
 
@@ -313,7 +313,7 @@ TABLES: dict[str, Table] = {
         Figure("TPU v5e 16 GB", "verdict_tpu_v5e", "{}", optional=True),
         Figure("step on H100, s", "step_s_h100", "{:.2f}", optional=True),
         Figure("step on v5p, s", "step_s_tpu_v5p", "{:.2f}", optional=True),
-        Figure("compile here, s", "compile_s", "{:.0f}", optional=True),
+        Figure("compile on the planning CPU, s", "compile_s", "{:.0f}", optional=True),
     )),
 }
 
