@@ -74,6 +74,27 @@ def ray_session_end():
         ray.shutdown()
 
 
+def start_cluster(head_resources: dict[str, float], nodes: list[dict]):
+    """A `ray.cluster_utils.Cluster` on this machine, this process connected to it (after leaving the
+    session's local Ray): a head with no CPU and `head_resources`, and a node for each of `nodes` (each
+    `add_node`'s arguments, e.g. {"num_cpus": 2, "resources": {"trainer": 2}}). The caller shuts it down
+    (`ray.shutdown()`, then `cluster.shutdown()`).
+
+    What a test never reads is left out: the dashboard's modules (the head still serves Ray's API) and the
+    autoscaler's monitor. The nodes start together, each with its raylet and agents, and are waited for once.
+    """
+    from ray.cluster_utils import Cluster
+    ray_session_end()  # one driver connection per process
+    ray_actors.ensure_auth_token()  # a fresh machine has no token yet
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": dict(head_resources),
+                                                            "include_dashboard": False, "no_monitor": True})
+    for node in nodes:
+        cluster.add_node(wait=False, **node)
+    cluster.wait_for_nodes(timeout=120)  # a loaded machine; a hang fails here, not in a test
+    ray_actors.connect(cluster.address)  # refuses a cluster without token authentication
+    return cluster
+
+
 def kill_and_wait(handle, timeout=60.0):
     """`ray.kill(handle)`, then returns once a call on the actor fails. The kill travels through Ray's
     control store while a call goes straight to the actor, so a call made just after the kill can still

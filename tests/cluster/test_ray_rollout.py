@@ -6,7 +6,7 @@ keeps the staleness bound token by token, and the accounting closes."""
 import numpy as np
 import pytest
 import ray  # the `cluster` extra, which the setup script installs: a missing Ray fails here, never skips
-from service_placements import ray_session_end  # noqa: E402
+from service_placements import start_cluster  # noqa: E402
 
 from jaxflow.cluster import ray_actors  # noqa: E402
 from jaxflow.data.param_service import ParameterService  # noqa: E402
@@ -23,13 +23,7 @@ ETA, BATCH, STEPS = 1, 2, 3
 
 @pytest.fixture
 def cluster():
-    from ray.cluster_utils import Cluster
-    ray_session_end()  # one driver connection per process: leave the session's local Ray
-    ray_actors.ensure_auth_token()  # a fresh machine has no token yet
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"data": 1}})
-    for _ in range(2):
-        c.add_node(num_cpus=1, resources={"rollout": 1})
-    ray_actors.connect(c.address)  # refuses a cluster without token authentication
+    c = start_cluster({"data": 1}, [{"num_cpus": 1, "resources": {"rollout": 1}}] * 2)
     yield c
     ray.shutdown()
     c.shutdown()
