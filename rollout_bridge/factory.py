@@ -24,10 +24,10 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
     (prompt + completion) at once and sampling seeded by `seed`. jax: a `JaxEngine` decoding
     `decode_chunk` tokens a call. vllm: a `VllmEngine` with a KV cache of `kv_cache_gib` GiB (None:
     vLLM's own sizing) and CUDA graphs off (`enforce_eager`, as the RL job's engines: no graph capture at
-    start, and on CPU no torch.compile). lora (a `LoRASpec`): either engine serves LoRA adapters over the
-    base, and each version is the adapters alone (PEFT-named tensors). episodes: False when no request
-    continues an earlier one (no environment): a JAX engine then keeps no finished turns and compiles no
-    extend programs. weight_transport: the resolved `rollout.weight_transport`
+    start, and on CPU no torch.compile, the sampler's included). lora (a `LoRASpec`): either engine serves
+    LoRA adapters over the base, and each version is the adapters alone (PEFT-named tensors). episodes:
+    False when no request continues an earlier one (no environment): a JAX engine then keeps no finished
+    turns and compiles no extend programs. weight_transport: the resolved `rollout.weight_transport`
     (`rollout_bridge.weight_transport`): "nccl" gives a vLLM engine its NCCL group, with buckets of
     `weight_bucket_bytes`, and is a WeightTransportMismatch for a JAX engine; the others are host or device
     paths every engine takes as it is. dtype: what the engine computes in (`model.compute_dtype`: "float32"

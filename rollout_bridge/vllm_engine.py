@@ -48,6 +48,11 @@ requests run on the base (a fresh adapter's B is zero: the same model).
 Load: `running` counts requests that have produced a token, `waiting` those submitted that have not
 (queued in vLLM, or prefilling); `kv_used` is vLLM's KV-cache usage after its latest step, read through
 a stat logger (0.0 when nothing is in flight).
+
+Eager on CPU (`enforce_eager=True`, as `make_engine` starts it): vLLM still torch.compiles one sampler helper
+(the rank of each sampled token, computed for every request that asks for log-probs), an inductor C++ build
+at the first request; the engine turns torch.compile off in the workers before any request, so nothing
+compiles (`JaxflowWorkerExtension.jaxflow_eager_sampler`). On GPU, or with compilation on, vLLM is left as it is.
 """
 
 from __future__ import annotations
@@ -501,6 +506,9 @@ class VllmEngine(Engine):
         try:
             # Label the on-disk weights before any request can see the default label.
             await llm.update_weight_version(str(self._version))
+            # Before any request: an eager model on CPU gets an eager sampler too (no C++ build at the first
+            # request; see JaxflowWorkerExtension.jaxflow_eager_sampler).
+            await llm.collective_rpc("jaxflow_eager_sampler")
             model_config = llm.model_config
             self._dtype = np.dtype(str(model_config.dtype).removeprefix("torch."))
             self._max_len = int(model_config.max_model_len)

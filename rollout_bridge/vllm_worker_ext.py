@@ -99,3 +99,21 @@ class JaxflowWorkerExtension:
     def jaxflow_discard_staged(self) -> int:
         """Drops staged tensors of an update that will not be committed; returns how many there were."""
         return len(self.__dict__.pop("_jaxflow_staged", {}))
+
+    def jaxflow_eager_sampler(self) -> bool:
+        """With the model eager (compilation mode NONE, as `enforce_eager` sets) on CPU, turns off
+        torch.compile in this worker for the small sampler helpers vLLM still compiles; returns whether it
+        did.
+
+        vLLM 0.32 torch.compiles `batched_count_greater_than` (the rank of each sampled token, computed
+        whenever a request asks for log-probs, i.e. every jaxflow request) with inductor, which on CPU
+        builds C++ at the engine's first request: 10 to 35 s on a 2-core machine, against a step of
+        milliseconds. Eager, it is one [batch, vocab] comparison per step, the same counts. Dynamo reads
+        the switch when a function is first called, and no request has run when the engine calls this.
+        """
+        from vllm.config import CompilationMode
+
+        if self.vllm_config.compilation_config.mode != CompilationMode.NONE or self.device.type != "cpu":
+            return False
+        torch._dynamo.config.disable = True
+        return True

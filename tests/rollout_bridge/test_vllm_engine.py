@@ -20,7 +20,7 @@ require_vllm("the vLLM engine tests")
 
 import engine_helpers  # noqa: E402
 import psutil  # noqa: E402  (a vLLM dependency)
-from engine_helpers import GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run, teacher_forced  # noqa: E402
+from engine_helpers import GREEDY, lively_tiny_model, perturbed, poll_all, prompts, run  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
 from jaxflow.models.hf_io import iter_hf_tensors, load_model  # noqa: E402
@@ -32,6 +32,12 @@ pytestmark = pytest.mark.slow  # vLLM engines, their own processes
 MAX_LEN = 256
 # fp32 on both sides: vLLM's CPU kernels and XLA's differ only in summation order.
 ATOL = 1e-4
+
+
+def teacher_forced(model, prompt, completion):
+    """engine_helpers.teacher_forced at one padded length (every sequence here fits in MAX_LEN): one
+    compiled forward for the module instead of one per prompt + completion length."""
+    return engine_helpers.teacher_forced(model, prompt, completion, pad_to=MAX_LEN)
 
 
 def wait_running(engine, n, timeout=60.0):
@@ -65,6 +71,8 @@ def engine(model_dir):
     spawned = [p for p in psutil.Process().children(recursive=True)
                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
     assert len(spawned) >= 2, [p.cmdline() for p in spawned]
+    # Eager on CPU: the worker's sampler is eager too (no inductor build at the first request).
+    assert eng._call(eng._llm.collective_rpc("jaxflow_eager_sampler")) == [True]
     yield eng
     llm = weakref.ref(eng._llm)
     eng.close()

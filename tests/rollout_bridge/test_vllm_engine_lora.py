@@ -1,7 +1,7 @@
 """The vLLM engine serving LoRA versions through vLLM's public LoRA interface (real vLLM on CPU, no mocks):
-each version is its adapters alone, added as a new adapter; new requests run on the newest, requests in
-flight finish on theirs; log-probs against jaxflow's forward with the same adapters (fp32, within 1e-4);
-bad adapters refused with the engine still serving.
+each version is its adapters alone, written in PEFT's format and added as a new adapter; new requests run on
+the newest, requests in flight finish on theirs; tokens and log-probs against jaxflow's forward with the same
+adapters (fp32, within 1e-4) and away from the base's; bad adapters refused with the engine still serving.
 
 Skipped when vLLM is not importable, except under CI, where vLLM must run.
 """
@@ -52,13 +52,17 @@ def test_versions_are_adapters_and_bad_adapters_are_refused(engine, base_dir):
     base = hf_io.load_model(base_dir)
     check_served(run(engine, ASKED, GREEDY, tag="base"), base, 0)  # no adapter yet: the base
     models = {v: adapted(base_dir, SPEC, v) for v in (1, 2)}
+    tokens = {}
     for v, model in models.items():
         engine.update_weights(v, lora.peft_tensors(model.layers))
         assert engine.version == v
         served = run(engine, ASKED, GREEDY, tag=f"v{v}")
         check_served(served, model, v)
-        base_logp, _ = teacher_forced(base, ASKED[2], served[2].sample.tokens, pad_to=64)
-        assert np.abs(np.asarray(base_logp) - served[2].sample.logprobs).max() > 10 * ATOL  # adapters applied
+        for prompt, c in zip(ASKED, served):  # ...and not the base alone: the adapters were applied
+            base_logp, _ = teacher_forced(base, prompt, c.sample.tokens, pad_to=64)
+            assert np.abs(np.asarray(base_logp) - c.sample.logprobs).max() > 10 * ATOL
+        tokens[v] = [c.sample.tokens for c in served]
+    assert tokens[1] != tokens[2]  # the second version's adapter, not the first's
 
     good = lora.peft_tensors(models[2].layers)
     name = next(iter(good))
