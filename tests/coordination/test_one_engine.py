@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from compile_level import SUITE_OPT_LEVEL
 from service_placements import SERVICE_METHODS
 from waiting import wait_until
 
@@ -326,7 +327,9 @@ def run_worker_process(model_dir, traj, params, *extra):
     token = "worker-test-token"
     with rpc.Server(traj, SERVICE_METHODS["TrajectoryService"], token=token).start() as ts, \
             rpc.Server(params, RPC_METHODS, token=token).start() as ps:
-        env = {**os.environ, "JAXFLOW_TOKEN": token, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+        # One device, compiled at the suite's level (tests/compile_level.py).
+        env = {**os.environ, "JAXFLOW_TOKEN": token, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"--xla_backend_optimization_level={SUITE_OPT_LEVEL}"}
         cmd = [sys.executable, "-m", "jaxflow.jobs.rollout_worker",
                "--trajectories", f"{ts.address[0]}:{ts.address[1]}",
                "--params", f"{ps.address[0]}:{ps.address[1]}", "--model", str(model_dir),

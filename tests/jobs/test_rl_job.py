@@ -182,11 +182,18 @@ def unread_keys(config, read, exempt=UNREAD_BY_RL_RUN):
         k == e or (e.endswith(".") and k.startswith(e)) for e in exempt))
 
 
-def test_the_run_reads_every_config_key(tmp_path, base_dir, monkeypatch):
-    """A key nobody reads is an option that silently does nothing: a short run must read every leaf key of the
-    config (but the explicit exemptions). A planted top-level `never_read` shows the check catches one."""
+def test_unknown_key_names_the_nearest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer\.etaa'; nearest valid keys: .*trainer\.eta"):
+        load_config(CONFIG, {"trainer.etaa": "1"})
+
+
+def test_async_run_outputs_and_accounting_and_the_run_reads_every_config_key(tmp_path, base_dir, capsys,
+                                                                             monkeypatch):
+    """An async run's outputs, timings and accounting, and the keys it reads: a key nobody reads is an option
+    that silently does nothing, so the run must read every leaf key of the config (but the explicit
+    exemptions). A planted top-level `never_read` shows the check catches one."""
     from jaxflow.jobs import rl
-    config = small_config(tmp_path, base_dir, **{"trainer.steps": "2", "eval.every": "100"})
+    config = small_config(tmp_path, base_dir, **{"trainer.steps": "4", "trainer.eta": "2"})
     with config.unlocked():  # top level: every section refuses a key its dataclass lacks
         config.never_read = 1
     read = record_key_reads(monkeypatch, config)
@@ -196,17 +203,6 @@ def test_the_run_reads_every_config_key(tmp_path, base_dir, monkeypatch):
     # Every exemption is needed: it names keys this run did not read (a stale one would hide a real miss).
     unexempted = unread_keys(config, read, exempt={})
     assert all(any(k == e or (e.endswith(".") and k.startswith(e)) for k in unexempted) for e in UNREAD_BY_RL_RUN)
-
-
-def test_unknown_key_names_the_nearest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'trainer\.etaa'; nearest valid keys: .*trainer\.eta"):
-        load_config(CONFIG, {"trainer.etaa": "1"})
-
-
-def test_async_run_outputs_and_accounting(tmp_path, base_dir, capsys):
-    from jaxflow.jobs import rl
-    config = small_config(tmp_path, base_dir, **{"trainer.steps": "4", "trainer.eta": "2"})
-    assert rl.run(config) == 0
     workdir = pathlib.Path(config.workdir)
     out = capsys.readouterr().out
     steps = [r for r in records(workdir) if "loss" in r]
@@ -303,38 +299,37 @@ def test_rollout_actors_on_ray_keep_the_bound_and_the_accounting(tmp_path, base_
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_ctrl_c_then_resume_loses_no_group_and_trains_none_twice(tmp_path, base_dir):
+def test_ctrl_c_then_resume_loses_no_group_then_sigkill_then_resume_redoes_the_steps_after_the_checkpoint(
+        tmp_path, base_dir):
+    """One run stopped twice by the same command line. Ctrl-C: the run checkpoints where it stands and
+    exits 130; rerun, it resumes from that step, no group lost or trained twice. Then killed outright (no
+    chance to checkpoint): rerun, it resumes from its newest checkpoint and trains the steps after it again.
+    The metrics, the ledger and the service's accounting hold each of the 8 steps once. (One test: each
+    start of the job's process pays its imports and its warm start's load.)"""
     workdir = tmp_path / "run"
-    cmd, env = job_command(base_dir, workdir, **{"trainer.steps": 6})
+    cmd, env = job_command(base_dir, workdir, **{"trainer.steps": 8, "checkpoint.every": 2})
     proc = start_until_step(cmd, env, workdir, 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out
     assert "rerun the same command to resume" in out
-    stopped = [r["step"] for r in records(workdir) if "loss" in r]
-    assert 2 <= len(stopped) < 6, out
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"resuming {workdir} from step {len(stopped)}" in done.stdout
-    # The curve continues: every step once, in order; the earlier records are kept.
-    check_each_step_once(workdir, 6, 2)
-
-
-def test_sigkill_then_resume_redoes_the_steps_after_the_checkpoint_once(tmp_path, base_dir):
-    """A run killed outright (no chance to checkpoint) resumes from its newest checkpoint: the steps after
-    it are trained again, and the metrics, the ledger and the service's accounting hold each step once."""
-    workdir = tmp_path / "run"
-    cmd, env = job_command(base_dir, workdir, **{"trainer.steps": 8, "checkpoint.every": 2})
-    proc = start_until_step(cmd, env, workdir, 5, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    proc.kill()
-    proc.wait(timeout=60)
+    stopped = len([r for r in records(workdir) if "loss" in r])
+    assert 2 <= stopped <= 5, out
+    # Resumed from the Ctrl-C: killed two steps on, after a periodic checkpoint (every 2 steps) or none.
+    log = tmp_path / "resumed.log"
+    with log.open("w") as sink:
+        proc = start_until_step(cmd, env, workdir, stopped + 2, stdout=sink, stderr=subprocess.STDOUT)
+        proc.kill()
+        proc.wait(timeout=60)
+    assert f"resuming {workdir} from step {stopped}" in log.read_text()
     killed_at = len([r for r in records(workdir) if "loss" in r])
-    assert 5 <= killed_at < 8, "the run finished before it could be killed"
+    assert stopped + 2 <= killed_at < 8, "the run finished before it could be killed"
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     resumed = re.search(r"resuming \S+ from step (\d+)", done.stdout)
     assert resumed, done.stdout
-    assert 2 <= int(resumed.group(1)) <= killed_at
+    assert stopped <= int(resumed.group(1)) <= killed_at
+    # The curve continues: every step once, in order; the earlier records are kept.
     check_each_step_once(workdir, 8, 2)
 
 

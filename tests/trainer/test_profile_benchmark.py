@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from compile_level import SUITE_OPT_LEVEL
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -45,8 +46,10 @@ def test_nested_ops_count_once_and_calls_are_run_ids():
 
 def test_a_small_run_profiles_the_step_and_the_decode_chunk(tmp_path):
     out = tmp_path / "profile.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device: the engine's and the step's default mesh
+    # One device (the engine's and the step's default mesh), compiled at the suite's level (compile_level.py):
+    # the summary reads the ops' metadata, which XLA's HLO passes set alike at any LLVM level.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_backend_optimization_level={SUITE_OPT_LEVEL}"}
     proc = subprocess.run([sys.executable, "benchmarks/profile_step.py", "--sequences", "16", "--seq-len", "64",
                            "--steps", "2", "--requests", "16", "--slots", "8", "--max-tokens", "32",
                            "--trace-dir", str(tmp_path / "trace"), "--json", str(out)],

@@ -1,6 +1,7 @@
 """The jitted PPO update: sharding invariance, accumulation, packing, learning, resume, bad input."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -31,11 +32,18 @@ from jaxflow.trainer.step import StepConfig, TrainStep, token_logprobs
 pytestmark = pytest.mark.slow  # compiles and trains the model
 
 
+@functools.cache
+def _unsharded_reference():
+    """The batch the sharding tests train, and two steps of it on one device: (batch, params, metrics); run
+    once for all the meshes compared with it (the arrays are host copies, which nothing modifies)."""
+    batch, _ = make_batch(trajectories(), num_rows=16, seq_len=SEQ_LEN, micro_batches=2)
+    return (batch, *run(one_device(), batch, steps=2))
+
+
 @pytest.mark.parametrize("shape", [(2, 4, 1), (1, 4, 2), (2, 2, 2)], ids=["data2xfsdp4", "fsdp4xtensor2",
                                                                         "data2xfsdp2xtensor2"])
 def test_sharded_equals_unsharded(shape):
-    batch, _ = make_batch(trajectories(), num_rows=16, seq_len=SEQ_LEN, micro_batches=2)
-    ref_params, ref_m = run(one_device(), batch, steps=2)
+    batch, ref_params, ref_m = _unsharded_reference()
     params, m = run(sharding.make_mesh(*shape), batch, steps=2)
     n, scale = policy_loss_scale(batch)
     for a, b in zip(m, ref_m):
