@@ -141,6 +141,39 @@ def _merged(w, a, b, scale: float):
     return jax.jit(merge, out_shardings=w.sharding)(w, a, b)
 
 
+def cache_every_process() -> None:
+    """Lets this process write the programs it compiles to the persistent compilation cache, as process 0 does.
+
+    JAX writes cache entries from process 0 only (so that processes do not contend for one entry on a
+    shared filesystem), but a multi-process program's cache key holds the process's index: the entries of
+    the other processes are never written, and they compile every program afresh in each group they form,
+    so a re-formed group waits for process 1's full train-step compile while process 0 reads its own from
+    the cache. Their keys differ from process 0's, so writing them contends for nothing. Call it after
+    joining the group; without JAX's private cache writer (another JAX version) it changes nothing.
+    """
+    import jax
+    try:
+        from jax._src import compilation_cache, compiler
+        original, put = compiler._cache_write, compilation_cache.put_executable_and_time
+    except (ImportError, AttributeError):
+        return
+    if jax.process_index() == 0 or getattr(original, "every_process", False):
+        return
+
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        # JAX's own conditions but the process's: no host callbacks, a compile worth keeping.
+        if (host_callbacks or not compilation_cache.is_persistent_cache_enabled()
+                or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs):
+            return
+        try:
+            put(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:  # noqa: BLE001 - a cache that cannot be written costs a compile, nothing more
+            print(f"jaxflow: not caching {module_name} ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+
+    write.every_process = True
+    compiler._cache_write = write
+
+
 class TrainerActor:
     """The body of one trainer process's actor (see the module docstring)."""
 
@@ -154,6 +187,7 @@ class TrainerActor:
         "batch_shape", "damaged" (checkpoint steps passed over), "pid"}."""
         distributed.initialize(address, num_processes, process_id, timeout_s=spec["init_timeout_s"],
                                heartbeat_timeout_s=spec["heartbeat_timeout_s"])
+        cache_every_process()
         from jaxflow.models import hf_io
         from jaxflow.models.lora import LoRASpec
         from jaxflow.trainer.checkpoint import Checkpointer
