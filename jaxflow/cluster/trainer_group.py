@@ -26,6 +26,7 @@ restores the newest checkpoint (`jaxflow.jobs.rl_cluster`).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pathlib
@@ -130,6 +131,13 @@ def hf_pieces(model) -> Iterator[tuple[str, list[int], list[int], np.ndarray]]:
 def _merged(w, a, b, scale: float):
     """A LoRA target as the engines take it, W + scale * A B, computed where W's shards live (a jitted
     program on the global arrays: every process calls it) and laid out as W."""
+    return _merge_program(scale, w.sharding)(w, a, b)
+
+
+@functools.cache
+def _merge_program(scale: float, out_sharding):
+    """The jitted merge for one scale and output layout, made once per process: a fresh function per call
+    would be traced and compiled again at every publish."""
     import jax
     import jax.numpy as jnp
 
@@ -138,7 +146,7 @@ def _merged(w, a, b, scale: float):
                            b.reshape(b.shape[0], b.shape[1], -1).astype(jnp.float32))
         return (w.astype(jnp.float32) + scale * delta.reshape(w.shape)).astype(w.dtype)
 
-    return jax.jit(merge, out_shardings=w.sharding)(w, a, b)
+    return jax.jit(merge, out_shardings=out_sharding)
 
 
 def cache_every_process() -> None:

@@ -36,3 +36,29 @@ def test_flat_start_finds_contiguous_blocks_only():
     assert _flat_start([2, 0], [1, 4], [3, 4]) == 8      # one whole row
     assert _flat_start([1, 0], [2, 4], [3, 4]) == 4      # whole rows
     assert _flat_start([0, 1], [2, 2], [3, 4]) is None   # two rows of a partial run: not one run
+
+
+def test_lora_targets_leave_merged_and_the_merge_is_compiled_once(tmp_path):
+    import jax
+
+    from jaxflow.cluster import trainer_group
+    from jaxflow.models.lora import LoRASpec
+    mesh = sharding.make_mesh(1, 4, 2, devices=jax.devices()[:8])
+    spec = LoRASpec(rank=4, alpha=8)
+    model = load_model(write_tiny_model(tmp_path / "model"), mesh=mesh, lora=spec)
+    rng = np.random.default_rng(0)
+    for target in spec.targets:  # B starts at zero: give it values, so that the merge shows
+        b = getattr(model.layers, f"{target}_lora_b")
+        b[...] = jax.device_put(rng.normal(size=b[...].shape).astype(np.float32), b[...].sharding)
+    want = dict(iter_hf_tensors(model))  # merged on the host
+    before = trainer_group._merge_program.cache_info().currsize
+    for _ in range(2):  # a second publish reuses the first one's merge programs
+        got: dict[str, np.ndarray] = {}
+        for name, shape, start, piece in hf_pieces(model):
+            whole = got.setdefault(name, np.zeros(shape, np.float32))
+            whole[tuple(slice(s, s + n) for s, n in zip(start, piece.shape))] = piece
+        assert sorted(got) == sorted(want)
+        for name, w in want.items():
+            np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-5, err_msg=name)
+        made = trainer_group._merge_program.cache_info().currsize - before
+        assert 0 < made <= len(spec.targets)
