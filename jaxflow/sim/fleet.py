@@ -42,6 +42,7 @@ passes over the fleet; Python runs per sequence only at submit, finish, abort, p
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import math
@@ -137,7 +138,8 @@ class SimFleet:
         self._a, self._b, self._c = field("step_s"), field("per_seq_s"), field("per_kv_token_s")
         self._speed, self._prefill, self._sync = field("speed"), field("prefill_tokens_per_s"), field("sync_s")
         self._kv_cap = field("kv_capacity")
-        self._version = np.full(e, int(start_version), np.int64)
+        # Python ints, not an array: the coordinator reads an engine's version many times per tick.
+        self._version = [int(start_version)] * e
         self._stall = np.zeros(e)
         self._paused = np.zeros(e, bool)
         self._n = np.zeros(e, np.int64)
@@ -246,7 +248,7 @@ class SimEngine(Engine):
 
     @property
     def version(self) -> int:
-        return int(self._fleet._version[self.index])
+        return self._fleet._version[self.index]
 
     def submit(self, request: Request) -> None:
         """Queues `request` (admitted at once if it fits). A malformed one (prompt not [prompt_index], id
@@ -330,7 +332,7 @@ class SimEngine(Engine):
             raise WeightsRejected(f"version must be an int, got {version!r}")
         if version < f._version[i]:
             raise WeightsRejected(f"version {version} is older than the served version {f._version[i]}")
-        f._version[i] = version
+        f._version[i] = int(version)
         f._stall[i] += (f._sync[i] + (0.0 if keep_kv else f._kv[i] / f._prefill[i])) / f._speed[i]
         for seq in self._slots:
             if seq is not None:
@@ -354,9 +356,9 @@ class SimEngine(Engine):
 
     def load(self) -> EngineLoad:
         f, i = self._fleet, self.index
-        return EngineLoad(running=int(f._n[i]), waiting=len(self._waiting),
-                          kv_used=float(f._kv[i]) / self.spec.kv_capacity, tokens_per_s=float(f._rate[i]),
-                          version=self.version)
+        return EngineLoad(running=f._n.item(i), waiting=len(self._waiting),
+                          kv_used=f._kv.item(i) / self.spec.kv_capacity, tokens_per_s=f._rate.item(i),
+                          version=f._version[i])
 
     def close(self) -> None:
         """Nothing to stop: a simulated engine has no loop."""
@@ -384,7 +386,7 @@ class SimEngine(Engine):
             kv += need
             f._kv[i] = kv
             f._stall[i] += need / (f._prefill[i] * f._speed[i])
-            version = int(f._version[i])
+            version = f._version[i]
             if not seq.segments or seq.segments[-1][1] != version:
                 seq.segments.append((seq.progress, version))
 
@@ -426,8 +428,10 @@ class SimEngine(Engine):
             if len(seq.segments) == 1:
                 versions = versions + [seq.segments[0][1]] * (blocks - kept)
             else:
-                starts = np.array([s for s, _ in seq.segments])
-                ends = np.minimum(np.arange(kept + 1, blocks + 1) * block, tokens)
-                which = np.maximum(np.searchsorted(starts, ends, side="left") - 1, 0)
-                versions = versions + np.array([v for _, v in seq.segments])[which].tolist()
+                # Per block, the last segment starting before its end (a handful of segments: bisect
+                # on lists beats numpy's per-call cost).
+                starts = [s for s, _ in seq.segments]
+                seg_versions = [v for _, v in seq.segments]
+                versions = versions + [seg_versions[max(bisect.bisect_left(starts, min(k * block, tokens)) - 1, 0)]
+                                       for k in range(kept + 1, blocks + 1)]
         return Sample(tokens=[0] * blocks, logprobs=[-1.0] * blocks, versions=versions, finish_reason=reason)
