@@ -204,7 +204,7 @@ class SimFleet:
                     self.engines[i]._finish(r)
             for i in np.nonzero(self._kv > self._kv_cap)[0].tolist():
                 self.engines[i]._preempt_overflow()
-            for i in np.unique(done_i).tolist():
+            for i in dict.fromkeys(done_i.tolist()):  # np.nonzero lists rows in ascending order
                 self.engines[i]._admit()
             if not (rem > 0).any():
                 break

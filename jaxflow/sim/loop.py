@@ -103,8 +103,8 @@ def simulate(scenario: Scenario, strategy: Coordination, *, eta: int, seed: int 
                 group_staleness[version - g.v_start] += 1
                 for s in g.samples:
                     tokens += len(s.tokens) * block
-                    for v in s.versions:
-                        token_staleness[version - v] += block
+                    for v, blocks in collections.Counter(s.versions).items():
+                        token_staleness[version - v] += blocks * block
             step_tokens.append(tokens)
             duration = sc.trainer.step_time(tokens)
             busy_until, busy_s = fleet.now + duration, busy_s + duration
