@@ -1,4 +1,5 @@
-"""jaxflow.setup_env refuses a first install on a disk without room for it, before installing anything."""
+"""jaxflow.setup_env refuses a first install on a disk without room for it, before installing anything, and
+installs with uv given pip's own indexes, wheel folders and constraints (with pip where uv does not install)."""
 
 import collections
 
@@ -27,3 +28,36 @@ def test_enough_room_goes_on_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(setup_env, "_run", lambda args, what: ran.append(what))
     assert setup_env.main(["--no-vllm"]) == 0
     assert any("installing" in what for what in ran)
+
+
+def test_uv_installs_with_pips_indexes_and_constraints_and_pip_takes_over_without_uv(monkeypatch):
+    settings = {"find-links": ["/opt/wheels"], "constraint": ["/etc/c.txt"], "cert": ["/etc/ca.crt"],
+                "extra-index-url": ["file:///a/simple", "file:///b/simple"]}
+    monkeypatch.setattr(setup_env, "_pip_settings", lambda pip: settings)
+    installed = []
+
+    def run(args, **kwargs):
+        installed.append(args[-1])
+        return collections.namedtuple("done", "returncode")(returncode)
+
+    monkeypatch.setattr(setup_env.subprocess, "run", run)
+    returncode = 0
+    uv = setup_env._installer(["python", "-m", "pip"])
+    assert installed == ["uv"] and uv[1:3] == ["pip", "install"] and uv[0].endswith("uv")
+    pairs = list(zip(uv, uv[1:]))
+    for pair in [("--find-links", "/opt/wheels"), ("--constraint", "/etc/c.txt"),
+                 ("--extra-index-url", "file:///a/simple"), ("--extra-index-url", "file:///b/simple"),
+                 ("--index-strategy", "unsafe-best-match")]:  # pip's rule: the best version on any index
+        assert pair in pairs, uv
+    returncode = 1  # pip could not install uv (an offline machine without it, say)
+    assert setup_env._installer(["python", "-m", "pip"]) == ["python", "-m", "pip", "install", "-q", "--no-compile"]
+
+
+def test_pips_settings_are_read_from_its_config_list_the_variables_winning(monkeypatch):
+    listed = ("global.find-links='/opt/wheels'\n:env:.find-links='/srv/wheels'\n"
+              "global.extra-index-url='file:///a/simple file:///b/simple'\n")
+    monkeypatch.setattr(setup_env.subprocess, "run",
+                        lambda *a, **k: collections.namedtuple("done", "stdout")(listed))
+    settings = setup_env._pip_settings(["pip"])
+    assert settings["find-links"] == ["/srv/wheels"]
+    assert settings["extra-index-url"] == ["file:///a/simple", "file:///b/simple"]
