@@ -278,17 +278,14 @@ def _run_on_ray(tmp_path, base_dir, more=(), **cluster) -> dict:
     return result
 
 
-def test_the_trajectory_service_in_a_ray_actor_keeps_the_bound_and_the_accounting(tmp_path, base_dir):
-    result = _run_on_ray(tmp_path, base_dir, mode="ray")
-    placed = result["cluster"]["trajectory_service"]
-    assert result["cluster"]["mode"] == "ray" and placed["pid"] != os.getpid()  # served by another process
-
-
-def test_rollout_actors_on_ray_keep_the_bound_and_the_accounting(tmp_path, base_dir, capsys):
-    """With LoRA adapters trained in this process: the rollout actors' JAX engines (the base without
-    adapters) take each version's merged weights, and serve what the trainer computes (pi_prox / mu near 1)."""
+def test_the_data_services_and_rollout_actors_on_ray_keep_the_bound_and_the_accounting(tmp_path, base_dir, capsys):
+    """The trajectory service in a Ray actor of its own and, with LoRA adapters trained in this process, two
+    rollout actors whose JAX engines (the base without adapters) take each version's merged weights and serve
+    what the trainer computes (pi_prox / mu near 1)."""
     result = _run_on_ray(tmp_path, base_dir, {"trainer.lora.rank": "8", "trainer.lr": "1e-3"},
                          mode="ray", rollout_actors="2")
+    placed = result["cluster"]["trajectory_service"]
+    assert result["cluster"]["mode"] == "ray" and placed["pid"] != os.getpid()  # served by another process
     actors = result["cluster"]["rollout_actors"]
     assert len(actors) == 2 and len({a["pid"] for a in actors} | {os.getpid()}) == 3  # two actors of their own
     assert result["coordination"]["requests_submitted"] > 0 and result["coordination"]["syncs"] >= 2
