@@ -45,25 +45,6 @@ def user_env(tmp_path, monkeypatch):
     return "user_env:AreYouSure"
 
 
-def test_an_rl_run_trains_two_turn_episodes(tmp_path, base_dir, user_env):
-    config = small_config(tmp_path, base_dir, **{"trainer.steps": "3", "eval.every": "3",
-                                                 "rollout.env.ref": user_env, "rollout.max_tokens": "96",
-                                                 "rollout.max_len": "192"})
-    assert rl.run(config) == 0
-    workdir = tmp_path / "run"
-    steps = [r for r in records(workdir) if "env_tokens_mean" in r]
-    assert len(steps) == 3
-    # The question sits between the turns: every sample carries it (unless its first turn used every token).
-    assert all(r["env_tokens_mean"] > 5 for r in steps)
-    assert all(r["trained_tokens"] < r["consumed_tokens"] for r in steps)
-    # The bound holds per token on multi-turn episodes: every trained token was generated at most eta
-    # versions before the step that trained it (the environment's tokens are not counted).
-    assert all(max(map(int, r["staleness"])) <= config.trainer.eta for r in steps)
-    result = json.loads((workdir / "result.json").read_text())
-    a = result["accounting"]
-    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"]
-
-
 @pytest.mark.parametrize("overrides, match", [
     ({"rollout.env.ref": "no_colon"}, "rollout.env.ref: environment reference 'no_colon' is not of the form"),
     ({"rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv", "rollout.env.step_timeout_s": "0"},
@@ -108,33 +89,33 @@ def test_a_skyrl_gym_environment_trains_through_the_adapter(tmp_path, monkeypatc
     assert last > first, [round(x, 3) for x in rewards]
 
 
-def test_episodes_run_in_a_ray_rollout_actor(tmp_path, base_dir, monkeypatch):
-    """The same SkyRL-gym environment in a Ray rollout actor (the trainer in the job, the data services in
-    their own actor): the actor runs its episodes, their samples cross Ray with their environment spans
-    (masked out of the loss), the bound holds per token and the accounting closes. The environment's module
-    reaches the actor's process as a user's would: on PYTHONPATH (or installed) where the actor runs."""
+def test_a_users_two_turn_episodes_run_in_a_ray_rollout_actor(tmp_path, base_dir, user_env, monkeypatch):
+    """A user's environment module (two turns: a question between them) in a Ray rollout actor (the trainer in
+    the job, the data services in their own actor): the actor runs its episodes, their samples cross Ray with
+    their environment spans (masked out of the loss), the bound holds per token on multi-turn episodes and the
+    accounting closes. The module reaches the actor's process as a user's would: on PYTHONPATH (or installed)
+    where the actor runs. (SkyRL-gym's adapter: the learning test above.)"""
     import os
-    import pathlib
 
     from service_placements import ray_session_end
 
     ray_session_end()  # the job starts a local Ray of its own, which its workers inherit PYTHONPATH from
-    envs = str(pathlib.Path(__file__).parents[1] / "envs")
+    envs = str(tmp_path / "envs")  # user_env's folder, already on this process's sys.path
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (envs, os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.syspath_prepend(envs)  # the job's config check builds the environment once here too
     eta, steps = 1, 3
     config = small_config(tmp_path, base_dir, **{
         "trainer.steps": str(steps), "trainer.eta": str(eta), "eval.every": "1000", "checkpoint.every": "1000",
-        "rollout.max_tokens": "96", "rollout.max_len": "192", "rollout.env.ref": "jaxflow.envs.adapters:SkyRLGymEnv",
+        "rollout.max_tokens": "96", "rollout.max_len": "192", "rollout.env.ref": user_env,
         "cluster.mode": "ray", "cluster.rollout_actors": "1"})
-    with config.unlocked():
-        config.rollout.env.options = {"env": "skyrl_even_env:EvenAnswerEnv"}
     assert rl.run(config) == 0
     workdir = tmp_path / "run"
     trained = [r for r in records(workdir) if "env_tokens_mean" in r]
     assert [r["step"] for r in trained] == list(range(steps))
-    # "Final answer?" sits between the two turns of every episode, and is not trained.
+    # The question sits between the turns: every sample carries it (unless its first turn used every token),
+    # and it is not trained.
     assert all(r["env_tokens_mean"] > 5 and r["trained_tokens"] < r["consumed_tokens"] for r in trained)
+    # Every trained token was generated at most eta versions before the step that trained it (the
+    # environment's tokens are not counted).
     assert all(max(map(int, r["staleness"])) <= eta for r in trained)
     result = json.loads((workdir / "result.json").read_text())
     a = result["accounting"]
