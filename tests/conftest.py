@@ -44,6 +44,16 @@ def shared_base(tmp_path_factory):
 
 SLOW_MODULE_MARK = "\npytestmark = pytest.mark.slow"
 
+# Modules whose module-scoped fixtures start expensive processes: a vLLM engine (about 50 s on 2 cores), a
+# 3-node Ray cluster. Collected first, they go whole to the head of the first xdist worker's queue, which
+# `--dist worksteal` never moves (a worker that runs dry steals the tail of the other's queue); elsewhere, a
+# module that straddles a split starts its processes on both workers.
+RUN_FIRST = ("tests/rollout_bridge/test_vllm_engine.py", "tests/cluster/test_ray_rl.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in RUN_FIRST)  # a stable sort: order kept
+
 
 def pytest_ignore_collect(collection_path, config):
     """Under `-m "not slow"` (the fast tier, pyproject.toml), a test module marked slow as a whole is not even
