@@ -66,7 +66,9 @@ def base_tensors(base_model):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    eng = VllmEngine(model_dir, max_len=MAX_LEN, max_slots=32, kv_cache_gib=1.0,
+    # 0.25 GiB holds 262,144 tokens of this model's KV (vLLM's log), 32x what 32 slots of MAX_LEN can use: more
+    # only costs memory on a shared machine and its allocation at start.
+    eng = VllmEngine(model_dir, max_len=MAX_LEN, max_slots=32, kv_cache_gib=0.25,
                      enforce_eager=True)
     # vLLM's engine core and worker run in child processes. multiprocessing's resource tracker, started
     # with the first spawned child, serves this process until it exits: not vLLM's to stop.
