@@ -49,8 +49,9 @@ def test_uv_installs_with_pips_indexes_and_constraints_and_pip_takes_over_withou
                  ("--extra-index-url", "file:///a/simple"), ("--extra-index-url", "file:///b/simple"),
                  ("--index-strategy", "unsafe-best-match")]:  # pip's rule: the best version on any index
         assert pair in pairs, uv
+    assert "--compile-bytecode" in uv  # read, never written, by processes under PYTHONDONTWRITEBYTECODE
     returncode = 1  # pip could not install uv (an offline machine without it, say)
-    assert setup_env._installer(["python", "-m", "pip"]) == ["python", "-m", "pip", "install", "-q", "--no-compile"]
+    assert setup_env._installer(["python", "-m", "pip"]) == ["python", "-m", "pip", "install", "-q"]
 
 
 def test_pips_settings_are_read_from_its_config_list_the_variables_winning(monkeypatch):
