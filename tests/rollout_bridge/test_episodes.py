@@ -80,6 +80,9 @@ def turn_stops(model_dir):
 
 def episode_engine(model_dir, tokenizer, make_env, stops, **kw):
     inner = JaxEngine(str(model_dir), max_slots=4, max_len=256)
+    # Its background compiles done first: a call before then may run in a larger bucket than a later one,
+    # whose sums differ in the last bits (enough to flip a near-tie of this random model's greedy choice).
+    assert inner.warmed(timeout=300)
     return EpisodeEngine(inner, make_env, tokenizer, turn_stop_ids=stops, step_timeout_s=kw.pop("timeout", 5.0),
                          env_name="echo", **kw)
 

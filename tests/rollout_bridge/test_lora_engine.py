@@ -40,6 +40,9 @@ def trained(base_dir, seed):
 
 
 def served(engine):
+    """(tokens, log-probs) of the engine's greedy answers to `prompts()`, once its background compiles are
+    done: until then a call may run in a larger bucket than the next one, whose sums differ in the last bits."""
+    assert engine.warmed(timeout=300)
     return [(c.sample.tokens, c.sample.logprobs) for c in run(engine, prompts(), tag=f"v{engine.version}")]
 
 

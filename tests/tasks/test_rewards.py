@@ -408,16 +408,22 @@ def test_close_fails_unfinished_calls_and_refuses_new_ones(tmp_path):
     assert all(gone(pid) for pid in pids)
 
 
-@pytest.mark.parametrize("options, message", [
+# A module whose import ends its process, as a worker that dies before it is ready does (out of memory, say).
+DIES_ON_IMPORT = "import os\nos._exit(3)\n"
+
+
+@pytest.mark.parametrize("preload, message", [
     # A preload that does not import: reported by the worker, and the pool stops at once.
-    ({"preload": ["no_such_module_xyz:reward"]}, "cannot start: preloading .*No module named 'no_such_module_xyz'"),
-    # Workers that die before they are ready (here: no memory to run in): the pool stops after three.
-    ({"memory_limit_mb": 1}, "cannot start: 3 exited in a row"),
+    ("no_such_module_xyz:reward", "cannot start: preloading .*No module named 'no_such_module_xyz'"),
+    # Workers that die before they are ready: the pool stops after three.
+    ("dies_on_import_xyz:reward", "cannot start: 3 exited in a row"),
 ])
-def test_workers_that_cannot_start_break_the_pool_clearly(options, message):
+def test_workers_that_cannot_start_break_the_pool_clearly(preload, message, tmp_path, monkeypatch):
+    (tmp_path / "dies_on_import_xyz.py").write_text(DIES_ON_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers start with this process's sys.path
     # Children of other tests in this process (a vLLM engine core, say) are not the pool's to stop.
     before = set(multiprocessing.active_children())
-    pool = RewardPool(num_workers=1, **options)
+    pool = RewardPool(num_workers=1, preload=[preload])
     try:
         with pytest.raises(RuntimeError, match=message):
             wait_until(lambda: pool.submit(ref(length_reward), "x", {}).result(timeout=60) and False, 60,
