@@ -68,11 +68,16 @@ _UV_OPTIONS = {"find-links": "--find-links", "constraint": "--constraint", "inde
                "extra-index-url": "--extra-index-url"}
 
 
+# pip's configuration scopes, weakest first: the machine's file, the user's, the environment's, PIP_* variables.
+_PIP_SCOPES = ("global", "user", "site", ":env:")
+
+
 def _pip_settings(pip: list[str]) -> dict[str, list[str]]:
-    """pip's configured values (`pip config list`: files, then PIP_* variables, which win), by key."""
+    """pip's configured values (`pip config list`), by key, the strongest scope's where several set one."""
     listed = subprocess.run(pip + ["config", "list"], capture_output=True, text=True, check=True).stdout
     settings: dict[str, list[str]] = {}
-    for line in sorted(listed.splitlines(), key=lambda ln: ln.startswith(":env:")):  # the variables last
+    rank = {scope: i for i, scope in enumerate(_PIP_SCOPES)}
+    for line in sorted(listed.splitlines(), key=lambda ln: rank.get(ln.split(".", 1)[0], 0)):
         name, sep, value = line.partition("=")
         if sep:
             settings[name.rsplit(".", 1)[-1]] = value.strip("'\"").split()
@@ -94,8 +99,8 @@ def _installer(pip: list[str]) -> list[str]:
     if not with_uv:
         print("[setup] uv did not install; installing with pip", flush=True)
         return pip_install
-    uv = [str(_python().parent / "uv"), "pip", "install", "-q", "--python", str(_python()), "--compile-bytecode",
-          "--index-strategy", "unsafe-best-match"]
+    uv = [str(_python().parent / ("uv.exe" if os.name == "nt" else "uv")), "pip", "install", "-q",
+          "--python", str(_python()), "--compile-bytecode", "--index-strategy", "unsafe-best-match"]
     for key, option in _UV_OPTIONS.items():
         uv += [arg for value in settings.get(key, []) for arg in (option, value)]
     return uv

@@ -55,7 +55,7 @@ def test_uv_installs_with_pips_indexes_and_constraints_and_pip_takes_over_withou
 
 
 def test_pips_settings_are_read_from_its_config_list_the_variables_winning(monkeypatch):
-    listed = ("global.find-links='/opt/wheels'\n:env:.find-links='/srv/wheels'\n"
+    listed = (":env:.find-links='/srv/wheels'\nglobal.find-links='/opt/wheels'\nuser.find-links='/home/w'\n"
               "global.extra-index-url='file:///a/simple file:///b/simple'\n")
     monkeypatch.setattr(setup_env.subprocess, "run",
                         lambda *a, **k: collections.namedtuple("done", "stdout")(listed))
