@@ -385,8 +385,9 @@ class EpisodeEngine(Engine):
 
     def _finish(self, ep: _Episode, error: str | None, info: dict | None = None, failed: bool = False) -> None:
         with self._lock:
-            if self._episodes.pop(ep.request.request_id, None) is not ep:
-                return  # aborted meanwhile: abort handed it back
+            if self._episodes.get(ep.request.request_id) is not ep:
+                return  # aborted meanwhile: abort handed it back (its id may already run a resumed episode)
+            del self._episodes[ep.request.request_id]
             self.counts["episodes"] += 1
             self.counts["episode_turns"] += ep.turns
             if ep.sample.finish_reason != "error":

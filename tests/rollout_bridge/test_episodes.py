@@ -6,6 +6,7 @@ uninterrupted greedy episode."""
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import time
 
 import pytest
@@ -155,7 +156,7 @@ def test_a_failing_environment_fails_its_episode_only(model_dir, tokenizer, turn
 
 @pytest.mark.parametrize("resume_from", ["abort", "progress"])
 def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(model_dir, tokenizer, turn_stops,
-                                                                             resume_from):
+                                                                             resume_from, caplog):
     """resume_from "progress": each episode resumes from what `progress` read just before the abort (what a
     dead worker's coordinator last reported), not from the abort's own sample."""
     engine = episode_engine(model_dir, tokenizer, lambda meta: Echo(turns=3), turn_stops)
@@ -169,12 +170,14 @@ def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(mod
         by_id = {r.request_id: r for r in requests(3)}
         for r in by_id.values():
             engine.submit(r)
-        partial, got = [], {}
+        partial, got, rounds = [], {}, []
         for delay in (0.25, 0.5, 0.4):
             time.sleep(delay)
             read = {c.request_id: c.sample for c in engine.progress([rid for rid in by_id if rid not in got])}
             aborted = engine.abort([rid for rid in by_id if rid not in got])
             got.update({c.request_id: c for c in engine.poll(timeout=0)})  # finished before the abort
+            rounds.append({c.request_id: (len(read[c.request_id].tokens), len(c.sample.tokens), c.sample.env_spans)
+                           for c in aborted})
             for c in aborted:
                 assert c.sample.finish_reason == "abort"
                 prefix = c.sample
@@ -194,16 +197,24 @@ def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(mod
     assert any(s.env_spans for s in partial)  # aborted after a turn was answered
     assert any(not s.env_spans or s.env_spans[-1][1] < len(s.tokens) for s in partial)  # or within a turn
     for rid, want in reference.items():
-        s = got[rid].sample
-        assert s.tokens == want.tokens and s.env_spans == want.env_spans, rid
-        assert s.finish_reason == want.finish_reason and s.reward == want.reward
+        c = got[rid]
+        s = c.sample
+        # What a mismatch needs to be understood: how each episode ended, what each round read and aborted
+        # ({id: (tokens read, tokens aborted, spans)}), and what the engine logged.
+        why = (f"{rid}: {s.finish_reason!r} after {len(s.tokens)} tokens, spans {s.env_spans}, error "
+               f"{c.error!r}, info {c.info}; uninterrupted: {want.finish_reason!r} after {len(want.tokens)}, "
+               f"spans {want.env_spans}; rounds {rounds}; counts {dict(engine.counts)}; log "
+               f"{[r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]}")
+        assert (s.finish_reason, c.error) == (want.finish_reason, None), why
+        assert s.tokens == want.tokens and s.env_spans == want.env_spans, why
+        assert s.reward == want.reward, why
 
 
 def test_a_turn_that_finishes_after_its_episode_was_handed_back_is_dropped(model_dir, tokenizer, turn_stops,
                                                                           caplog):
     """An abort (or close) hands the episode back and closes its environment while the turn that just
     finished may already be scheduled on the event loop: that turn must end quietly, not count an
-    environment failure or call the closed environment."""
+    environment failure, call the closed environment, or end the episode resumed under the same id."""
     envs = []
 
     def make_env(meta):
@@ -226,10 +237,18 @@ def test_a_turn_that_finishes_after_its_episode_was_handed_back_is_dropped(model
         with pytest.raises(concurrent.futures.CancelledError):  # cancelled: the episode is gone
             late.result(timeout=10)
         assert engine.poll(timeout=0.2) == []
+        # The episode resumes under the same id; a late turn of the one handed back that ends it ("length")
+        # must leave the resumed episode alone, which then finishes.
+        engine.submit(Request(r.request_id, r.prompt, r.params, prefix=aborted.sample, meta=r.meta))
+        aborted.sample.finish_reason = "length"
+        asyncio.run_coroutine_threadsafe(engine._turn_done(ep, aborted), engine._loop).result(timeout=10)
+        assert engine.poll(timeout=0.2) == []
+        resumed = poll_all(engine, 1, timeout=120)[r.request_id].sample
     finally:
         engine.close()
     assert not {k: n for k, n in engine.counts.items() if k.startswith("env_") and n}
     assert envs[0].seen == answered and "raised" not in caplog.text
+    assert resumed.finish_reason in ("stop", "length") and len(resumed.env_spans) > len(aborted.sample.env_spans)
 
 
 def test_reset_may_not_add_messages(model_dir, tokenizer, turn_stops):
