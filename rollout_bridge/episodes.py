@@ -25,10 +25,11 @@ its episode only: the completion comes back finished, with reward 0.0 and info {
 "env_error": message}, and `counts` records the kind.
 
 Abort and resume: `abort` (and `pause("abort")`) hand an episode back as a partial sample whether its
-model turn was generating or its environment was answering (the answer is dropped). A resubmitted
-episode (`Request(prefix=...)`) gets a fresh environment, which is brought to the same state by
-replaying the episode's finished model turns (`reset`, then a `step` per turn; their observations
-are already in the prefix and are not added again), then continues: with the environment's answer to
+model turn was generating or had just finished, or its environment was answering (the answer is
+dropped); the sample holds at least what `progress` showed before. A resubmitted episode
+(`Request(prefix=...)`) gets a fresh environment, which is brought to the same state by replaying the
+episode's finished model turns (`reset`, then a `step` per turn; their observations are already in the
+prefix and are not added again), then continues: with the environment's answer to
 the prefix's last turn if that turn had ended, else by generating the rest of that turn. This assumes
 an environment answers the same turns the same way (the calculator does; an environment that cannot
 must not be aborted mid-episode).
@@ -53,6 +54,10 @@ from jaxflow.envs.threaded import ThreadedEnv
 from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams, copy_prefix, in_flight_copy
 
 log = logging.getLogger(__name__)
+
+# How long `abort` waits for the pump to bring a turn the inner engine had just finished (it is already
+# out of that engine, so this is milliseconds unless the pump is stuck).
+_CLAIM_TIMEOUT_S = 30.0
 
 __all__ = ["EpisodeEngine"]
 
@@ -110,9 +115,12 @@ class EpisodeEngine(Engine):
         self.renderer = ObservationRenderer(tokenizer)
         self.counts: collections.Counter = collections.Counter()
         self._episodes: dict[str, _Episode] = {}
-        # Per request id, turns the inner engine had already handed out when their episode was handed back:
-        # the pump drops that many of its next completions for the id, which belong to no live episode (a
+        # Turns the inner engine had already finished when their episode was handed back, by request id:
+        # `_claims[id]` is None until the pump brings that turn's completion, which `_hand_back` then hands
+        # back in place of the sample from before the turn. `_stale_turns[id]` counts those nobody waits for
+        # any more: the pump drops that many completions of the id, which belong to no live episode (a
         # resubmitted episode of the same id must not take them).
+        self._claims: dict[str, Completion | None] = {}
         self._stale_turns: collections.Counter = collections.Counter()
         self._closing_envs: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
@@ -145,24 +153,39 @@ class EpisodeEngine(Engine):
 
     def _hand_back(self, rids: list[str], returned: dict[str, Completion]) -> list[Completion]:
         """Episodes `rids` stop: each comes back as a partial sample (finish_reason "abort"), the one the
-        inner engine `returned` for a turn it was generating, else the episode's sample so far."""
-        out = []
+        inner engine `returned` for a turn it was generating, or the turn it had just finished, else the
+        episode's sample so far. Never less than `progress` showed before the call."""
+        eps, claimed = [], []
         for rid in rids:
             with self._lock:
                 ep = self._episodes.pop(rid, None)
                 if ep is not None and ep.in_inner and rid not in returned:
-                    # Its turn went to the inner engine after that engine's abort ran (abort it now), or its
-                    # completion is on its way to the pump (which must drop it).
+                    # Its turn went to the inner engine after that engine's abort ran (abort it now), or the
+                    # turn finished and its completion is on its way to the pump (claim it).
                     returned.update({c.request_id: c for c in self.inner.abort([rid])})
                     if rid not in returned:
+                        self._claims[rid] = None
+                        claimed.append(rid)
+            if ep is not None:
+                if ep.task is not None:
+                    ep.task.cancel()
+                self._close_env(ep)
+                eps.append(ep)
+        if claimed:
+            with self._lock:
+                self._finished.wait_for(lambda: all(self._claims[rid] is not None for rid in claimed)
+                                        or self._error is not None or self._closing, timeout=_CLAIM_TIMEOUT_S)
+                for rid in claimed:
+                    c = self._claims.pop(rid)
+                    if c is not None:
+                        returned[rid] = c
+                    else:  # the pump is gone or late: it must drop the turn when it comes
                         self._stale_turns[rid] += 1
-            if ep is None:
-                continue
-            if ep.task is not None:
-                ep.task.cancel()
+        out = []
+        for ep in eps:
+            rid = ep.request.request_id
             sample = returned[rid].sample if rid in returned else ep.sample
             sample.finish_reason = "abort"
-            self._close_env(ep)
             out.append(Completion(rid, sample))
         return out
 
@@ -241,13 +264,18 @@ class EpisodeEngine(Engine):
                 return
             for c in done:
                 with self._lock:
-                    if self._stale_turns[c.request_id]:  # the turn of an episode handed back
+                    if self._stale_turns[c.request_id]:  # the turn of an episode handed back (older ones first)
                         self._stale_turns[c.request_id] -= 1
+                        continue
+                    if c.request_id in self._claims:  # the turn of an episode being handed back
+                        self._claims[c.request_id] = c
+                        self._finished.notify_all()
                         continue
                     ep = self._episodes.get(c.request_id)
                     if ep is None or not ep.in_inner:
                         continue
-                    ep.in_inner = False
+                    # The episode holds the turn from here on: `progress` and `abort` see it at once.
+                    ep.in_inner, ep.sample = False, c.sample
                     ep.task = asyncio.run_coroutine_threadsafe(self._turn_done(ep, c), self._loop)
 
     async def _start(self, ep: _Episode) -> None:
