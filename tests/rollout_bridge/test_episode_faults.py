@@ -4,6 +4,7 @@ on time while the others go on, and an observation over the token cap fails its 
 growing the sample."""
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -13,9 +14,9 @@ from waiting import wait_until
 from jaxflow.envs.base import Step
 from jaxflow.envs.config import EnvConfig
 from jaxflow.envs.threaded import ThreadedEnv
-from rollout_bridge import scripted
+from rollout_bridge import episodes, scripted
 from rollout_bridge.engine import Completion, Request, SamplingParams
-from rollout_bridge.episodes import EpisodeEngine
+from rollout_bridge.episodes import EpisodeEngine, model_turns
 from rollout_bridge.scripted import CharTokenizer
 
 TURN = "hi#"  # every model turn; "#" is the tool-call marker that ends it
@@ -167,11 +168,42 @@ class GatedEngine(scripted.ScriptedEngine):
         return super().poll(timeout)
 
 
-def test_a_turn_handed_out_before_its_episode_was_aborted_never_reaches_the_resubmitted_episode():
-    """Episode e0's first turn is finished by the inner engine but not yet polled when e0 is aborted (the
-    abort returns e0 as it was, with no turn) and resubmitted. The resubmitted episode runs its own turns:
-    the old turn is dropped, not applied to it as well (which would answer one turn twice and lose or
+def test_an_abort_just_after_a_turn_finished_hands_that_turn_back():
+    """Episode e0's first turn is finished by the inner engine but not yet polled when e0 is aborted: the
+    abort waits for that turn and hands it back (progress may already have shown its tokens), and the
+    episode resumed from it answers that turn once and runs to its end."""
+    inner = GatedEngine()
+    engine = EpisodeEngine(inner, lambda meta: Answers(turns=3), CharTokenizer(), turn_stop_ids=[STOP],
+                           step_timeout_s=30, env_name="answers")
+    got: dict[str, Completion] = {}
+    try:
+        r = request(0)
+        engine.submit(r)
+        wait_until(lambda: inner.handed_out == 1, 60, "e0's first turn to finish on the inner engine")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(engine.abort, ["e0"])
+            wait_until(lambda: "e0" in engine._claims, 30, "the abort to claim e0's finished turn")
+            assert not pending.done()  # it waits for the turn
+            inner.gate.set()
+            (aborted,) = pending.result(timeout=30)
+        assert aborted.sample.finish_reason == "abort" and aborted.sample.tokens == [ord(c) for c in TURN]
+        engine.submit(Request(r.request_id, r.prompt, r.params, prefix=aborted.sample, meta=r.meta))
+        wait_until(lambda: collect(engine, got, "e0"), 60, "the resubmitted e0 to finish")
+    finally:
+        inner.gate.set()
+        engine.close()
+    done = got["e0"]
+    assert done.info.get("env_failure") is None and done.info["turns"] == 3 and done.sample.reward == 3.0
+    assert len(done.sample.env_spans) == 2 and [t for a, b in model_turns(done.sample)
+                                                 for t in done.sample.tokens[a:b]] == [ord(c) for c in TURN * 3]
+
+
+def test_a_turn_handed_out_before_its_episode_was_aborted_never_reaches_the_resubmitted_episode(monkeypatch):
+    """As above, but the turn does not reach the pump within the abort's wait: the abort returns e0 as it
+    was, with no turn, and e0 is resubmitted. The resubmitted episode runs its own turns: the old turn,
+    when it comes, is dropped, not applied to it as well (which would answer one turn twice and lose or
     corrupt the episode)."""
+    monkeypatch.setattr(episodes, "_CLAIM_TIMEOUT_S", 0.2)
     inner = GatedEngine()
     engine = EpisodeEngine(inner, lambda meta: Answers(turns=3), CharTokenizer(), turn_stop_ids=[STOP],
                            step_timeout_s=30, env_name="answers")

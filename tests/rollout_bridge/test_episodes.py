@@ -7,7 +7,6 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import threading
 import time
 
 import pytest
@@ -209,54 +208,6 @@ def test_abort_mid_episode_and_resume_gives_the_uninterrupted_greedy_episode(mod
         assert (s.finish_reason, c.error) == (want.finish_reason, None), why
         assert s.tokens == want.tokens and s.env_spans == want.env_spans, why
         assert s.reward == want.reward, why
-
-
-def test_an_abort_just_after_a_turn_finished_hands_back_that_turn(model_dir, tokenizer, turn_stops):
-    """A turn the inner engine has finished but whose completion has not reached the episode yet is part of
-    what the abort hands back (progress may already have shown its tokens), not dropped; resuming from it
-    gives the uninterrupted greedy episode."""
-    engine = episode_engine(model_dir, tokenizer, lambda meta: Echo(turns=3), turn_stops)
-    try:
-        (want,) = [c.sample for c in engine.generate(requests(1), timeout=300)]
-    finally:
-        engine.close()
-    engine = episode_engine(model_dir, tokenizer, lambda meta: Echo(turns=3), turn_stops)
-    # The episode engine's pump takes nothing from the inner engine while `held` is clear.
-    held, kept, poll, gated = threading.Event(), [], engine.inner.poll, threading.Event()
-
-    def gated_poll(timeout=None):
-        gated.set()
-        out = poll(timeout)
-        if not held.is_set():
-            kept.extend(out)
-            return []
-        out, kept[:] = kept + out, []
-        return out
-
-    engine.inner.poll = gated_poll
-    try:
-        assert gated.wait(10)  # the pump's poll from before the swap has returned: what follows goes through it
-        (r,) = requests(1)
-        engine.submit(r)
-        with engine._lock:
-            ep = engine._episodes[r.request_id]
-        # The first turn went to the inner engine and finished there; its completion waits in `kept`.
-        wait_until(lambda: ep.in_inner and not engine.inner.progress([r.request_id]) and kept, 120,
-                   "the first turn finished in the inner engine")
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(engine.abort, [r.request_id])
-            wait_until(lambda: r.request_id in engine._claims, 30, "the abort claimed the finished turn")
-            assert not pending.done()  # it waits for that turn
-            held.set()
-            (aborted,) = pending.result(timeout=30)
-        first = model_turns(want)[0][1]
-        assert aborted.sample.finish_reason == "abort" and aborted.sample.tokens == want.tokens[:first]
-        engine.submit(Request(r.request_id, r.prompt, r.params, prefix=aborted.sample, meta=r.meta))
-        resumed = poll_all(engine, 1, timeout=120)[r.request_id].sample
-    finally:
-        engine.close()
-    assert resumed.tokens == want.tokens and resumed.env_spans == want.env_spans
-    assert (resumed.finish_reason, resumed.reward) == (want.finish_reason, want.reward)
 
 
 def test_a_turn_that_finishes_after_its_episode_was_handed_back_is_dropped(model_dir, tokenizer, turn_stops,
