@@ -1,7 +1,7 @@
 """Environment faults in episodes (`rollout_bridge.episodes.EpisodeEngine`) on a scripted inner engine and a
 character tokenizer, so no model is compiled: an environment that blocks its thread fails its own episode
-on time while the others go on, and an observation over the token cap fails its episode instead of
-growing the sample."""
+on time while the others go on, an observation over the token cap fails its episode instead of growing
+the sample, and a turn that finished just before its episode's abort is handed back, or else dropped."""
 
 import asyncio
 import concurrent.futures
