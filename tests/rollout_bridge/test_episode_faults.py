@@ -5,6 +5,7 @@ the sample, and a turn that finished just before its episode's abort is handed b
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 
@@ -168,30 +169,37 @@ class GatedEngine(scripted.ScriptedEngine):
         return super().poll(timeout)
 
 
-def test_an_abort_just_after_a_turn_finished_hands_that_turn_back():
-    """Episode e0's first turn is finished by the inner engine but not yet polled when e0 is aborted: the
-    abort waits for that turn and hands it back (progress may already have shown its tokens), and the
-    episode resumed from it answers that turn once and runs to its end."""
+@contextlib.contextmanager
+def first_turn_held():
+    """Episode e0 on a GatedEngine, its first turn finished by the inner engine but not yet polled: yields
+    (inner, episode engine, e0's request) and closes the engine afterwards."""
     inner = GatedEngine()
     engine = EpisodeEngine(inner, lambda meta: Answers(turns=3), CharTokenizer(), turn_stop_ids=[STOP],
                            step_timeout_s=30, env_name="answers")
-    got: dict[str, Completion] = {}
     try:
         r = request(0)
         engine.submit(r)
         wait_until(lambda: inner.handed_out == 1, 60, "e0's first turn to finish on the inner engine")
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(engine.abort, ["e0"])
-            wait_until(lambda: "e0" in engine._claims, 30, "the abort to claim e0's finished turn")
-            assert not pending.done()  # it waits for the turn
-            inner.gate.set()
-            (aborted,) = pending.result(timeout=30)
-        assert aborted.sample.finish_reason == "abort" and aborted.sample.tokens == [ord(c) for c in TURN]
-        engine.submit(Request(r.request_id, r.prompt, r.params, prefix=aborted.sample, meta=r.meta))
-        wait_until(lambda: collect(engine, got, "e0"), 60, "the resubmitted e0 to finish")
+        yield inner, engine, r
     finally:
         inner.gate.set()
         engine.close()
+
+
+def test_an_abort_just_after_a_turn_finished_hands_that_turn_back():
+    """Episode e0's first turn is finished by the inner engine but not yet polled when e0 is aborted: the
+    abort waits for that turn and hands it back (progress may already have shown its tokens), and the
+    episode resumed from it answers that turn once and runs to its end."""
+    got: dict[str, Completion] = {}
+    with first_turn_held() as (inner, engine, r), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(engine.abort, ["e0"])
+        wait_until(lambda: "e0" in engine._claims, 30, "the abort to claim e0's finished turn")
+        assert not pending.done()  # it waits for the turn
+        inner.gate.set()
+        (aborted,) = pending.result(timeout=30)
+        assert aborted.sample.finish_reason == "abort" and aborted.sample.tokens == [ord(c) for c in TURN]
+        engine.submit(Request(r.request_id, r.prompt, r.params, prefix=aborted.sample, meta=r.meta))
+        wait_until(lambda: collect(engine, got, "e0"), 60, "the resubmitted e0 to finish")
     done = got["e0"]
     assert done.info.get("env_failure") is None and done.info["turns"] == 3 and done.sample.reward == 3.0
     assert len(done.sample.env_spans) == 2 and [t for a, b in model_turns(done.sample)
@@ -204,14 +212,8 @@ def test_a_turn_handed_out_before_its_episode_was_aborted_never_reaches_the_resu
     when it comes, is dropped, not applied to it as well (which would answer one turn twice and lose or
     corrupt the episode)."""
     monkeypatch.setattr(episodes, "_CLAIM_TIMEOUT_S", 0.2)
-    inner = GatedEngine()
-    engine = EpisodeEngine(inner, lambda meta: Answers(turns=3), CharTokenizer(), turn_stop_ids=[STOP],
-                           step_timeout_s=30, env_name="answers")
     got: dict[str, Completion] = {}
-    try:
-        r = request(0)
-        engine.submit(r)
-        wait_until(lambda: inner.handed_out == 1, 60, "e0's first turn to finish on the inner engine")
+    with first_turn_held() as (inner, engine, r):
         (aborted,) = engine.abort(["e0"])
         assert aborted.sample.finish_reason == "abort" and aborted.sample.tokens == []
         engine.submit(Request(r.request_id, r.prompt, r.params, prefix=aborted.sample, meta=r.meta))
@@ -219,9 +221,6 @@ def test_a_turn_handed_out_before_its_episode_was_aborted_never_reaches_the_resu
         inner.gate.set()
         wait_until(lambda: collect(engine, got, "e0"), 60, "the resubmitted e0 to finish")
         assert engine.poll(timeout=0.5) == []  # e0 comes out once
-    finally:
-        inner.gate.set()
-        engine.close()
     done = got["e0"]
     assert done.info.get("env_failure") is None and done.info["turns"] == 3 and done.sample.reward == 3.0
     assert done.sample.tokens[:len(TURN)] == [ord(c) for c in TURN]
