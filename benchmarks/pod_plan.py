@@ -38,9 +38,11 @@ tp = tensor, D hidden, F mlp, H heads, G kv heads, K head_dim, V vocab, L layers
     gate, up and their product (`split_attention` keeps q, k, v, not its probabilities);
   with remat: c D (the block input only);
   live block: while one block's backward runs, its saved set (without remat's saving) and its attention
-    scores and probabilities, rows x H/tp x T^2 x (4 + c) bytes (the uncut branch);
+    scores and probabilities, rows x H/tp x Q x T x (4 + c) bytes (the uncut branch; Q = T, or the query
+    block of `transformer.attention` on rows longer than its ATTENTION_WHOLE_QUERIES);
   LM head: 3 x 4 bytes x rows x min(C, T) x V/tp (float32 logits, their gradient, the probabilities behind
-    the entropy), live before any block's backward starts, so never together with a live block.
+    the entropy; vocab-parallel over fsdp too, the same bytes: rows of the fsdp group x V/(fsdp tp)), live
+    before any block's backward starts, so never together with a live block.
   analytic_activation_bytes = L n (saved per layer and token) + max(live block, LM head).
 temp bytes (XLA's buffer assignment) hold more than activations: the gradient accumulator (P_dev), the
 optimizer's updates and new moments before the skip-if-not-finite select, fsdp all-gathered weights of a
@@ -102,6 +104,10 @@ QUICK_SWEEP = (("qwen3-0.6b", 64),)
 SWEEP_SEQ = 8192
 # The case whose figures are the result file's top-level keys.
 HEADLINE_CASE = ("qwen3-8b", 64)
+# The log-prob chunking study of the full sweep: Qwen3-0.6B at 4,096 tokens on fsdp=8, the step with
+# chunked log-probs against the one with whole [rows, T, V] logits, at 1 and 4 rows a device (model, devices,
+# seq, rows). The logits grow with the rows; the parameters' share of temp does not.
+CHUNKING_CASES = (("qwen3-0.6b", 8, 4096, 8), ("qwen3-0.6b", 8, 4096, 32))
 # A small model for tests and smoke runs (train_step.py's "tiny" shape).
 TINY = dict(architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=True)
@@ -294,6 +300,8 @@ def analytic(model_cfg, mesh, state, batch_bytes: int, rows: int, args, step_cfg
     """The per-device analytic count (module docstring): state from the shardings, activations by formula."""
     import jax
     import numpy as np
+
+    from jaxflow.models import transformer
     params = _tree_shard_bytes(state.params)
     opt = _tree_shard_bytes(state.opt_state)
     counters = _tree_shard_bytes((state.step, state.version, state.skipped))
@@ -309,7 +317,8 @@ def analytic(model_cfg, mesh, state, batch_bytes: int, rows: int, args, step_cfg
                                   model_cfg.num_layers)
     no_remat = c * (4 * d + (3 * h + 3 * g) * k / tp + 3 * f / tp)
     saved = c * d if args.remat else no_remat
-    attention = rows_dev * (h / tp) * t * t * (4 + c)
+    queries = t if t <= transformer.ATTENTION_WHOLE_QUERIES else transformer.ATTENTION_QUERY_BLOCK
+    attention = rows_dev * (h / tp) * queries * t * (4 + c)
     chunk = getattr(step_cfg, "logprob_chunk", 0) or t
     lm_head = 3 * 4 * rows_dev * min(chunk, t) * v / tp
     # The LM head runs after every block's forward and before any block's backward: its buffers and a
@@ -520,9 +529,37 @@ def _case_argv(model: str, devices: int, args) -> list[str]:
     return argv
 
 
+def _run_case(argv: list[str], tmp: str, name: str) -> dict | None:
+    """One case in a process of its own (each needs its own device count): its figures, or None."""
+    path = pathlib.Path(tmp) / f"{name}.json"
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--case-json", str(path)]
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0 or not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def chunking_study(args, tmp: str) -> list[dict]:
+    """CHUNKING_CASES: per case, the chunked and the unchunked step's temp bytes and their ratio."""
+    out = []
+    for model, devices, seq, rows in CHUNKING_CASES:
+        argv = ["--model", model, "--mesh", f"fsdp={devices}", "--seq", str(seq), "--rows", str(rows),
+                "--compute-dtype", args.compute_dtype, "--compare-unchunked", "--skip-engine"]
+        r = _run_case(argv, tmp, f"chunking-{model}-{devices}-{rows}")
+        row = {"model": model, "devices": devices, "seq": seq, "rows": rows, "rows_per_device": rows // devices}
+        if r is None or r.get("logprob_temp_ratio") is None:
+            out.append({**row, "error": "the case failed or has no unchunked step"})
+            continue
+        out.append({**row, "logprob_chunk": r["logprob_chunk"], "temp_bytes": r["temp_bytes"],
+                    "unchunked_temp_bytes": r["programs"]["train_step_unchunked"]["memory"]["temp_bytes"],
+                    "logprob_temp_ratio": r["logprob_temp_ratio"], "compile_s": r["compile_s"]})
+    return out
+
+
 def sweep(args, save=None) -> dict:
-    """Runs the sweep's cases one process each; `save(figures so far)` after each case (a long sweep cut
-    short keeps the cases it finished)."""
+    """Runs the sweep's cases one process each, then (the full sweep only) the log-prob chunking study;
+    `save(figures so far)` after each case (a long sweep cut short keeps the cases it finished)."""
     cases = QUICK_SWEEP if args.quick else [(m, n) for m in SWEEP_MODELS for n in SWEEP_DEVICES]
     cases = sorted(cases, key=lambda case: case != HEADLINE_CASE)  # the headline first
     if args.cases:
@@ -534,25 +571,27 @@ def sweep(args, save=None) -> dict:
         done = {(r["model"], r["devices"]) for r in results}
         print(f"resuming: {len(results)} case(s) kept from {args.json}")
         cases = [c for c in cases if c not in done]
+    chunking = []
     with tempfile.TemporaryDirectory() as tmp:
         for model, devices in cases:
-            path = pathlib.Path(tmp) / f"{model}-{devices}.json"
-            cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *_case_argv(model, devices, args),
-                   "--case-json", str(path)]
-            print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-            proc = subprocess.run(cmd)
-            if proc.returncode != 0 or not path.exists():
+            r = _run_case(_case_argv(model, devices, args), tmp, f"{model}-{devices}")
+            if r is None:
                 results.append({"model": model, "devices": devices, "mesh": {"data": 1, "fsdp": devices, "tensor": 1},
-                                "error": f"exit code {proc.returncode}"})
+                                "error": "the case's process failed"})
                 continue
-            results.append(json.loads(path.read_text()))
+            results.append(r)
             if save is not None:
-                save(_sweep_figures(results))
-    print_sweep(results)
-    return _sweep_figures(results)
+                save(_sweep_figures(results, chunking))
+        if not (args.quick or args.cases):
+            chunking = chunking_study(args, tmp)
+    print_sweep(results, chunking)
+    figures = _sweep_figures(results, chunking)
+    if save is not None:
+        save(figures)
+    return figures
 
 
-def print_sweep(results: list[dict]) -> None:
+def print_sweep(results: list[dict], chunking: list[dict]) -> None:
     table = [_sweep_row(r) for r in results]
     print("\nsweep, seq 8192, fsdp over all devices, one row per device:")
     print(f"{'model':<12}{'devices':>8}{'state GB':>10}{'temp GB':>9}{'need GB':>9}{'H100':>8}{'v5p':>8}{'v5e':>8}"
@@ -566,15 +605,25 @@ def print_sweep(results: list[dict]) -> None:
               f"{row['needed_gb']:>9.1f}{fit['h100']:>8}{fit['tpu_v5p']:>8}{fit['tpu_v5e']:>8}"
               f"{row['step_s_h100']:>9.2f}{row['step_s_tpu_v5p']:>8.2f}{row['step_s_tpu_v5e']:>8.2f}"
               f"{row['compile_s']:>11.0f}")
+    for c in chunking:
+        head = f"log-prob chunking, {c['model']} on {c['devices']} devices, seq {c['seq']}, {c['rows_per_device']} " \
+               "row(s) a device:"
+        if "error" in c:
+            print(f"{head} failed: {c['error']}")
+            continue
+        print(f"{head} temp {_gb(c['temp_bytes'])} GB chunked, {_gb(c['unchunked_temp_bytes'])} GB unchunked: "
+              f"ratio {c['logprob_temp_ratio']:.3f}")
 
 
-def _sweep_figures(results: list[dict]) -> dict:
-    """The result file of a sweep: the headline case's figures at the top level, every case's row and figures."""
+def _sweep_figures(results: list[dict], chunking: list[dict]) -> dict:
+    """The result file of a sweep: the headline case's figures at the top level, every case's row and figures,
+    and the chunking study."""
     head = next((r for r in results if (r["model"], r["devices"]) == HEADLINE_CASE and "error" not in r), None)
     out = dict(head) if head else {}
     out["headline_case"] = f"{HEADLINE_CASE[0]} on {HEADLINE_CASE[1]} devices" if head else None
     out["sweep"] = [_sweep_row(r) for r in results]
     out["sweep_cases"] = results
+    out["logprob_chunking"] = chunking
     return out
 
 

@@ -293,7 +293,10 @@ HEADLINES: dict[str, list[Figure]] = {
                optional=True),
         Figure("reshard to the engine: s on H100 links", "programs.reshard.roofline.h100.time_s", "{:.3f}",
                optional=True),
-        Figure("log-prob temp, chunked over unchunked", "logprob_temp_ratio", "{:.3f}", optional=True),
+        Figure("log-prob temp, chunked over unchunked: Qwen3-0.6B, 4,096 tokens, 1 row a device",
+               "logprob_chunking.rows_per_device=1.logprob_temp_ratio", "{:.3f}", optional=True),
+        Figure("log-prob temp, chunked over unchunked: Qwen3-0.6B, 4,096 tokens, 4 rows a device",
+               "logprob_chunking.rows_per_device=4.logprob_temp_ratio", "{:.3f}", optional=True),
         Figure("train step compile time on the planning CPU, s", "compile_s", "{:.0f}"),
     ],
 }

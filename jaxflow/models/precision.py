@@ -46,3 +46,15 @@ def cast_floating(tree, dtype):
         return x
 
     return jax.tree.map(cast, tree)
+
+
+def float32_dot_operands(*operands: jax.Array) -> tuple[jax.Array, ...]:
+    """The operands of a dot that accumulates in float32 (`preferred_element_type=float32`), as the backend
+    takes them: unchanged on accelerators, whose matrix units multiply bfloat16 into float32; upcast to
+    float32 on the CPU backend, where XLA leaves some such dots unfused and its runtime then has no
+    bfloat16 x bfloat16 -> float32 kernel ("Unsupported element type for DotThunk::Execute"), e.g. the
+    JAX engine's attention over the cache when an episode's next turn extends it. A bfloat16 value is
+    exact in float32, so the product is the same."""
+    if jax.default_backend() != "cpu":
+        return operands
+    return tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in operands)

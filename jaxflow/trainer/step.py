@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -115,18 +116,41 @@ def float32_state(tx: optax.GradientTransformation) -> optax.GradientTransformat
                                         lambda grads, state, params=None: tx.update(up(grads), state, up(params)))
 
 
-def _logits_sharding(mesh, shape):
+def _logits_sharding(mesh, shape, rules=None):
     """The sharding of logits [b, positions, V]: rows as the batch, vocab as the LM head's vocab axis."""
-    return sharding.named_sharding(("batch", "seq", "vocab"), shape, mesh)
+    return sharding.named_sharding(("batch", "seq", "vocab"), shape, mesh, rules)
 
 
-def _chunk_logprobs(model: nnx.Module, h_bcd: jax.Array, targets_bc: jax.Array, mesh=None, weight=None):
+def vocab_parallel_rules(mesh, vocab: int):
+    """Sharding rules for the chunked LM head (`token_logprobs`), or None where the vocab does not split.
+
+    The head is vocab-parallel over fsdp as well as tensor: each device computes the logits of its slice
+    of the vocab for the rows of its whole fsdp group, so the head's weight stays split and its gradient
+    is accumulated over the chunks on its own device. Laid out as the rest of the model (rows over
+    data x fsdp, the weight gathered over fsdp), every chunk's backward pass would all-reduce the whole
+    [V, D] weight gradient: 11.2 GB a step per device against 3.6 for Qwen3-0.6B at 4,096 tokens on
+    8 devices. Per chunk, this layout moves the chunk's hidden states instead (rows x chunk x D)."""
+    if mesh is None:
+        return None
+    split = sharding.LOGICAL_RULES["batch"]
+    over = tuple(a for a in ("fsdp", "tensor") if mesh.shape.get(a, 1) > 1)
+    if "fsdp" not in over or vocab % math.prod(mesh.shape[a] for a in over):
+        return None
+    return {**sharding.LOGICAL_RULES, "batch": tuple(a for a in split if a != "fsdp"), "vocab": over}
+
+
+def _chunk_logprobs(model: nnx.Module, h_bcd: jax.Array, targets_bc: jax.Array, mesh=None, weight=None,
+                    rules=None):
     """log π(target) and the entropy, both [b, c] float32, from hidden states h_bcd [b, c, D]: the LM head
     (`weight`, default the model's own) for these c positions only, upcast to float32 before the
-    logsumexp whatever the compute dtype."""
+    logsumexp whatever the compute dtype. rules: the sharding rules of the logits (default
+    `jaxflow.sharding`'s)."""
+    if mesh is not None and rules is not None:
+        h_bcd = jax.lax.with_sharding_constraint(
+            h_bcd, sharding.named_sharding(("batch", None, None), h_bcd.shape, mesh, rules))
     logits = model.logits(h_bcd, weight).astype(jnp.float32)
     if mesh is not None:
-        logits = jax.lax.with_sharding_constraint(logits, _logits_sharding(mesh, logits.shape))
+        logits = jax.lax.with_sharding_constraint(logits, _logits_sharding(mesh, logits.shape, rules))
     # logit - logsumexp rather than a gathered log_softmax: no [b, c, V] log-probabilities to store for
     # the backward pass (0.96x the tiny model's train step).
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -157,12 +181,14 @@ def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False, 
         pad = k * chunk - n  # padded positions compute junk that is sliced off below
         h_kbcd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, k, chunk, d).swapaxes(0, 1)
         t_kbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, k, chunk).swapaxes(0, 1)
-        # The head's weight is laid out once for every chunk (gathered over fsdp, the vocab left on its own
-        # axis): inside the loop each chunk would gather it again, in the forward and twice in the backward.
+        # The head's weight is laid out once for every chunk (vocab-parallel, `vocab_parallel_rules`; else
+        # gathered over fsdp): inside the loop each chunk would move it again, forward and backward.
         weight, axes = model.head_weight()
+        rules = vocab_parallel_rules(mesh, weight.shape[axes.index("vocab")])
         if mesh is not None:
-            weight = jax.lax.with_sharding_constraint(weight, sharding.named_sharding(axes, weight.shape, mesh))
-        per_chunk = jax.checkpoint(lambda xs: _chunk_logprobs(model, xs[0], xs[1], mesh, weight))
+            weight = jax.lax.with_sharding_constraint(
+                weight, sharding.named_sharding(axes, weight.shape, mesh, rules))
+        per_chunk = jax.checkpoint(lambda xs: _chunk_logprobs(model, xs[0], xs[1], mesh, weight, rules))
         logp, entropy = jax.lax.map(per_chunk, (h_kbcd, t_kbc))
         logp, entropy = (x.swapaxes(0, 1).reshape(b, k * chunk)[:, :n] for x in (logp, entropy))
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731

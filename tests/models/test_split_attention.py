@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxflow.models import transformer
 from jaxflow.models.transformer import (
     attention,
     attention_mask,
@@ -101,6 +102,29 @@ def test_a_shared_prompt_and_its_samples_are_never_cut_apart():
     # The samples see the prompt: their output differs from attending within their own segment alone.
     alone = attention(q, k, v, attention_mask(seg))
     assert np.abs(np.asarray(alone - out_full)[0, 32:64]).max() > 1e-2
+
+
+def test_long_rows_attend_in_query_blocks_with_the_same_result(monkeypatch):
+    # 600 queries: over ATTENTION_WHOLE_QUERIES, so three blocks of 256, the last one padded; row 1 ends in
+    # padding. Against the same call with every query at once.
+    t = 600
+    seg = jnp.asarray(packed_segments([[250, 350], [400, 0]], t))
+    kq, kk, kv, kd = jax.random.split(jax.random.key(2), 4)
+    q, d_out = jax.random.normal(kq, (2, t, 2, 1, 8)), jax.random.normal(kd, (2, t, 2, 1, 8))
+    k, v = jax.random.normal(kk, (2, t, 2, 8)), jax.random.normal(kv, (2, t, 2, 8))
+
+    def attend(q, k, v):
+        return attention(q, k, v, attention_mask(seg))
+
+    assert t > transformer.ATTENTION_WHOLE_QUERIES and t % transformer.ATTENTION_QUERY_BLOCK
+    out_blocks, vjp_blocks = jax.vjp(attend, q, k, v)
+    monkeypatch.setattr(transformer, "ATTENTION_WHOLE_QUERIES", t)
+    out_whole, vjp_whole = jax.vjp(attend, q, k, v)
+    real = (seg > 0)[:, :, None, None, None]
+    np.testing.assert_allclose(np.where(real, out_blocks, 0), np.where(real, out_whole, 0), atol=1e-5)
+    d_out = jnp.where(real, d_out, 0)
+    for a, b in zip(vjp_blocks(d_out), vjp_whole(d_out)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * np.sqrt(t))
 
 
 def trajectory(n_prompt, n_completion, group):

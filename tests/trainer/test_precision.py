@@ -21,7 +21,7 @@ from jaxflow.models.transformer import Transformer
 from jaxflow.trainer.batch import make_batch
 from jaxflow.trainer.rl_trainer import TrainerConfig
 from jaxflow.trainer.state import create_train_state, train_state_shardings
-from jaxflow.trainer.step import StepConfig, TrainStep, float32_state, token_logprobs
+from jaxflow.trainer.step import StepConfig, TrainStep, float32_state, token_logprobs, vocab_parallel_rules
 
 pytestmark = pytest.mark.slow  # compiles the model
 
@@ -34,15 +34,18 @@ def _micro_batch():
     return jax.tree.map(lambda x: x[0], batch)
 
 
-def test_chunked_logprobs_entropy_and_gradients_equal_the_whole_sequence():
+# (fsdp, tensor): the logits' vocab axis over a tensor axis of 2 with the model's own rules, and
+# vocab-parallel over fsdp x tensor = 8 devices (`vocab_parallel_rules`).
+@pytest.mark.parametrize("fsdp, tensor", [(1, 2), (4, 2)])
+def test_chunked_logprobs_entropy_and_gradients_equal_the_whole_sequence(fsdp, tensor):
     mb = _micro_batch()
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(0)
     weights_bt = jnp.asarray(rng.normal(size=mb.tokens.shape).astype(np.float32) * (mb.loss_mask > 0))
-    # 31 predicted positions in chunks of 5: 7 chunks, the last one padded; and the logits' vocab axis
-    # constrained over a tensor axis of 2.
-    mesh = sharding.make_mesh(fsdp=1, tensor=2, devices=jax.devices()[:2])
+    # 31 predicted positions in chunks of 5: 7 chunks, the last one padded.
+    mesh = sharding.make_mesh(fsdp=fsdp, tensor=tensor, devices=jax.devices()[:fsdp * tensor])
+    assert (vocab_parallel_rules(mesh, CFG.vocab_size) is not None) == (fsdp > 1)
 
     def run(chunk, mesh):
         def loss(p):
@@ -68,6 +71,16 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_whole_sequence():
         g, g_c = np.asarray(g), np.asarray(g_c)
         np.testing.assert_allclose(g_c, g, rtol=0, atol=4 * terms * F32_EPS * float(np.abs(g).max()),
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_lm_head_is_vocab_parallel_only_where_the_vocab_splits_over_fsdp():
+    devices = jax.devices()[:8]
+    rules = vocab_parallel_rules(sharding.make_mesh(data=2, fsdp=2, tensor=2, devices=devices), 512)
+    assert rules["vocab"] == ("fsdp", "tensor") and rules["batch"] == ("data",)
+    assert vocab_parallel_rules(sharding.make_mesh(fsdp=8, devices=devices), 512)["vocab"] == ("fsdp",)
+    assert vocab_parallel_rules(sharding.make_mesh(fsdp=8, devices=devices), 100) is None  # 100 % 8
+    assert vocab_parallel_rules(sharding.make_mesh(fsdp=1, tensor=8, devices=devices), 512) is None
+    assert vocab_parallel_rules(None, 512) is None
 
 
 def _one_update(step_cfg, param_dtype=jnp.float32):
@@ -140,3 +153,11 @@ def test_bad_dtypes_and_chunks_are_named():
 def test_bad_precision_keys_are_named(section, key, value):
     with pytest.raises(ConfigError, match=f"{section.SECTION}.{key}"):
         section.from_config({key: value})
+
+
+def test_float32_dot_operands_upcast_bfloat16_on_the_cpu_backend_only():
+    a, b = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3,), jnp.float32)
+    out = precision.float32_dot_operands(a, b)
+    want = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    assert out[0].dtype == want and out[1] is b
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(a, np.float32))  # exact
