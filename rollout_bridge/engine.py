@@ -191,7 +191,7 @@ class Engine(abc.ABC):
                 self._finished.wait_for(
                     lambda: self._completions or self._error is not None or self._closing, timeout)
             if not self._completions and (self._error is not None or self._closing):
-                raise self._engine_error()
+                raise self._engine_error() from self._error
             done, self._completions = self._completions, []
             return done
 
@@ -278,6 +278,11 @@ class Engine(abc.ABC):
             return EngineError("the engine is closed")
         return EngineError(f"{self._failure_subject} failed with {type(self._error).__name__}: {self._error}; "
                            f"abort() still returns the partial samples of requests in flight")
+
+    def failure(self) -> BaseException | None:
+        """What stopped this engine for good (its loop's error), or None while it serves. A failed engine
+        raises EngineError from every later poll and submit: its caller stops instead of retrying."""
+        return getattr(self, "_error", None)
 
     def _raise_if_down(self) -> None:
         if self._error is not None or self._closing:

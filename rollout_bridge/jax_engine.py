@@ -41,6 +41,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -68,6 +69,8 @@ from rollout_bridge.engine import (
     in_flight_copy,
     request_error,
 )
+
+log = logging.getLogger(__name__)
 
 # Window of recent decode calls that `load().tokens_per_s` averages over.
 _RATE_WINDOW_S = 5.0
@@ -376,6 +379,7 @@ class JaxEngine(Engine):
                 else:
                     self._publish_load()
         except BaseException as e:  # surfaced on the next poll/submit, never swallowed
+            log.exception("JAX engine: its loop failed; every request in flight fails with it")
             with self._lock:
                 self._error = e
                 for _, _, future in self._commands:

@@ -60,9 +60,13 @@ from jaxflow.coordination.routing import Instance, Router
 from jaxflow.coordination.stuck import stragglers
 from jaxflow.coordination.sync import should_sync
 from jaxflow.data.records import GroupTask, Sample
-from rollout_bridge.engine import Completion, Engine, Request, SamplingParams
+from rollout_bridge.engine import Completion, Engine, EngineError, Request, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class RolloutFailed(RuntimeError):
+    """A coordinator stopped for good because one of its engines failed (the engine's error is the cause)."""
 
 # (task, its N finished samples) -> one reward per sample; None leaves rewarding to a reward pool.
 RewardFn = Callable[[GroupTask, list[Sample]], list[float]]
@@ -123,6 +127,9 @@ class Coordinator:
         self._draining = False  # stop(abort_in_flight=False) in progress: admit no new groups
         self._thread: threading.Thread | None = None
         self.trace_every_s = trace_every_s
+        # Set (a RolloutFailed) when an engine failed and the coordinator stopped for good; the train loop
+        # and the rollout worker read it instead of waiting on.
+        self.error: RolloutFailed | None = None
         self.renew_every_s, self._renewed_at = renew_every_s, -math.inf
         # Progress in each renewal: what a dead worker's groups resume from. Off where no worker can die
         # unnoticed (the simulator), since reading every running request's tokens costs a copy of them.
@@ -475,6 +482,21 @@ class Coordinator:
             while not self._stop.is_set():
                 try:
                     self.step()
+                except EngineError as e:
+                    failed = [i.index for i in self.instances
+                              if getattr(i.engine, "failure", lambda: None)() is not None]
+                    if not failed:  # the engine still serves: as any other error below
+                        log.exception("coordinator %s failed; releasing its groups", self.name)
+                        self._release_all("coordinator error")
+                        time.sleep(0.5)
+                        continue
+                    # A failed engine raises the same from every later call: retrying would spin while the
+                    # trainer waits for groups that never come. Stop, hand the groups back, say why.
+                    log.error("coordinator %s: engine %s failed; it stops generating: %s", self.name, failed, e)
+                    self.error = RolloutFailed(f"coordinator {self.name}: rollout engine {failed[0]} failed: {e}")
+                    self.error.__cause__ = e
+                    self._release_all("engine failed")
+                    return
                 except Exception:
                     log.exception("coordinator %s failed; releasing its groups", self.name)
                     self._release_all("coordinator error")

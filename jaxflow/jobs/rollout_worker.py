@@ -118,15 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     worker.load_weights()
     log.info("worker %s serving with the %s engine at version %d", args.name, args.engine, engine.version)
     worker.start()
+    failed = False
     try:
         while not stop.wait(0.5):
-            pass
+            if worker.error is not None:  # its engine failed: exit non-zero, so a supervisor can restart it
+                log.error("worker %s: %s", args.name, worker.error)
+                failed = True
+                break
     finally:
         worker.stop(abort_in_flight=not args.drain)
         engine.close()
         params.close()  # the service may write into the segments this process mapped again
         log.info("worker %s stopped: %s", args.name, dict(worker.counts))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

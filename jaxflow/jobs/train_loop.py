@@ -130,13 +130,17 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _consume(service, version: int, stop: StopRequest):
-    """Waits for buffer `version`; None if a stop was requested meanwhile."""
+def _consume(service, version: int, stop: StopRequest, coordinator=None):
+    """Waits for buffer `version`; None if a stop was requested meanwhile. Raises the coordinator's error
+    (`Coordinator.error`: a rollout engine failed) rather than wait for a buffer that will not fill."""
     waited = 0.0
     while not stop.requested:
         try:
             return service.consume(version, timeout=0.5)
         except TimeoutError:
+            error = getattr(coordinator, "error", None)
+            if error is not None:
+                raise error from error.__cause__
             waited += 0.5
             if waited % _STALL_REPORT_S == 0:
                 print(f"jaxflow: still waiting for buffer {version} after {waited:.0f}s: "
@@ -177,7 +181,7 @@ def train_loop(config: ml_collections.ConfigDict, parts: LoopParts, *, start_ste
     with StopRequest() as stop:
         for step in range(start_step, t.steps):
             before = time.monotonic()
-            consumed = _consume(service, step, stop)
+            consumed = _consume(service, step, stop, coordinator)
             if consumed is None:
                 break
             phases["wait_rollout"] += time.monotonic() - before

@@ -1,14 +1,21 @@
 """The coordinator under faults, against a real trajectory service and a scripted engine: a reward that
 raises or returns NaN fails its group (counted) instead of stopping the loop, the coordinator renews the
-leases of what it holds, and `stop` hands back every group it can even when one hand-back is refused."""
+leases of what it holds, `stop` hands back every group it can even when one hand-back is refused, and a failed
+engine stops the coordinator for good with an error the train loop raises."""
 
 import math
+import types
+
+import pytest
+from waiting import wait_until
 
 from jaxflow.coordination import Coordination, Coordinator
+from jaxflow.coordination.coordinator import RolloutFailed
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import Sample
 from jaxflow.data.trajectory_service import TrajectoryService
-from rollout_bridge.engine import Completion, EngineLoad, SamplingParams
+from jaxflow.jobs import train_loop
+from rollout_bridge.engine import Completion, EngineError, EngineLoad, SamplingParams
 
 
 class ScriptedEngine:
@@ -117,3 +124,35 @@ def test_stop_hands_back_every_group_even_when_one_hand_back_is_refused():
     stats = svc.stats()
     assert stats["groups"]["requeued"] == 2 and coord.in_flight() == 0
     assert stats["groups"]["running"] == 1  # only the one "other" holds
+
+
+class DeadEngine(ScriptedEngine):
+    """Its loop has failed: every poll raises EngineError, as a real engine's does from then on."""
+
+    def __init__(self):
+        super().__init__()
+        self.error = RuntimeError("Unsupported element type for DotThunk::Execute")
+
+    def poll(self, timeout=None):
+        raise EngineError(f"the engine loop failed with {self.error}") from self.error
+
+    def failure(self):
+        return self.error
+
+
+def test_a_failed_engine_stops_the_coordinator_and_the_trainer_gets_its_error():
+    records = [{"prompt": [5, 6 + i], "meta": {"i": i}} for i in range(20)]
+    svc = TrajectoryService(PromptSource(records, shuffle=False), batch_groups=2, group_size=2, eta=0)
+    coord = Coordinator("c", [DeadEngine()], svc, NoWeights(), strategy=Coordination(max_running=4), eta=0,
+                        sampling=SamplingParams(max_tokens=8), reward_fn=lambda task, samples: [1.0, 0.0])
+    coord.start(tick_s=0.01)
+    try:
+        wait_until(lambda: coord.error is not None, 30, "the coordinator to record the engine's failure")
+        wait_until(lambda: not coord._thread.is_alive(), 30, "the coordinator's loop to end, not retry")
+        assert isinstance(coord.error, RolloutFailed) and "DotThunk" in str(coord.error)
+        assert isinstance(coord.error.__cause__, EngineError)
+        assert svc.stats()["groups"].get("running", 0) == 0  # its groups went back to the service
+        with pytest.raises(RolloutFailed):  # the train loop raises it instead of waiting for the buffer
+            train_loop._consume(svc, 0, types.SimpleNamespace(requested=False), coord)
+    finally:
+        coord.stop()

@@ -11,7 +11,7 @@ from jax_engine_setup import ENGINE_KW, forward_logits, teacher_forced
 
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.models import precision
-from rollout_bridge.engine import SamplingParams
+from rollout_bridge.engine import Request, SamplingParams
 from rollout_bridge.jax_engine import JaxEngine
 
 pytestmark = pytest.mark.slow  # a rollout engine compiled and run
@@ -56,3 +56,25 @@ def test_engine_decodes_in_bfloat16_and_casts_synced_float32_weights(qwen3_model
 def test_a_dtype_the_engine_cannot_take_is_named_before_anything_is_built(qwen3_model):
     with pytest.raises(precision.DtypeError, match="float16"):
         JaxEngine(qwen3_model, compute_dtype="float16", warmup=False, **ENGINE_KW)
+
+
+def test_episodes_next_turns_extend_their_caches_in_bfloat16(qwen3_model):
+    # Episodes' next turns extend the kept turns' cache rows together (`jax_decode.extend`, several rows a
+    # call): attention of the new tokens over the cached bfloat16 keys. XLA's CPU backend left that dot
+    # unfused, and its runtime has no bfloat16 x bfloat16 -> float32 dot: the engine loop died, and with
+    # it every request (`precision.float32_dot_operands`).
+    # The main job's engine shape: 8 of its 16 slots, 224 positions (where the CPU backend left the dot alone).
+    engine = JaxEngine(qwen3_model, compute_dtype="bfloat16", warmup=False, max_slots=8, max_len=224,
+                       decode_chunk=8)
+    try:
+        chosen = prompts(1)[:8]
+        turn = SamplingParams(max_tokens=6, temperature=0.0)
+        firsts = engine.generate([Request(f"ep{i}", p, turn) for i, p in enumerate(chosen)])
+        assert all(c.error is None and len(c.sample.tokens) == 6 for c in firsts)
+        answer = [7, 8, 9, 10, 11]  # the environment's tokens
+        nexts = engine.generate([Request(f"ep{i}", p + c.sample.tokens + answer, turn)
+                                 for i, (p, c) in enumerate(zip(chosen, firsts))])
+        assert all(c.error is None and len(c.sample.tokens) == 6 for c in nexts), nexts
+        assert engine.failure() is None
+    finally:
+        engine.close()
