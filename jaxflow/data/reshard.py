@@ -90,10 +90,28 @@ def _slice_key(index, shape) -> tuple:
     return tuple(sl.indices(n) for sl, n in zip(index, shape))
 
 
+def _slices_held(shape, source: jax.sharding.Sharding, target: jax.sharding.Sharding) -> bool:
+    """Whether some shard of an array laid out by `source` holds each slice that a device of `target` needs."""
+    have = {_slice_key(i, shape) for i in source.devices_indices_map(shape).values()}
+    return all(_slice_key(i, shape) in have for i in target.devices_indices_map(shape).values())
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+    """`x` gathered into one new host array, read from its shards in place (CPU devices: views of their
+    memory); nothing is kept on `x`."""
+    out = np.empty(x.shape, x.dtype)
+    done = set()
+    for shard in x.addressable_shards:
+        key = _slice_key(shard.index, x.shape)
+        if key not in done:  # replicas: one of them
+            done.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
+
+
 def _holds_every_slice(x: jax.Array, target: jax.sharding.Sharding) -> bool:
     """Whether some shard of `x` already holds each slice that a device of `target` needs."""
-    have = {_slice_key(i, x.shape) for i in x.sharding.devices_indices_map(x.shape).values()}
-    return all(_slice_key(i, x.shape) in have for i in target.devices_indices_map(x.shape).values())
+    return _slices_held(x.shape, x.sharding, target)
 
 
 def _join(pieces: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.Array:
@@ -343,6 +361,11 @@ class ReshardProgram:
                               if d != np.dtype(s.dtype) and d.itemsize <= np.dtype(s.dtype).itemsize]
             self._widened = [i for i, (s, d) in enumerate(zip(sources, dtypes))
                              if d != np.dtype(s.dtype) and d.itemsize > np.dtype(s.dtype).itemsize]
+            # Leaves whose target slices are not source shards: jax.device_put would gather them on the host
+            # and keep that copy (and one per shard) on the source array for as long as it lives, a second
+            # version in memory until the trainer's next step frees it; the put route gathers them itself.
+            self._via_host = [i for i, (s, t) in enumerate(zip(sources, targets)) if len(s.sharding.device_set) > 1
+                              and not _slices_held(self.shapes[i], s.sharding, t)]
             return
         self._build_program(sources, targets, dtypes, donate)
 
@@ -497,9 +520,12 @@ class ReshardProgram:
                                                      [self.dtypes[i] for i in self._narrowed])):
             moving[i] = y
         fresh = set(self._narrowed)  # a cast made these: the move may keep their buffers
+        for i in self._via_host:
+            moving[i] = _on_host(moving[i])
+            fresh.add(i)
         out = jax.device_put(moving, self.targets, may_alias=[i in fresh for i in range(len(moving))])
         # Where a target shard is a source shard already on its device, jax.device_put hands that buffer
-        # over even when told not to alias (its route through the host picks up such shards as they are).
+        # over even when told not to alias (it picks up such shards as they are).
         shared = [i for i in range(len(out)) if i not in fresh and _buffers(out[i]) & _buffers(leaves[i])]
         if shared:
             for i, y in zip(shared, jax.device_put([out[i] for i in shared], [self.targets[i] for i in shared],
