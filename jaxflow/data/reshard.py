@@ -366,6 +366,10 @@ class ReshardProgram:
             # version in memory until the trainer's next step frees it; the put route gathers them itself.
             self._via_host = [i for i, (s, t) in enumerate(zip(sources, targets)) if len(s.sharding.device_set) > 1
                               and not _slices_held(self.shapes[i], s.sharding, t)]
+            # Leaves jax.device_put may hand over a source buffer of (see `_put`): laid out otherwise, with
+            # every target slice a source shard.
+            self._may_share = [i for i, (s, t) in enumerate(zip(sources, targets)) if i not in self._via_host
+                               and not s.sharding.is_equivalent_to(t, len(self.shapes[i]))]
             return
         self._build_program(sources, targets, dtypes, donate)
 
@@ -526,7 +530,7 @@ class ReshardProgram:
         out = jax.device_put(moving, self.targets, may_alias=[i in fresh for i in range(len(moving))])
         # Where a target shard is a source shard already on its device, jax.device_put hands that buffer
         # over even when told not to alias (it picks up such shards as they are).
-        shared = [i for i in range(len(out)) if i not in fresh and _buffers(out[i]) & _buffers(leaves[i])]
+        shared = [i for i in self._may_share if i not in fresh and _buffers(out[i]) & _buffers(leaves[i])]
         if shared:
             for i, y in zip(shared, jax.device_put([out[i] for i in shared], [self.targets[i] for i in shared],
                                                    may_alias=False)):
