@@ -84,16 +84,20 @@ def parse(argv):
     return args
 
 
-def _median_times(fns: dict, repeats: int) -> dict:
-    """name -> median seconds of `fns[name]()`, the routes taken in turn within each repeat so that all
-    see the same load on a shared machine (a route's repeats back to back would each see other minutes)."""
+def _median_times(fns: dict, repeats: int, fresh) -> dict:
+    """name -> median seconds of `fns[name](fresh())`, the routes taken in turn within each repeat so that all
+    see the same load on a shared machine (a route's repeats back to back would each see other minutes).
+    Each call gets arrays of its own from `fresh()` (made untimed), as each version is new arrays in a job:
+    `jax.device_put` keeps a host copy on an array it gathered, which a later call on the same array reuses."""
+    import jax
     for fn in fns.values():
-        fn()  # warm-up: compiles, pre-faults buffers
+        fn(fresh())  # warm-up: compiles, pre-faults buffers
     times: dict = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            arrays = jax.block_until_ready(fresh())
             t0 = time.perf_counter()
-            fn()
+            fn(arrays)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -114,7 +118,8 @@ def bench_case(case, model, repeats: int) -> dict:
     trainer_mesh = sharding.make_mesh(td, tf, tt, devices=devices[t0:t1])
     engine_mesh = sharding.make_mesh(ed, ef, et, devices=devices[e0:e1])
     graphdef, params = nnx.split(model)
-    trainer_params = reshard(params, sharding.state_shardings(params, trainer_mesh), copy=True)
+    trainer_shardings = sharding.state_shardings(params, trainer_mesh)
+    trainer_params = reshard(params, trainer_shardings, copy=True)
     engine = JaxEngine(nnx.merge(graphdef, trainer_params), mesh=engine_mesh, max_slots=8, max_len=64,
                        prefill_buckets=(64,), warmup=False)
     source = DeviceParamSource()
@@ -122,20 +127,23 @@ def bench_case(case, model, repeats: int) -> dict:
     service = ParameterService(keep=2)
     version = [0]
 
-    def floor():
+    def fresh():  # what a train step returns: new arrays on the trainer's layout
+        return reshard(trainer_params, trainer_shardings, copy=True)
+
+    def floor(trainer_params):
         jax.block_until_ready(jax.device_put(trainer_params, engine.param_shardings, may_alias=False))
 
-    def handoff():
+    def handoff(trainer_params):
         version[0] += 1
         source.publish(version[0], trainer_params)
         engine.update_weights(*source.pull(version[0]))
         jax.block_until_ready(engine._params)
 
-    def handoff_program():
+    def handoff_program(trainer_params):
         with route("program"):
-            handoff()
+            handoff(trainer_params)
 
-    def host_trip():
+    def host_trip(trainer_params):
         version[0] += 1
         service.publish(version[0], hf_io.iter_hf_tensors(nnx.merge(graphdef, trainer_params)))
         engine.update_weights(*service.pull(version[0]))
@@ -144,7 +152,7 @@ def bench_case(case, model, repeats: int) -> dict:
     try:
         out = {"case": name, "trainer_devices": t1 - t0, "engine_devices": e1 - e0,
                **_median_times({"device_put_s": floor, "handoff_s": handoff, "handoff_program_s": handoff_program,
-                                "host_roundtrip_s": host_trip}, repeats)}
+                                "host_roundtrip_s": host_trip}, repeats, fresh)}
     finally:
         engine.close()
         source.close()
