@@ -16,7 +16,10 @@ parallel, on the same devices, a subset of them, or other devices). `reshard_pro
      moves for one already in place), and where tiles were cut, one jitted program over the target devices
      joins the pieces.
 - **put** (CPU devices): one `jax.device_put` of the whole tree onto the targets, after a cast where it
-  narrows (widening casts run on the targets).
+  narrows (widening casts run on the targets). Leaves whose target slices are not source shards go as
+  host arrays that this module gathers from the shards in place (on CPU devices, views of their memory):
+  `jax.device_put` would gather them itself, but keep that copy on the source array for as long as the
+  source lives (a second version in memory until the trainer's next step frees its state).
 
 Why the route follows the platform (`route="auto"`, the default; `route(...)` or `route=` pick one). On
 accelerators `jax.device_put` goes through the host whenever a target slice is not a source shard (it
@@ -27,9 +30,9 @@ while XLA's CPU collectives are copies plus a rendezvous of every device's threa
 copies between CPU devices cost about as much again. benchmarks/weight_handoff.py times both routes on CPU
 devices per layout pair a job makes (`handoff_vs_device_put`, `program_vs_device_put`).
 
-`jax.device_put`'s host route hands over a source shard that already lies on a target device as it is,
-even when told not to alias; the put route copies those, so that nothing returned shares a buffer with
-the source (the trainer's next step donates it).
+Where every target slice is a source shard but the layout differs, `jax.device_put` hands over a source
+shard that already lies on its target device as it is, even when told not to alias; the put route copies
+those, so that nothing returned shares a buffer with the source (the trainer's next step donates it).
 
 On the program route, step 1 needs the source's device count to be a multiple of the target's (the target
 on the same devices, on a subset, or on as many other devices). Leaves of other pairs (a target on more
@@ -39,7 +42,8 @@ each target device, leaf by leaf (`_assembled`): correct, device to device, slow
 
 Memory (program route): step 1 holds, transiently on each source device, its share of the staged tree (one
 target tile per leaf, or one piece of it); `ReshardProgram.compiled.memory_analysis()` gives it per device,
-and `copy_bytes` what step 2 copies into each target device.
+and `copy_bytes` what step 2 copies into each target device. Put route: the host arrays of the gathered
+leaves, until the call returns.
 """
 
 
@@ -361,9 +365,7 @@ class ReshardProgram:
                               if d != np.dtype(s.dtype) and d.itemsize <= np.dtype(s.dtype).itemsize]
             self._widened = [i for i, (s, d) in enumerate(zip(sources, dtypes))
                              if d != np.dtype(s.dtype) and d.itemsize > np.dtype(s.dtype).itemsize]
-            # Leaves whose target slices are not source shards: jax.device_put would gather them on the host
-            # and keep that copy (and one per shard) on the source array for as long as it lives, a second
-            # version in memory until the trainer's next step frees it; the put route gathers them itself.
+            # Leaves whose target slices are not source shards: gathered here (see the module docstring).
             self._via_host = [i for i, (s, t) in enumerate(zip(sources, targets)) if len(s.sharding.device_set) > 1
                               and not _slices_held(self.shapes[i], s.sharding, t)]
             # Leaves jax.device_put may hand over a source buffer of (see `_put`): laid out otherwise, with
