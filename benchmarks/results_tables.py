@@ -186,6 +186,8 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("model", "size", "{}"),
         Figure("in-process hand-off against device_put (worst case)", "inprocess_sync_vs_device_put", "{:.2f}x"),
         Figure("host round trip against device_put (worst case)", "host_roundtrip_vs_device_put", "{:.2f}x"),
+        Figure("hand-off on the accelerators' route (device to device) against device_put (worst case)",
+               "program_route_vs_device_put", "{:.2f}x", optional=True),
         Figure("one device (as the rl job): device_put, ms", "cases.case=one device (as the rl job).device_put_s",
                "{:.1f}", 1e3),
         Figure("one device: in-process hand-off, ms", "cases.case=one device (as the rl job).handoff_s", "{:.1f}", 1e3),
@@ -196,6 +198,11 @@ HEADLINES: dict[str, list[Figure]] = {
           for case in ("8 fsdp -> same 8 fsdp", "8 fsdp -> 8 fsdp4 x tp2", "8 fsdp -> same 8 tp8",
                        "2 data x 4 fsdp -> same 8 tp8", "8 fsdp -> 2 of them tp2 (subset)",
                        "8 fsdp -> 1 of them (subset)", "4 fsdp -> other 4 tp4 (disjoint)")],
+        *[Figure(f"{case}: accelerators' route against device_put", f"cases.case={case}.program_vs_device_put",
+                 "{:.2f}x", optional=True)
+          for case in ("8 fsdp -> 8 fsdp4 x tp2", "8 fsdp -> same 8 tp8", "2 data x 4 fsdp -> same 8 tp8",
+                       "8 fsdp -> 2 of them tp2 (subset)", "8 fsdp -> 1 of them (subset)",
+                       "4 fsdp -> other 4 tp4 (disjoint)")],
     ],
     "cluster_sync": [
         Figure("model", "params", "{}"),

@@ -1,12 +1,15 @@
-"""How fast a new policy version reaches a JAX engine in the trainer's process, three ways, per layout.
+"""How fast a new policy version reaches a JAX engine in the trainer's process, per layout.
 
-For each (trainer mesh -> engine mesh) case, the median of N repeats (the three routes in turn within
-each repeat, so that they share the machine's load) of:
+For each (trainer mesh -> engine mesh) case, the median of N repeats (the routes in turn within each
+repeat, so that they share the machine's load) of:
 
   device_put    the floor: a plain `jax.device_put` of the trainer's arrays onto the engine's shardings
                 (copying: the engine must own its weights, since the train step donates the trainer's);
   hand-off      `DeviceParamSource.publish` + `JaxEngine.update_weights(DeviceWeights)`, the engine's
-                layout registered as a target as the rl job does; device to device;
+                layout registered as a target as the rl job does, on the route `reshard` picks for the
+                devices (on CPU devices, `jax.device_put`'s; see jaxflow/data/reshard.py);
+  program       the same hand-off on the route accelerators take (`reshard.route("program")`: a compiled
+                program and device-to-device copies), timed on these devices;
   host trip     the old route: device -> HF-named numpy (`iter_hf_tensors`) -> `ParameterService`
                 publish + pull -> `JaxEngine.update_weights(HF tensors)` -> device.
 
@@ -14,16 +17,17 @@ Each time runs until the engine's new arrays are ready. CPU "devices" stand for 
 (`--xla_force_host_platform_device_count=8`, set before jax is imported), so a copy between two of them
 is a memcpy: the figures compare routes, not interconnects. Note that `jax.device_put` itself goes
 through the host when the engine's slices are not shards of the source already (it gathers the array
-and scatters it again: on CPU devices that is two memcpys, on accelerators two PCIe crossings); the
-hand-off runs `reshard_program`'s compiled program instead (collectives among the devices, then
-device-to-device copies), whose all-to-alls on CPU devices are memcpys plus a rendezvous of the 8 device
-threads.
+and places it again: on CPU devices a memcpy into memory the devices then use as it is, on accelerators
+two PCIe crossings); the program route runs `reshard_program`'s compiled program instead (collectives
+among the devices, then device-to-device copies), whose all-to-alls on CPU devices are memcpys plus a
+rendezvous of the 8 device threads.
 
     .venv/bin/python benchmarks/weight_handoff.py --json /tmp/weight_handoff.json     # ~100M params
     .venv/bin/python benchmarks/weight_handoff.py --quick
 
 JSON: `inprocess_sync_vs_device_put` (floor time / hand-off time, the worst case over the layouts),
-`host_roundtrip_vs_device_put` (floor time / host-trip time, worst case), and every case's times.
+`program_route_vs_device_put` (floor time / program-route time, worst case), `host_roundtrip_vs_device_put`
+(floor time / host-trip time, worst case), and every case's times.
 """
 
 from __future__ import annotations
@@ -80,16 +84,20 @@ def parse(argv):
     return args
 
 
-def _median_times(fns: dict, repeats: int) -> dict:
-    """name -> median seconds of `fns[name]()`, the routes taken in turn within each repeat so that all
-    see the same load on a shared machine (a route's repeats back to back would each see other minutes)."""
+def _median_times(fns: dict, repeats: int, fresh) -> dict:
+    """name -> median seconds of `fns[name](fresh())`, the routes taken in turn within each repeat so that all
+    see the same load on a shared machine (a route's repeats back to back would each see other minutes).
+    Each call gets arrays of its own from `fresh()` (made untimed), as each version is new arrays in a job:
+    `jax.device_put` keeps a host copy on an array it gathered, which a later call on the same array reuses."""
+    import jax
     for fn in fns.values():
-        fn()  # warm-up: compiles, pre-faults buffers
+        fn(fresh())  # warm-up: compiles, pre-faults buffers
     times: dict = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            arrays = jax.block_until_ready(fresh())
             t0 = time.perf_counter()
-            fn()
+            fn(arrays)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -101,6 +109,7 @@ def bench_case(case, model, repeats: int) -> dict:
     from jaxflow import sharding
     from jaxflow.data.device_params import DeviceParamSource, reshard
     from jaxflow.data.param_service import ParameterService
+    from jaxflow.data.reshard import route
     from jaxflow.models import hf_io
     from rollout_bridge.jax_engine import JaxEngine
 
@@ -109,7 +118,8 @@ def bench_case(case, model, repeats: int) -> dict:
     trainer_mesh = sharding.make_mesh(td, tf, tt, devices=devices[t0:t1])
     engine_mesh = sharding.make_mesh(ed, ef, et, devices=devices[e0:e1])
     graphdef, params = nnx.split(model)
-    trainer_params = reshard(params, sharding.state_shardings(params, trainer_mesh), copy=True)
+    trainer_shardings = sharding.state_shardings(params, trainer_mesh)
+    trainer_params = reshard(params, trainer_shardings, copy=True)
     engine = JaxEngine(nnx.merge(graphdef, trainer_params), mesh=engine_mesh, max_slots=8, max_len=64,
                        prefill_buckets=(64,), warmup=False)
     source = DeviceParamSource()
@@ -117,16 +127,23 @@ def bench_case(case, model, repeats: int) -> dict:
     service = ParameterService(keep=2)
     version = [0]
 
-    def floor():
+    def fresh():  # what a train step returns: new arrays on the trainer's layout
+        return reshard(trainer_params, trainer_shardings, copy=True)
+
+    def floor(trainer_params):
         jax.block_until_ready(jax.device_put(trainer_params, engine.param_shardings, may_alias=False))
 
-    def handoff():
+    def handoff(trainer_params):
         version[0] += 1
         source.publish(version[0], trainer_params)
         engine.update_weights(*source.pull(version[0]))
         jax.block_until_ready(engine._params)
 
-    def host_trip():
+    def handoff_program(trainer_params):
+        with route("program"):
+            handoff(trainer_params)
+
+    def host_trip(trainer_params):
         version[0] += 1
         service.publish(version[0], hf_io.iter_hf_tensors(nnx.merge(graphdef, trainer_params)))
         engine.update_weights(*service.pull(version[0]))
@@ -134,13 +151,14 @@ def bench_case(case, model, repeats: int) -> dict:
 
     try:
         out = {"case": name, "trainer_devices": t1 - t0, "engine_devices": e1 - e0,
-               **_median_times({"device_put_s": floor, "handoff_s": handoff, "host_roundtrip_s": host_trip},
-                               repeats)}
+               **_median_times({"device_put_s": floor, "handoff_s": handoff, "handoff_program_s": handoff_program,
+                                "host_roundtrip_s": host_trip}, repeats, fresh)}
     finally:
         engine.close()
         source.close()
         service.close()
     out["handoff_vs_device_put"] = out["device_put_s"] / out["handoff_s"]
+    out["program_vs_device_put"] = out["device_put_s"] / out["handoff_program_s"]
     out["host_roundtrip_vs_device_put"] = out["device_put_s"] / out["host_roundtrip_s"]
     return out
 
@@ -177,16 +195,18 @@ def main(argv=None) -> int:
         results.append(bench_case(case, model, args.repeats))
         print(f"  {case[0]} done", flush=True)
 
-    print(f"\n{'trainer -> engine':<36}{'device_put':>12}{'hand-off':>12}{'host trip':>12}"
-          f"{'put/hand-off':>14}{'put/host':>10}")
+    print(f"\n{'trainer -> engine':<36}{'device_put':>12}{'hand-off':>12}{'program':>12}{'host trip':>12}"
+          f"{'put/hand-off':>14}{'put/program':>13}{'put/host':>10}")
     for r in results:
         print(f"{r['case']:<36}{1e3 * r['device_put_s']:>10.1f}ms{1e3 * r['handoff_s']:>10.1f}ms"
-              f"{1e3 * r['host_roundtrip_s']:>10.1f}ms{r['handoff_vs_device_put']:>13.2f}x"
+              f"{1e3 * r['handoff_program_s']:>10.1f}ms{1e3 * r['host_roundtrip_s']:>10.1f}ms"
+              f"{r['handoff_vs_device_put']:>13.2f}x{r['program_vs_device_put']:>12.2f}x"
               f"{r['host_roundtrip_vs_device_put']:>9.2f}x")
     figures = {
         "size": args.size, "params": cfg.num_params(), "dtype": "float32", "repeats": args.repeats,
         "device": jax.devices()[0].device_kind, "devices": n,
         "inprocess_sync_vs_device_put": min(r["device_put_s"] / r["handoff_s"] for r in results),
+        "program_route_vs_device_put": min(r["device_put_s"] / r["handoff_program_s"] for r in results),
         "host_roundtrip_vs_device_put": min(r["device_put_s"] / r["host_roundtrip_s"] for r in results),
         "cases": results,
     }

@@ -250,7 +250,7 @@ class JaxEngine(Engine):
 
         tensors: HF-named host arrays (checked against the model's name table: names, shapes, dtypes),
         or `DeviceWeights` from a trainer in this process (checked against the engine's parameter tree:
-        structure, shapes, dtypes), moved onto this engine's mesh device to device. An engine serving
+        structure, shapes, dtypes), moved onto this engine's mesh by `jaxflow.data.reshard`. An engine serving
         LoRA adapters takes the adapters alone (PEFT-named, `jaxflow.models.lora`, or the trainer's
         adapter state on device) and keeps its base.
         """

@@ -3,9 +3,10 @@
 The parameter service carries each version as HF-named host tensors: what vLLM and other processes need,
 but for a JAX engine in the same process it is a detour (device -> host -> HF layout -> host -> device).
 `DeviceParamSource` keeps the newest published versions as arrays on device instead, and
-`DeviceWeights.placed(shardings)` moves a version onto an engine's own mesh with `reshard`: device to
-device, never through the host, by one compiled program per pair of layouts (`jaxflow.data.reshard`;
-`reshard_program` returns it, for reading its memory and collectives).
+`DeviceWeights.placed(shardings)` moves a version onto an engine's own mesh with `reshard`, one call per
+pair of layouts (`jaxflow.data.reshard`): on accelerators device to device, never through the host, by a
+compiled program (`reshard_program` returns it, for reading its memory and collectives); on CPU devices,
+whose memory is the host's, by one `jax.device_put` of the tree, the faster route there.
 
 Why the source copies at publish: the train step donates its state, so the arrays the trainer holds when
 it publishes are invalidated by its next step, which may run before an engine gets to pull. `publish`

@@ -1,9 +1,11 @@
-"""Moving a pytree of device arrays onto other shardings, device to device: one compiled program per layout pair.
+"""Moving a pytree of device arrays onto other shardings: one call per layout pair, by the route the
+devices favour.
 
 A policy version goes from the trainer's layout (e.g. fsdp over all devices) to an engine's (e.g. tensor
 parallel, on the same devices, a subset of them, or other devices). `reshard_program` builds, once per
-(tree, source shardings, target shardings, dtypes), the program that does it:
+(tree, source shardings, target shardings, dtypes, route), the move, by one of two routes:
 
+- **program** (accelerators): device to device, never through the host.
   1. one jitted program over the source devices re-lays the whole tree (casting it too if asked) into a
      *staging* layout: the target's partition spec on a mesh of the source devices. With as many source
      as target devices each target tile is then a shard on one source device (on that very device where
@@ -13,25 +15,42 @@ parallel, on the same devices, a subset of them, or other devices). `reshard_pro
   2. one batched `jax.device_put` copies each shard or piece to the target device that needs it (nothing
      moves for one already in place), and where tiles were cut, one jitted program over the target devices
      joins the pieces.
+- **put** (CPU devices): one `jax.device_put` of the whole tree onto the targets, after a cast where it
+  narrows (widening casts run on the targets). Leaves whose target slices are not source shards go as
+  host arrays that this module gathers from the shards in place (on CPU devices, views of their memory):
+  `jax.device_put` would gather them itself, but keep that copy on the source array for as long as the
+  source lives (a second version in memory until the trainer's next step frees its state).
 
-`jax.device_put` alone goes through the host when the target's slices are not shards of the source (it
-gathers each array and scatters it again), and a per-leaf, per-shard route pays Python and dispatch
-overhead on every leaf; here a call is a few dispatches for the whole tree.
+Why the route follows the platform (`route="auto"`, the default; `route(...)` or `route=` pick one). On
+accelerators `jax.device_put` goes through the host whenever a target slice is not a source shard (it
+gathers the array and scatters it again: two PCIe crossings), while the program's collectives run on
+NVLink or ICI and its copies are device to device. CPU "devices" share the host's memory: there
+`jax.device_put`'s host route is a memcpy into host memory that the target devices then use as it is,
+while XLA's CPU collectives are copies plus a rendezvous of every device's thread, and the runtime's
+copies between CPU devices cost about as much again. benchmarks/weight_handoff.py times both routes on CPU
+devices per layout pair a job makes (`handoff_vs_device_put`, `program_vs_device_put`).
 
-Step 1 needs the source's device count to be a multiple of the target's (the target on the same devices,
-on a subset, or on as many other devices). Leaves of other pairs (a target on more devices than the
-source, or on a count that does not divide it) are cut on the source devices and joined on each target
-device, leaf by leaf (`_assembled`): correct, device to device, slower; `ReshardProgram.leaves_leaf_by_leaf`
-counts them.
+Where every target slice is a source shard but the layout differs, `jax.device_put` hands over a source
+shard that already lies on its target device as it is, even when told not to alias; the put route copies
+those, so that nothing returned shares a buffer with the source (the trainer's next step donates it).
 
-Memory: step 1 holds, transiently on each source device, its share of the staged tree (one target tile per
-leaf, or one piece of it); `ReshardProgram.compiled.memory_analysis()` gives it per device, and
-`copy_bytes` what step 2 copies into each target device.
+On the program route, step 1 needs the source's device count to be a multiple of the target's (the target
+on the same devices, on a subset, or on as many other devices). Leaves of other pairs (a target on more
+devices than the source, or on a count that does not divide it) are cut on the source devices and joined on
+each target device, leaf by leaf (`_assembled`): correct, device to device, slower;
+`ReshardProgram.leaves_leaf_by_leaf` counts them.
+
+Memory (program route): step 1 holds, transiently on each source device, its share of the staged tree (one
+target tile per leaf, or one piece of it); `ReshardProgram.compiled.memory_analysis()` gives it per device,
+and `copy_bytes` what step 2 copies into each target device. Put route: the host arrays of the gathered
+leaves, until the call returns.
 """
 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from typing import Any
 
@@ -40,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-__all__ = ["ReshardProgram", "reshard", "reshard_program"]
+__all__ = ["ROUTES", "ReshardProgram", "reshard", "reshard_program", "route"]
 
 _COPIES = "_reshard_copies"  # the staging mesh's extra axis: copies of the target layout on the source devices
 
@@ -75,10 +94,28 @@ def _slice_key(index, shape) -> tuple:
     return tuple(sl.indices(n) for sl, n in zip(index, shape))
 
 
+def _slices_held(shape, source: jax.sharding.Sharding, target: jax.sharding.Sharding) -> bool:
+    """Whether some shard of an array laid out by `source` holds each slice that a device of `target` needs."""
+    have = {_slice_key(i, shape) for i in source.devices_indices_map(shape).values()}
+    return all(_slice_key(i, shape) in have for i in target.devices_indices_map(shape).values())
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+    """`x` gathered into one new host array, read from its shards in place (CPU devices: views of their
+    memory); nothing is kept on `x`."""
+    out = np.empty(x.shape, x.dtype)
+    done = set()
+    for shard in x.addressable_shards:
+        key = _slice_key(shard.index, x.shape)
+        if key not in done:  # replicas: one of them
+            done.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
+
+
 def _holds_every_slice(x: jax.Array, target: jax.sharding.Sharding) -> bool:
     """Whether some shard of `x` already holds each slice that a device of `target` needs."""
-    have = {_slice_key(i, x.shape) for i in x.sharding.devices_indices_map(x.shape).values()}
-    return all(_slice_key(i, x.shape) in have for i in target.devices_indices_map(x.shape).values())
+    return _slices_held(x.shape, x.sharding, target)
 
 
 def _join(pieces: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.Array:
@@ -141,6 +178,19 @@ def _buffers(x: jax.Array) -> set[int]:
 
 
 _cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnums=1)  # keeps the input's sharding
+_cast_all = jax.jit(lambda xs, dtypes: [a.astype(d) for a, d in zip(xs, dtypes)], static_argnums=1)
+
+
+def _cast_leaves(leaves: list, dtypes: list) -> list:
+    """Each leaf cast to its dtype where it lies: one call per device set the leaves span."""
+    out: list[Any] = [None] * len(leaves)
+    groups: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    for at in groups.values():
+        for i, y in zip(at, _cast_all([leaves[i] for i in at], tuple(np.dtype(dtypes[i]) for i in at))):
+            out[i] = y
+    return out
 
 
 def _leaf_by_leaf(x: jax.Array, target: jax.sharding.Sharding, dtype) -> jax.Array:
@@ -289,20 +339,44 @@ def _pick_shards(shape, staged: NamedSharding, target: NamedSharding) -> tuple[l
 
 
 class ReshardProgram:
-    """The compiled move of one pytree layout onto another (see the module docstring); built and cached by
-    `reshard_program`. Call it with arrays of the abstract params' shapes, dtypes and shardings.
+    """The move of one pytree layout onto another by one route (see the module docstring); built and cached
+    by `reshard_program`. Call it with arrays of the abstract params' shapes, dtypes and shardings.
 
-    compiled: the `jax.stages.Compiled` step 1 (None when no leaf can be staged): its
+    route: "program" (device to device: steps 1 and 2) or "put" (one batched `jax.device_put`).
+    compiled: the `jax.stages.Compiled` step 1 (None when no leaf can be staged, and on the put route): its
       `memory_analysis()` gives per-device argument, output and temp bytes, its `as_text()` the collectives.
     join_compiled: the program over the target devices that joins cut tiles (None when none is cut).
-    copy_bytes: bytes that step 2 copies between devices, per target device (a dict device -> bytes).
+    copy_bytes: bytes that step 2 copies between devices, per target device (a dict device -> bytes; empty
+      on the put route).
     leaves_leaf_by_leaf: how many leaves take the leaf-by-leaf fallback instead.
     """
 
-    def __init__(self, treedef, sources: list, targets: list, dtypes: list, donate: bool):
-        self.treedef, self.targets, self.dtypes, self.donate = treedef, targets, dtypes, donate
+    def __init__(self, treedef, sources: list, targets: list, dtypes: list, donate: bool, route: str = "program"):
+        self.treedef, self.targets, self.dtypes, self.donate, self.route = treedef, targets, dtypes, donate, route
         self.shapes = [tuple(s.shape) for s in sources]
         self._source_shardings = [s.sharding for s in sources]
+        self.compiled = None  # step 1
+        self.join_compiled = None  # the pieces joined on the target devices
+        self.copy_bytes: dict[Any, int] = {}
+        self.leaves_leaf_by_leaf = 0
+        if route == "put":
+            # Cast before the move where that narrows (fewer bytes move), after it where it widens.
+            self._narrowed = [i for i, (s, d) in enumerate(zip(sources, dtypes))
+                              if d != np.dtype(s.dtype) and d.itemsize <= np.dtype(s.dtype).itemsize]
+            self._widened = [i for i, (s, d) in enumerate(zip(sources, dtypes))
+                             if d != np.dtype(s.dtype) and d.itemsize > np.dtype(s.dtype).itemsize]
+            # Leaves whose target slices are not source shards: gathered here (see the module docstring).
+            self._via_host = [i for i, (s, t) in enumerate(zip(sources, targets)) if len(s.sharding.device_set) > 1
+                              and not _slices_held(self.shapes[i], s.sharding, t)]
+            # Leaves jax.device_put may hand over a source buffer of (see `_put`): laid out otherwise, with
+            # every target slice a source shard.
+            self._may_share = [i for i, (s, t) in enumerate(zip(sources, targets)) if i not in self._via_host
+                               and not s.sharding.is_equivalent_to(t, len(self.shapes[i]))]
+            return
+        self._build_program(sources, targets, dtypes, donate)
+
+    def _build_program(self, sources: list, targets: list, dtypes: list, donate: bool) -> None:
+        """Plans and compiles steps 1 and 2 (the program route)."""
         device_lists = {_device_order(s.sharding) for s in sources}  # one program needs one device list
         plans = [None] * len(sources)
         if len(device_lists) == 1 and None not in device_lists:
@@ -319,7 +393,6 @@ class ReshardProgram:
         self._whole: dict[int, tuple[list, NamedSharding]] = {}  # leaf -> (devices to take, their sharding)
         self._pieces: dict[int, list[tuple[list, NamedSharding]]] = {}  # leaf -> per piece, the same
         self._splits: dict[int, tuple[int, int]] = {}  # leaf -> (dimension cut, pieces)
-        self.copy_bytes: dict[Any, int] = {}
         for i in self._program:
             named, (staged, split) = _as_named(targets[i]), plans[i]
             tile = named.shard_shape(self.shapes[i])
@@ -340,8 +413,6 @@ class ReshardProgram:
                 for device, wanted in zip(taken, named.mesh.devices.flat):
                     if device != wanted:
                         self.copy_bytes[wanted] = self.copy_bytes.get(wanted, 0) + size
-        self.compiled = None  # step 1
-        self.join_compiled = None  # the pieces joined on the target devices
         self._inputs: list | None = None  # the sources written on the refined mesh, where there is one
         # Leaves whose pieces are the source's own shards skip step 1: the join makes their new buffers.
         direct = {i for i in self._splits if dtypes[i] == np.dtype(sources[i].dtype)
@@ -407,8 +478,10 @@ class ReshardProgram:
 
     def __call__(self, params):
         """`params` on the target shardings (in the target dtypes), new arrays; with `donate`, the staged
-        leaves' inputs are invalidated."""
+        leaves' inputs are invalidated (on the put route, every input)."""
         leaves = self.treedef.flatten_up_to(params)
+        if self.route == "put":
+            return self.treedef.unflatten(self._put(leaves))
         out: list[Any] = [None] * len(leaves)
         if self._program:
             staged = {i: leaves[i] for i in self._program}
@@ -445,14 +518,76 @@ class ReshardProgram:
             out[i] = _leaf_by_leaf(leaves[i], self.targets[i], self.dtypes[i])
         return self.treedef.unflatten(out)
 
+    def _put(self, leaves: list) -> list:
+        """The put route: narrowing casts where the bytes are, one `jax.device_put` of every leaf, widening
+        casts on the targets."""
+        moving = list(leaves)
+        for i, y in zip(self._narrowed, _cast_leaves([leaves[i] for i in self._narrowed],
+                                                     [self.dtypes[i] for i in self._narrowed])):
+            moving[i] = y
+        fresh = set(self._narrowed)  # a cast made these: the move may keep their buffers
+        for i in self._via_host:
+            moving[i] = _on_host(moving[i])
+            fresh.add(i)
+        out = jax.device_put(moving, self.targets, may_alias=[i in fresh for i in range(len(moving))])
+        # Where a target shard is a source shard already on its device, jax.device_put hands that buffer
+        # over even when told not to alias (it picks up such shards as they are).
+        shared = [i for i in self._may_share if i not in fresh and _buffers(out[i]) & _buffers(leaves[i])]
+        if shared:
+            for i, y in zip(shared, jax.device_put([out[i] for i in shared], [self.targets[i] for i in shared],
+                                                   may_alias=False)):
+                out[i] = y
+        if self._widened:  # the cast's output sharding is an equivalent one: relabelled, not moved
+            cast = _cast_leaves([out[i] for i in self._widened], [self.dtypes[i] for i in self._widened])
+            for i, y in zip(self._widened, jax.device_put(cast, [self.targets[i] for i in self._widened],
+                                                           may_alias=True)):
+                out[i] = y
+        if self.donate:  # the program route's contract: the inputs are the callee's now
+            for x in leaves:
+                x.delete()
+        return out
+
+
+ROUTES = ("auto", "program", "put")
+_ROUTE: contextvars.ContextVar[str] = contextvars.ContextVar("reshard_route", default="auto")
+
+
+@contextlib.contextmanager
+def route(name: str):
+    """Within the block, `reshard` and `reshard_program` calls that name no route take `name` (one of
+    `ROUTES`); e.g. `route("program")` runs the accelerator route on CPU devices, to test or time it."""
+    _check_route(name)
+    token = _ROUTE.set(name)
+    try:
+        yield
+    finally:
+        _ROUTE.reset(token)
+
+
+def _check_route(name) -> None:
+    if name not in ROUTES:
+        raise ValueError(f"reshard route must be one of {ROUTES}, got {name!r}")
+
+
+def _resolved_route(name: str | None, sources: list, targets: list) -> str:
+    """"program" or "put" for this pair: `name`, else the one `route` set, else by the devices' platform
+    (the module docstring says why)."""
+    name = _ROUTE.get() if name is None else name
+    _check_route(name)
+    if name != "auto":
+        return name
+    devices = set().union(*(s.sharding.device_set for s in sources), *(t.device_set for t in targets))
+    return "put" if all(d.platform == "cpu" for d in devices) else "program"
+
 
 _PROGRAMS: dict[tuple, ReshardProgram] = {}
 _PROGRAMS_LOCK = threading.Lock()
 _MAX_PROGRAMS = 64  # layout pairs kept compiled; a job has a handful
 
 
-def reshard_program(abstract_params, target_shardings, *, dtypes=None, donate: bool = False) -> ReshardProgram:
-    """The compiled program that moves arrays laid out as `abstract_params` onto `target_shardings`.
+def reshard_program(abstract_params, target_shardings, *, dtypes=None, donate: bool = False,
+                    route: str | None = None) -> ReshardProgram:
+    """The move (compiled once) of arrays laid out as `abstract_params` onto `target_shardings`.
 
     abstract_params: a pytree of `jax.ShapeDtypeStruct`s with their `sharding` set (or of jax.Arrays):
       the source layout. No array is allocated to build the program.
@@ -461,9 +596,11 @@ def reshard_program(abstract_params, target_shardings, *, dtypes=None, donate: b
     dtypes: None (keep each leaf's dtype) or the same pytree structure of dtypes to cast to on the way
       (cast on the source devices, before anything moves).
     donate: let the program reuse the source's buffers (they are invalidated by the call).
+    route: one of `ROUTES`; None takes the one `route(...)` set (default "auto": "put" when every device
+      is a CPU device, else "program"; see the module docstring).
 
-    Compiled once per (structure, shapes, dtypes, source shardings, targets, donate) and cached. Raises
-    ValueError for structures that differ or a leaf without a sharding.
+    Compiled once per (structure, shapes, dtypes, source shardings, targets, donate, route) and cached.
+    Raises ValueError for structures that differ, a leaf without a sharding, or an unknown route.
     """
     flat, treedef = jax.tree.flatten(abstract_params)
     targets = check_shardings(target_shardings)
@@ -478,27 +615,29 @@ def reshard_program(abstract_params, target_shardings, *, dtypes=None, donate: b
         out_dtypes = [np.dtype(a.dtype) for a in flat]
     else:
         out_dtypes = [np.dtype(d) for d in treedef.flatten_up_to(dtypes)]
+    chosen = _resolved_route(route, flat, targets)
     key = (treedef, tuple((tuple(a.shape), np.dtype(a.dtype), a.sharding) for a in flat), tuple(targets),
-           tuple(out_dtypes), bool(donate))
+           tuple(out_dtypes), bool(donate), chosen)
     with _PROGRAMS_LOCK:
         found = _PROGRAMS.get(key)
     if found is not None:
         return found
-    program = ReshardProgram(treedef, flat, targets, out_dtypes, bool(donate))
+    program = ReshardProgram(treedef, flat, targets, out_dtypes, bool(donate), chosen)
     with _PROGRAMS_LOCK:
         while len(_PROGRAMS) >= _MAX_PROGRAMS:
             del _PROGRAMS[next(iter(_PROGRAMS))]
         return _PROGRAMS.setdefault(key, program)
 
 
-def reshard(params, target_shardings, *, copy: bool = False, dtypes=None):
+def reshard(params, target_shardings, *, copy: bool = False, dtypes=None, route: str | None = None):
     """`params` (a pytree of jax.Arrays) moved onto `target_shardings` (the same pytree structure, e.g.
-    `sharding.state_shardings(params, engine_mesh)`), device to device, by `reshard_program`.
+    `sharding.state_shardings(params, engine_mesh)`) by `reshard_program`, in one call for the tree.
 
     Arrays already laid out as asked (and of the asked dtype) are returned as is (same buffers) unless
     `copy`; with `copy` nothing in the result shares a buffer with `params`. Nothing is donated: the
-    inputs stay valid. Transfers from the host are refused (transfer guard), so a path through the host
-    fails loudly. dtypes: as for `reshard_program`.
+    inputs stay valid. On the program route (accelerators) transfers from the host are refused (transfer
+    guard), so a path through the host fails loudly; the put route (CPU devices, whose memory is the
+    host's) is `jax.device_put`'s own. dtypes, route: as for `reshard_program`.
     """
     device_leaves(params, "reshard")
     if jax.tree.structure(target_shardings) != jax.tree.structure(params):
@@ -516,9 +655,13 @@ def reshard(params, target_shardings, *, copy: bool = False, dtypes=None):
         elif x.sharding != t:  # the same shards under the target's name: no transfer
             out[i] = jax.device_put(x, t)
     if move:
-        with jax.transfer_guard_host_to_device("disallow_explicit"):
-            sub = [leaves[i] for i in move]
-            moved = reshard_program(sub, [targets[i] for i in move], dtypes=[want[i] for i in move])(sub)
+        sub = [leaves[i] for i in move]
+        program = reshard_program(sub, [targets[i] for i in move], dtypes=[want[i] for i in move], route=route)
+        # The put route leaves the caller's guard as it is.
+        guard = jax.transfer_guard_host_to_device("disallow_explicit") if program.route == "program" \
+            else contextlib.nullcontext()
+        with guard:
+            moved = program(sub)
         for i, y in zip(move, moved):
             out[i] = y
     return treedef.unflatten(out)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.data.device_params import DeviceParamSource, DeviceWeights, UnknownVersionError, reshard
+from jaxflow.data.reshard import route as reshard_route
 from jaxflow.models import hf_io
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
@@ -22,13 +23,15 @@ CFG = ModelConfig("Qwen3ForCausalLM", vocab_size=512, hidden_size=64, intermedia
 
 
 def no_host_transfers():
-    """Host<->device transfers refused, explicit ones included (device to device stays allowed). On
+    """Host<->device transfers refused, explicit ones included (device to device stays allowed), on the
+    reshard route accelerators take (CPU devices take jax.device_put's, whose memory is the host's). On
     CPU, reading a device array on the host is a zero-copy view that the device-to-host guard does not
     see; the host-to-device guard is the one that bites there (see test_guard_refuses_the_host_path)."""
     import contextlib
     stack = contextlib.ExitStack()
     stack.enter_context(jax.transfer_guard_host_to_device("disallow_explicit"))
     stack.enter_context(jax.transfer_guard_device_to_host("disallow_explicit"))
+    stack.enter_context(reshard_route("program"))
     return stack
 
 

@@ -1,6 +1,8 @@
 """reshard_program: for each kind of layout pair a job makes (same devices split another way, a subset of
-the devices, other devices), the compiled program puts the same values on the target shardings, device to
-device, casting on the way if asked; it is built from abstract shapes and cached; bad input is named."""
+the devices, other devices), both routes put the same values on the target shardings, casting on the way if
+asked: the program route (what accelerators run) device to device, the put route (what CPU devices run)
+in one `jax.device_put`. Built from abstract shapes and cached; the route follows the platform; bad input is
+named."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.data.device_params import ReshardProgram, reshard, reshard_program
+from jaxflow.data.reshard import route
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import Transformer
 
@@ -50,17 +53,22 @@ def buffers(tree) -> set[int]:
     return {s.data.unsafe_buffer_pointer() for a in jax.tree.leaves(tree) for s in a.addressable_shards}
 
 
+@pytest.mark.parametrize("way", ["program", "put"])
 @pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_program_gives_the_same_values_on_the_target_layout(params, kind):
+def test_program_gives_the_same_values_on_the_target_layout(params, kind, way):
     source_layout, target_layout = LAYOUTS[kind]
     source = placed(params, source_layout)
     target = sharding.state_shardings(params, mesh(*target_layout))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), source)
-    program = reshard_program(abstract, target)
-    assert isinstance(program, ReshardProgram)
+    program = reshard_program(abstract, target, route=way)
+    assert isinstance(program, ReshardProgram) and program.route == way
     assert program.leaves_leaf_by_leaf == 0  # every layout a job makes is one program, no per-leaf route
-    assert reshard_program(abstract, target) is program  # compiled once per layout pair
-    with jax.transfer_guard_host_to_device("disallow_explicit"):
+    assert reshard_program(abstract, target, route=way) is program  # compiled once per layout pair
+    with route(way):  # the route a block sets is the one a call naming none takes
+        assert reshard_program(abstract, target) is program
+    # The program route never goes through the host; the put route does where jax.device_put does.
+    guard = "disallow_explicit" if way == "program" else "allow"
+    with jax.transfer_guard_host_to_device(guard):
         moved = program(source)
         jax.block_until_ready(moved)
     for got, want, s in zip(jax.tree.leaves(moved), jax.tree.leaves(params), jax.tree.leaves(target), strict=True):
@@ -72,22 +80,35 @@ def test_program_gives_the_same_values_on_the_target_layout(params, kind):
         assert program.compiled.memory_analysis().argument_size_in_bytes > 0
 
 
-def test_program_casts_on_the_way(params):
+def test_cpu_devices_take_the_put_route(params):
+    """On CPU devices (the host's memory) the route is jax.device_put's; see reshard.py's docstring."""
     source = placed(params, LAYOUTS["subset, tp2"][0])
     target = sharding.state_shardings(params, mesh(*LAYOUTS["subset, tp2"][1]))
-    dtypes = jax.tree.map(lambda a: jnp.bfloat16, params)
-    moved = reshard(source, target, dtypes=dtypes)
-    for got, want, s in zip(jax.tree.leaves(moved), jax.tree.leaves(params), jax.tree.leaves(target), strict=True):
-        assert got.dtype == jnp.bfloat16 and got.sharding == s
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+    assert reshard_program(source, target).route == "put"
+    assert reshard_program(source, target, route="auto").route == "put"
+
+
+@pytest.mark.parametrize("way", ["program", "put"])
+@pytest.mark.parametrize("given,wanted", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_program_casts_on_the_way(params, way, given, wanted):
+    """Narrowing casts happen before the move, widening ones after it; the values are the cast's."""
+    given_params = jax.tree.map(lambda a: a.astype(given), params)
+    source = placed(given_params, LAYOUTS["subset, tp2"][0])
+    target = sharding.state_shardings(params, mesh(*LAYOUTS["subset, tp2"][1]))
+    moved = reshard(source, target, dtypes=jax.tree.map(lambda a: wanted, params), route=way)
+    for got, want, s in zip(jax.tree.leaves(moved), jax.tree.leaves(given_params), jax.tree.leaves(target),
+                            strict=True):
+        assert got.dtype == wanted and got.sharding == s
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(wanted)))
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")  # small ones with no output to alias
-def test_donated_sources_are_reused(params):
+@pytest.mark.parametrize("way", ["program", "put"])
+def test_donated_sources_are_reused(params, way):
     layout = LAYOUTS["same devices, fsdp4 x tp2"]
     source = placed(params, layout[0])
     expected = jax.tree.map(np.asarray, source)
-    program = reshard_program(source, sharding.state_shardings(params, mesh(*layout[1])), donate=True)
+    program = reshard_program(source, sharding.state_shardings(params, mesh(*layout[1])), donate=True, route=way)
     moved = program(source)
     assert sum(a.is_deleted() for a in jax.tree.leaves(source)) >= len(jax.tree.leaves(source)) // 2
     for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
@@ -104,3 +125,7 @@ def test_bad_input_is_named(params):
             jax.devices()[0]))}, target)
     with pytest.raises(ValueError, match="pytree of jax.sharding.Sharding"):
         reshard_program(placed(params, ((0, 2), (1, 2, 1))), jax.tree.map(lambda a: "fsdp", params))
+    with pytest.raises(ValueError, match="reshard route must be one of"):
+        reshard_program(placed(params, ((0, 2), (1, 2, 1))), target, route="host")
+    with pytest.raises(ValueError, match="reshard route must be one of"), route("fast"):
+        pass

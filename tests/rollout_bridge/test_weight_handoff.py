@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.data.device_params import DeviceParamSource, reshard
+from jaxflow.data.reshard import route as reshard_route
 from jaxflow.models.hf_io import load_model
 from jaxflow.models.tiny import write_tiny_model
 from rollout_bridge.engine import Request, SamplingParams, WeightsRejected
@@ -31,10 +32,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @contextlib.contextmanager
 def no_host_transfers():
-    """Explicit host->device transfers refused in this thread (device to device stays allowed): the HF
-    path places every tensor from the host, so it cannot pass (test_device_params checks that)."""
+    """Explicit host->device transfers refused in this thread (device to device stays allowed), on the
+    reshard route accelerators take (CPU devices take jax.device_put's): the HF path places every tensor
+    from the host, so it cannot pass (test_device_params checks that)."""
     with jax.transfer_guard_host_to_device("disallow_explicit"), \
-            jax.transfer_guard_device_to_host("disallow_explicit"):
+            jax.transfer_guard_device_to_host("disallow_explicit"), reshard_route("program"):
         yield
 
 
