@@ -18,7 +18,8 @@ checks held.
 
     .venv/bin/python benchmarks/realsize_e2e.py --engine jax --json benchmarks/results/realsize_e2e.json
     .venv/bin/python benchmarks/realsize_e2e.py --engine vllm --set trainer.param_dtype=bfloat16 \
-        --set rollout.kv_cache_gib=0.25 --json benchmarks/results/realsize_e2e.json
+        --set rollout.kv_cache_gib=0.125 --set trainer.logprob_chunk=32 --set trainer.remat=true \
+        --json benchmarks/results/realsize_e2e.json
     .venv/bin/python benchmarks/realsize_e2e.py --engine jax --quick
 
 A second engine's run merges into an existing JSON file (one entry per engine under "engines", each with

@@ -175,6 +175,13 @@ HEADLINES: dict[str, list[Figure]] = {
                optional=True),
         Figure("vLLM: export's logits, transformers vs jaxflow, max abs diff",
                "engines.vllm.export.logits_max_abs_diff", "{:.2g}", optional=True),
+        Figure("vLLM: trainer's master weights (AdamW moments float32)", "engines.vllm.settings.param_dtype", "{}",
+               optional=True),
+        Figure("vLLM: its KV cache, GiB", "engines.vllm.settings.kv_cache_gib", "{}", optional=True),
+        Figure("JAX engine: its run's command", "engines.jax.meta.command", "`{}`", optional=True),
+        Figure("vLLM: its run's command", "engines.vllm.meta.command", "`{}`", optional=True),
+        Figure("vLLM: its run's date", "engines.vllm.meta.date", "{}", optional=True),
+        Figure("vLLM: its run's load average, at most", "engines.vllm.meta.load_1min_max", "{}", optional=True),
     ],
     "train_step": [
         Figure("model", "size", "{}"),
