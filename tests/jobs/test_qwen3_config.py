@@ -44,6 +44,16 @@ def test_cpu_smoke_passes_the_checks_and_names_a_preset():
         rl.check_config(load_config(f"{CONFIG}:cpu_smoke", {"base.random_preset": "qwen3-7b"}))
 
 
+def test_cpu_smoke_on_vllm_with_the_settings_it_ran_with_passes_the_checks():
+    # configs/qwen3_gsm8k.py's vLLM command: bfloat16 master weights, a smaller vLLM KV cache, shorter
+    # log-prob chunks and remat.
+    config = load_config(f"{CONFIG}:cpu_smoke", {"rollout.engine": "vllm", "trainer.param_dtype": "bfloat16",
+                                                 "rollout.kv_cache_gib": "0.125", "trainer.logprob_chunk": "32",
+                                                 "trainer.remat": "true"})
+    rl.check_config(config)
+    assert (config.trainer.param_dtype, config.model.compute_dtype) == ("bfloat16", "bfloat16")
+
+
 def test_filler_tokenizer_has_the_asked_vocab_and_encodes_any_text(tmp_path):
     tokenizer = write_filler_tokenizer(tmp_path, 700, special_ids={ENDOFTEXT: 690, IM_START: 691, IM_END: 692})
     assert tokenizer.vocab_size == 700
