@@ -39,7 +39,7 @@ tp = tensor, D hidden, F mlp, H heads, G kv heads, K head_dim, V vocab, L layers
   with remat: c D (the block input only);
   live block: while one block's backward runs, its saved set (without remat's saving) and its attention
     scores and probabilities, rows x H/tp x Q x T x (4 + c) bytes (the uncut branch; Q = T, or the query
-    block of `transformer.attention` on rows longer than its ATTENTION_WHOLE_QUERIES);
+    block of `transformer.attention`, ATTENTION_QUERY_BLOCK, on longer rows);
   LM head: 3 x 4 bytes x rows x min(C, T) x V/tp (float32 logits, their gradient, the probabilities behind
     the entropy; vocab-parallel over fsdp too, the same bytes: rows of the fsdp group x V/(fsdp tp)), live
     before any block's backward starts, so never together with a live block.
@@ -317,7 +317,7 @@ def analytic(model_cfg, mesh, state, batch_bytes: int, rows: int, args, step_cfg
                                   model_cfg.num_layers)
     no_remat = c * (4 * d + (3 * h + 3 * g) * k / tp + 3 * f / tp)
     saved = c * d if args.remat else no_remat
-    queries = t if t <= transformer.ATTENTION_WHOLE_QUERIES else transformer.ATTENTION_QUERY_BLOCK
+    queries = min(t, transformer.ATTENTION_QUERY_BLOCK)
     attention = rows_dev * (h / tp) * queries * t * (4 + c)
     chunk = getattr(step_cfg, "logprob_chunk", 0) or t
     lm_head = 3 * 4 * rows_dev * min(chunk, t) * v / tp
@@ -411,7 +411,11 @@ def plan(args, mesh_sizes: dict[str, int]) -> dict:
     import jax
 
     from jaxflow import sharding
+    from jaxflow.models import precision
 
+    # The programs are compiled, never run: plan the accelerators' bfloat16 dots, not the CPU runtime's
+    # upcast operands (`precision.float32_dot_operands`).
+    precision.UPCAST_ON_CPU = False
     n = jax.device_count()
     mesh = sharding.make_mesh(mesh_sizes["data"], mesh_sizes["fsdp"], mesh_sizes["tensor"])
     model_cfg = _model_config(args.model)

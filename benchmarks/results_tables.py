@@ -304,6 +304,17 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("trained tokens/s, this tree over baseline", "trained_tokens_per_s_ratio_current_vs_baseline",
                "{:.2f}x"),
     ],
+    "precision": [
+        Figure("steps a run", "steps", "{}"),
+        Figure("held-out prompts an eval", "eval_prompts", "{}"),
+        Figure("final held-out accuracy, float32 compute", "runs.float32.final_accuracy", "{:.1%}"),
+        Figure("final held-out accuracy, bfloat16 compute", "runs.bfloat16.final_accuracy", "{:.1%}"),
+        Figure("final accuracy gap, points", "final_accuracy_gap_points", "{:.1f}"),
+        Figure("standard error of that gap (eval noise), points", "difference_noise_points", "{:.1f}"),
+        Figure("gap within 2 standard errors", "same_within_noise", "{}"),
+        Figure("s a step, bfloat16 over float32 (this CPU has no bfloat16 matmul units)",
+               "step_s_ratio_bf16_vs_f32", "{:.2f}x"),
+    ],
     "pod_plan": [
         Figure("case", "headline_case", "{}"),
         Figure("train step: compiled state over the analytic count (per device)", "state_bytes_vs_analytic",
@@ -328,6 +339,11 @@ HEADLINES: dict[str, list[Figure]] = {
 
 # Tables of one row per case, for the benchmarks whose result file holds a sweep.
 TABLES: dict[str, Table] = {
+    "precision": Table("curves", (
+        Figure("step", "step", "{}"),
+        Figure("held-out accuracy, float32 compute", "float32", "{:.1%}"),
+        Figure("held-out accuracy, bfloat16 compute", "bfloat16", "{:.1%}"),
+    )),
     "pod_plan": Table("sweep", (
         Figure("model", "model", "{}"),
         Figure("devices", "devices", "{}"),
@@ -419,6 +435,20 @@ def glance_block(results: dict[str, dict]) -> str:
     return header + "".join(rows)
 
 
+def curves_block(result: dict | None) -> str:
+    """README's precision curves: one row per compute dtype, one column per held-out eval."""
+    if result is None:
+        return "No result file committed yet (benchmarks/results/precision.json).\n"
+    curves, meta = result["curves"], result["meta"]
+    where = (f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, {meta['date'][:10]}, "
+             f"{(meta['commit'] or '?')[:7]}")
+    header = f"| held-out accuracy ({where}) | " + " | ".join(f"step {c['step']}" for c in curves) + " |\n"
+    rule = "| --- | " + " | ".join("---:" for _ in curves) + " |\n"
+    rows = "".join(f"| {dtype} compute | " + " | ".join(f"{c[dtype]:.1%}" for c in curves) + " |\n"
+                   for dtype in ("float32", "bfloat16"))
+    return header + rule + rows
+
+
 def render(text: str, blocks) -> str:
     """`text` with each marker pair's body replaced by blocks(name) (None leaves that body as it is)."""
     def one(m: re.Match) -> str:
@@ -437,7 +467,9 @@ def generate(results: dict[str, dict], docs_text: str, readme_text: str) -> tupl
                          + ", ".join(f"benchmarks/results/{n}.json" for n in missing)
                          + ": add `<!-- results:NAME:begin -->` and `<!-- results:NAME:end -->` to it")
     docs = render(docs_text, lambda name: None if name == "glance" else benchmark_block(name, results.get(name)))
-    readme = render(readme_text, lambda name: glance_block(results) if name == "glance" else None)
+    readme_blocks = {"glance": lambda: glance_block(results), "precision_curves": lambda: curves_block(
+        results.get("precision"))}
+    readme = render(readme_text, lambda name: readme_blocks[name]() if name in readme_blocks else None)
     return docs, readme
 
 

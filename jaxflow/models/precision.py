@@ -48,6 +48,11 @@ def cast_floating(tree, dtype):
     return jax.tree.map(cast, tree)
 
 
+# Whether `float32_dot_operands` upcasts on the CPU backend. benchmarks/pod_plan.py turns it off: it compiles
+# for CPU devices that stand in for accelerators and never runs the programs, so it plans their dots.
+UPCAST_ON_CPU = True
+
+
 def float32_dot_operands(*operands: jax.Array) -> tuple[jax.Array, ...]:
     """The operands of a dot that accumulates in float32 (`preferred_element_type=float32`), as the backend
     takes them: unchanged on accelerators, whose matrix units multiply bfloat16 into float32; upcast to
@@ -55,6 +60,6 @@ def float32_dot_operands(*operands: jax.Array) -> tuple[jax.Array, ...]:
     bfloat16 x bfloat16 -> float32 kernel ("Unsupported element type for DotThunk::Execute"), e.g. the
     JAX engine's attention over the cache when an episode's next turn extends it. A bfloat16 value is
     exact in float32, so the product is the same."""
-    if jax.default_backend() != "cpu":
+    if not UPCAST_ON_CPU or jax.default_backend() != "cpu":
         return operands
     return tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in operands)

@@ -105,7 +105,7 @@ def test_a_shared_prompt_and_its_samples_are_never_cut_apart():
 
 
 def test_long_rows_attend_in_query_blocks_with_the_same_result(monkeypatch):
-    # 600 queries: over ATTENTION_WHOLE_QUERIES, so three blocks of 256, the last one padded; row 1 ends in
+    # 600 queries: three blocks of ATTENTION_QUERY_BLOCK (256), the last one padded; row 1 ends in
     # padding. Against the same call with every query at once.
     t = 600
     seg = jnp.asarray(packed_segments([[250, 350], [400, 0]], t))
@@ -116,9 +116,9 @@ def test_long_rows_attend_in_query_blocks_with_the_same_result(monkeypatch):
     def attend(q, k, v):
         return attention(q, k, v, attention_mask(seg))
 
-    assert t > transformer.ATTENTION_WHOLE_QUERIES and t % transformer.ATTENTION_QUERY_BLOCK
+    assert t > transformer.ATTENTION_QUERY_BLOCK and t % transformer.ATTENTION_QUERY_BLOCK
     out_blocks, vjp_blocks = jax.vjp(attend, q, k, v)
-    monkeypatch.setattr(transformer, "ATTENTION_WHOLE_QUERIES", t)
+    monkeypatch.setattr(transformer, "ATTENTION_QUERY_BLOCK", t)
     out_whole, vjp_whole = jax.vjp(attend, q, k, v)
     real = (seg > 0)[:, :, None, None, None]
     np.testing.assert_allclose(np.where(real, out_blocks, 0), np.where(real, out_whole, 0), atol=1e-5)
