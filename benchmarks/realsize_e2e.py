@@ -263,9 +263,6 @@ def main(argv=None) -> int:
         path = pathlib.Path(args.json)
         previous = json.loads(path.read_text()) if path.is_file() else {}
         engines = previous.get("engines", {})
-        if len(engines) == 1 and "meta" not in next(iter(engines.values())) and "meta" in previous:
-            # A file from before entries had a meta of their own: its one entry's run is the file's meta.
-            next(iter(engines.values()))["meta"] = previous["meta"]
         engines[args.engine] = {**entry, "meta": results_meta.finish(started)}
         results_meta.write_json(path, {"engines": engines, "all_checks_held": all(
             e["all_checks_held"] for e in engines.values()), "peak_rss_gib": max(
