@@ -18,7 +18,8 @@ __all__ = ["make_engine", "runs_episodes", "with_episodes"]
 
 def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0, decode_chunk: int = 16,
                 kv_cache_gib: float | None = 1.0, version: int = 0, lora=None, episodes: bool = True,
-                weight_transport: str = "auto", weight_bucket_bytes: int | None = None, dtype: str | None = None):
+                weight_transport: str = "auto", weight_bucket_bytes: int | None = None, dtype: str | None = None,
+                exact_logprobs: bool = False, logprob_chunk: int | None = None):
     """The engine named by `kind` ("jax" or "vllm") serving `model` (an HF directory; a JAX engine also
     takes a `Transformer`) at policy `version`, with `max_slots` sequences of up to `max_len` tokens
     (prompt + completion) at once and sampling seeded by `seed`. jax: a `JaxEngine` decoding
@@ -33,7 +34,8 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
     paths every engine takes as it is. dtype: what the engine computes in (`model.compute_dtype`: "float32"
     or "bfloat16"); a JAX engine casts the weights it is given (and each version it syncs) to it, vLLM is
     started with it and casts the versions it is sent. None: the model's own dtype (JAX), float32 (vLLM). A dtype
-    neither engine takes is a DtypeError before any engine starts."""
+    neither engine takes is a DtypeError before any engine starts. exact_logprobs, logprob_chunk: the JAX
+    engine's exact mode (`rollout.exact_logprobs`) with the trainer's `logprob_chunk`; vLLM has none."""
     if dtype is not None:
         precision.dtype_of(dtype)
     if weight_transport == "nccl" and kind == "jax":
@@ -48,9 +50,13 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
             from jaxflow.models import hf_io
             model = hf_io.load_model(model, lora=lora)
         return JaxEngine(model, max_slots=max_slots, max_len=max_len, decode_chunk=decode_chunk, version=version,
-                         seed=seed, reuse_turns=episodes, compute_dtype=dtype)
+                         seed=seed, reuse_turns=episodes, compute_dtype=dtype, exact_logprobs=exact_logprobs,
+                         **({} if logprob_chunk is None else {"logprob_chunk": logprob_chunk}))
     if kind == "vllm":
         from rollout_bridge.vllm_engine import VllmEngine
+
+        if exact_logprobs:
+            raise ValueError("exact_logprobs needs the JAX engine: vLLM's kernels are not the trainer's")
 
         # A version arrives in the trainer's parameter dtype; an engine computing in another one casts it.
         return VllmEngine(model, version=version, max_len=max_len, max_slots=max_slots,

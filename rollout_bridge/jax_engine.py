@@ -27,6 +27,12 @@ Log-probabilities: by default each token's log-probability under the model's unm
 importance weights compare like with like. `logprobs_mode="processed"` reports the log-probability
 under the distribution actually sampled from instead.
 
+Exact mode (`exact_logprobs=True`, the run config's `rollout.exact_logprobs`): every token's reported
+log-probability is recomputed by `jaxflow.trainer.scoring`, the per-sequence program the trainer's update
+computes π_prox with, under the weights that sampled the token: when its sample finishes, is aborted, or
+before a weight swap moves it to other weights. The trainer then recomputes the same bits for on-policy tokens
+(π_prox / μ = 1 exactly) instead of agreeing to rounding. It costs one more forward pass of each sample.
+
 Weight updates keep requests in flight: the new weights are checked (against the HF name table, or for
 `DeviceWeights` from a trainer in this process, against the engine's own parameter tree) before anything
 changes, swapped in between decode calls, and every in-flight sequence's cache is recomputed
@@ -56,6 +62,8 @@ from jaxflow.data.device_params import DeviceWeights
 from jaxflow.data.records import Sample
 from jaxflow.models import hf_io, lora, precision
 from jaxflow.models.transformer import Transformer
+from jaxflow.trainer import scoring
+from jaxflow.trainer.step import LOGPROB_CHUNK
 from rollout_bridge import jax_decode, jax_slots, jax_warmup
 from rollout_bridge.engine import (
     Completion,
@@ -83,6 +91,7 @@ class _Running:
 
     request: Request
     sample: Sample
+    exact_from: int = 0  # exact mode: tokens before this one carry their final (rescored) log-probs
 
     @property
     def sequence(self) -> list[int]:
@@ -120,6 +129,8 @@ class JaxEngine(Engine):
         at construction, and the other decode programs (one per slot bucket; then, with reuse_turns, the
         extend programs) on a background thread (`jax_warmup`; `warmed` waits for them), so that no decode
         call waits for a compile. False: every program compiles when first used.
+      exact_logprobs: report log-probs recomputed by the trainer's per-sequence program (module docstring);
+        needs logprobs_mode "raw". logprob_chunk: the trainer's `logprob_chunk`, which that program uses.
       reuse_turns: a request that finishes with a stop keeps its cache row (until a weight swap, or until
         the slot is needed: least recently finished first); the same request id submitted again with a
         sequence that extends it (an episode's next turn) is admitted there and computes only its new
@@ -131,9 +142,13 @@ class JaxEngine(Engine):
                  version: int = 0, prefill_buckets: Iterable[int] = (32, 64, 128, 256, 512, 1024),
                  seed: int = 0, param_dtype=None, compute_dtype: str | None = None, cast_weights: bool = False,
                  logprobs_mode: str = "raw", prefill_batch: int = 8, prefill_fanout: int = 8,
-                 max_stop_ids: int = 8, rules=None, warmup: bool = True, reuse_turns: bool = True):
+                 max_stop_ids: int = 8, rules=None, warmup: bool = True, reuse_turns: bool = True,
+                 exact_logprobs: bool = False, logprob_chunk: int = LOGPROB_CHUNK):
         if logprobs_mode not in jax_decode.LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode!r} is not one of {jax_decode.LOGPROBS_MODES}")
+        if exact_logprobs and logprobs_mode != "raw":
+            raise ValueError(f"exact_logprobs reports the model's own log-probs (logprobs_mode 'raw'), not "
+                             f"logprobs_mode {logprobs_mode!r}")
         if min(max_slots, decode_chunk, prefill_batch, prefill_fanout) < 1 or max_len < 2:
             raise ValueError(f"need max_slots, decode_chunk, prefill_batch, prefill_fanout >= 1 and "
                              f"max_len >= 2; got {max_slots}, {decode_chunk}, {prefill_batch}, "
@@ -168,6 +183,7 @@ class JaxEngine(Engine):
         self._buckets = tuple(sorted({min(int(b), max_len) for b in prefill_buckets} | {max_len}))
         self._prefill_batch, self._prefill_fanout = prefill_batch, prefill_fanout
         self._logprobs_mode = logprobs_mode
+        self._exact, self._logprob_chunk = bool(exact_logprobs), int(logprob_chunk)
         self._max_stop_ids = max_stop_ids
         self._seeds = np.random.default_rng(seed)
         self._cache_sharding = jax_decode.cache_sharding(cfg, max_slots, max_len, self._mesh, rules)
@@ -334,7 +350,7 @@ class JaxEngine(Engine):
 
     def _accept(self, request: Request, sample: Sample) -> None:
         self._active_ids.add(request.request_id)
-        self._waiting.append(_Running(request, sample))
+        self._waiting.append(_Running(request, sample, exact_from=len(sample.tokens)))
         self._wake.notify()
 
     def _invalid(self, request: Request) -> str | None:
@@ -506,7 +522,8 @@ class JaxEngine(Engine):
         nothing: a decode call whose rows are all inactive stops before its first step, and a prefill call
         of padding rows only drops all its writes. The others compile ahead of time from the shapes
         alone (the loop keeps the cache meanwhile): the smaller decode buckets, largest first (a call
-        uses only ready ones), then the extend programs (a turn that needs one first compiles it)."""
+        uses only ready ones), then the extend programs (a turn that needs one first compiles it), then
+        in exact mode the rescoring ones."""
         *later, largest = self._slots.idle_plans()
         self._decode_call(largest)
         rows = [1 << i for i in range((min(self._prefill_batch, self.max_slots) - 1).bit_length() + 1)]
@@ -527,6 +544,11 @@ class JaxEngine(Engine):
         jobs += [(("extend", p, shapes), functools.partial(
             jax_decode.extend.lower, self._graphdef, params, cache, np.zeros((p, t), np.int32), np.zeros(p, np.int32),
             np.full(p, drop, np.int32), out_sharding=self._cache_sharding)) for p in rows if self._reuse_turns]
+        if self._exact:  # the rescoring programs, one per power-of-two row count (`_rescore`)
+            jobs += [(("score", n, shapes), functools.partial(
+                scoring.score.lower, self._graphdef, params, np.zeros((n, self.max_len), np.int32),
+                np.zeros(n, np.int32), chunk=self._logprob_chunk))
+                for n in (1 << i for i in range((self.max_slots - 1).bit_length() + 1))]
         if later:
             self._slots.ready = {len(largest.rows_b)}
         if jobs:
@@ -578,6 +600,7 @@ class JaxEngine(Engine):
         self._rates.append((start, now, generated))
         while self._rates and self._rates[0][1] < now - _RATE_WINDOW_S:
             self._rates.popleft()
+        self._rescore(finished)
         # Load first, so that whoever polls a completion sees a load that already counts it out.
         self._publish_load()
         with self._lock:
@@ -591,7 +614,7 @@ class JaxEngine(Engine):
 
     def _abort(self, ids: set[str]) -> list[Completion]:
         """Removes waiting and running requests in `ids`; their partial samples, finish_reason "abort"."""
-        out = []
+        out, running = [], []
         with self._lock:
             for run in [r for r in self._waiting if r.request.request_id in ids]:
                 self._waiting.remove(run)
@@ -603,17 +626,42 @@ class JaxEngine(Engine):
                 run.sample.finish_reason = "abort"
                 self._active_ids.discard(run.request.request_id)
                 out.append(Completion(run.request.request_id, run.sample))
+                running.append(run)
+        if self._error is None:  # a failed loop's weights may be what failed: its samples go out as they are
+            self._rescore(running)
         return out
 
     def _swap_weights(self, version: int, params: nnx.State, keep_kv: bool) -> None:
         """Serves `params` (with LoRA: new adapters over the base) from now on and recomputes every
         in-flight cache under them (unless `keep_kv`: then the caches, kept turns included, stay)."""
+        self._rescore(list(self._running.values()))  # under the weights that sampled them
         if self.lora is not None:
             params = nnx.merge_state(self._params, params)
         self._params, self._version = params, version
         if not keep_kv:
             self._kept.clear()  # computed under the old weights
             self._prefill(list(self._running))
+
+    def _rescore(self, runs: list[_Running]) -> None:
+        """Exact mode: replaces the decode log-probs of the runs' tokens not yet rescored with those of
+        `scoring.score` under the current weights (those that sampled them). Calls of up to max_slots
+        sequences, padded to a power of two rows, each a row of max_len (the trainer's row length)."""
+        todo = [r for r in runs if r.exact_from < len(r.sample.tokens)] if self._exact else []
+        for first in range(0, len(todo), self.max_slots):
+            group = todo[first:first + self.max_slots]
+            rows = 1 << (len(group) - 1).bit_length()
+            tokens_nt = np.zeros((rows, self.max_len), np.int32)
+            lengths_n = np.zeros(rows, np.int32)
+            for i, run in enumerate(group):
+                sequence = run.sequence
+                tokens_nt[i, :len(sequence)], lengths_n[i] = sequence, len(sequence)
+            logp_nt = np.asarray(scoring.score(self._graphdef, self._params, tokens_nt, lengths_n,
+                                               chunk=self._logprob_chunk))
+            with self._lock:  # `progress` reads samples from other threads
+                for i, run in enumerate(group):
+                    start, end = (len(run.request.prompt) + k for k in (run.exact_from, len(run.sample.tokens)))
+                    run.sample.logprobs[run.exact_from:] = logp_nt[i, start:end].tolist()
+                    run.exact_from = len(run.sample.tokens)
 
     def _publish_load(self) -> None:
         now = time.monotonic()

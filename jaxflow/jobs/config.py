@@ -69,6 +69,10 @@ class RolloutConfig(Section):
       version by an NCCL broadcast through vLLM's weight-transfer API.
     weight_bucket_mb: nccl only: MiB per bucket of the broadcast (at most MAX_BUCKET_MB, 1024).
     env: episodes, an environment answering between model turns (`jaxflow.envs.config.EnvConfig`).
+    exact_logprobs: the JAX engine reports each token's log-prob from the per-sequence program the update
+      computes π_prox with (`jaxflow.trainer.scoring`), so that on-policy tokens carry no train-rollout
+      mismatch at all (π_prox / μ = 1 bit for bit). Costs a forward pass of each sample in the engine and one
+      in the update; needs the JAX engine, `trainer.pack = False` and `trainer.prox = "recompute"`.
     """
 
     SECTION: ClassVar[str] = "rollout"
@@ -90,10 +94,15 @@ class RolloutConfig(Section):
     weight_transport: str = "auto"
     weight_bucket_mb: int = 256
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    exact_logprobs: bool = False
 
     def problems(self) -> list[str]:
         problems: list[str] = []
         check_choice(problems, self.key("engine"), self.engine, ENGINES)
+        check_bool(problems, self.key("exact_logprobs"), self.exact_logprobs)
+        if self.exact_logprobs is True and self.engine == "vllm":
+            problems.append("rollout.exact_logprobs needs rollout.engine = 'jax' (vLLM's kernels are not the "
+                            "trainer's: its log-probs agree to rounding only)")
         check_choice(problems, self.key("weight_transport"), self.weight_transport, WEIGHT_TRANSPORTS)
         check_int(problems, self.key("weight_bucket_mb"), self.weight_bucket_mb, 1, MAX_BUCKET_MB)
         before = len(problems)

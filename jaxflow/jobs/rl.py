@@ -79,8 +79,9 @@ from jaxflow.rewards import RewardPool, group_reward_fn, resolve
 from jaxflow.tasks import get_task
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
-from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config
+from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config, exact_logprobs_problems
 from jaxflow.trainer.state import abstract_train_state
+from jaxflow.trainer.step import LOGPROB_CHUNK
 from rollout_bridge.engine import SamplingParams
 from rollout_bridge.factory import make_engine, runs_episodes, with_episodes
 from rollout_bridge.weight_transport import WeightTransportMismatch, resolve_weight_transport
@@ -110,6 +111,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problems += number_problems(config, problems)
     problems += _task_problems(config)
     problems += cluster_problems(config.cluster)
+    exact = config.rollout.get("exact_logprobs", False)
+    problems += [p for p in exact_logprobs_problems(config.trainer, exact) if p not in problems]
+    if exact is True and config.cluster.get("rollout_actors"):
+        problems.append("rollout.exact_logprobs needs the engines in the job's process (cluster.rollout_actors "
+                        "is set)")
     if not problems:  # the transport against the engine kind and the deployment, once those are sound
         try:
             weight_transport(config)
@@ -164,7 +170,9 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
                          version=trainer.version if jax_engine else 0,
                          lora=None if jax_engine or not trainer.publish_adapters else trainer.lora,
                          episodes=runs_episodes(r.get("env")), weight_transport=weight_transport(config),
-                         weight_bucket_bytes=r.weight_bucket_mb << 20, dtype=compute_dtype(config))
+                         weight_bucket_bytes=r.weight_bucket_mb << 20, dtype=compute_dtype(config),
+                         exact_logprobs=r.get("exact_logprobs", False),
+                         logprob_chunk=config.trainer.get("logprob_chunk", LOGPROB_CHUNK))
     if not jax_engine and trainer.version != 0:
         engine.update_weights(trainer.version, trainer.publish_tensors())
     return engine
@@ -252,7 +260,8 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
                                          param_dtype=config.trainer.param_dtype),
                         config.trainer, mesh, seq_len=config.rollout.max_len, device_weights=device_weights,
                         max_sequences=config.trainer.batch_groups * config.rollout.group_size,
-                        compute_dtype=compute_dtype(config))
+                        compute_dtype=compute_dtype(config),
+                        exact_logprobs=config.rollout.get("exact_logprobs", False))
     print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
           f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
     if trainer.lora is not None:

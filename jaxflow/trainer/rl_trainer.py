@@ -51,7 +51,7 @@ from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
 from jaxflow.trainer.state import TrainState, create_train_state, frozen_state, train_state_shardings, trainable
-from jaxflow.trainer.step import LOGPROB_CHUNK, PROX_MODES, StepConfig, TrainStep, make_optimizer
+from jaxflow.trainer.step import EXACT_PROX, LOGPROB_CHUNK, PROX_MODES, StepConfig, TrainStep, make_optimizer
 
 SCHEDULES = ("constant", "cosine")
 
@@ -202,10 +202,12 @@ def loss_config(section: ml_collections.ConfigDict) -> losses.LossConfig:
     return losses.LossConfig.from_config(section)
 
 
-def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float32") -> StepConfig:
+def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float32",
+                exact_logprobs: bool = False) -> StepConfig:
     """What the jitted update computes, from the run config's trainer section: the loss (`trainer.loss.*`),
     `minibatches`, `prox`, `remat` and `logprob_chunk`; and the model's compute dtype (`model.compute_dtype`).
-    A bad value raises ValueError naming its key."""
+    exact_logprobs (`rollout.exact_logprobs`): π_prox from the engine's exact program (prox "exact"), which
+    takes unpacked rows and a recomputed π_prox. A bad value raises ValueError naming its key."""
     loss = loss_config(trainer.loss)
     chunk = trainer.get("logprob_chunk", LOGPROB_CHUNK)
     problems: list[str] = []
@@ -214,10 +216,27 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     check_bool(problems, "trainer.remat", trainer.remat)
     check_int(problems, "trainer.logprob_chunk", chunk, 0)
     check_choice(problems, "model.compute_dtype", compute_dtype, precision.COMPUTE_DTYPES)
+    problems += exact_logprobs_problems(trainer, exact_logprobs)
     if problems:
         raise ConfigError("bad trainer config: " + "; ".join(problems), problems)
-    return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=trainer.prox, remat=trainer.remat,
+    prox = EXACT_PROX if exact_logprobs else trainer.prox
+    return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=prox, remat=trainer.remat,
                       logprob_chunk=chunk, compute_dtype=compute_dtype)
+
+
+def exact_logprobs_problems(trainer: ml_collections.ConfigDict, exact_logprobs) -> list[str]:
+    """What in the trainer section keeps `rollout.exact_logprobs` from holding: the exact program scores one
+    sequence a row from position 0, and π_prox must be recomputed (the log-linear one equals μ on
+    on-policy tokens by definition)."""
+    if exact_logprobs is not True:
+        return []
+    problems = []
+    if trainer.get("pack", TrainerConfig.pack) is not False:
+        problems.append("rollout.exact_logprobs needs trainer.pack = False (the exact program scores one "
+                        "sequence a row)")
+    if trainer.get("prox", TrainerConfig.prox) != "recompute":
+        problems.append(f"rollout.exact_logprobs needs trainer.prox = 'recompute', not {trainer.get('prox')!r}")
+    return problems
 
 
 def check_trainer_config(trainer: ml_collections.ConfigDict) -> None:
@@ -290,11 +309,13 @@ class RLTrainer:
     compile before its first step, whatever its batches hold. A batch with more sequences than
     `max_sequences` gets a shape twice as deep, compiled when it arrives (with a warning).
     compute_dtype: what the update computes in (`model.compute_dtype`); the weights stay in the model's dtype
-    (`trainer.param_dtype`, applied when the model is loaded).
+    (`trainer.param_dtype`, applied when the model is loaded). exact_logprobs: `rollout.exact_logprobs`
+    (π_prox from `scoring`, the program the JAX engine's exact mode reports log-probs with).
     """
 
     def __init__(self, model, trainer: ml_collections.ConfigDict, mesh, *, seq_len: int, max_sequences: int,
-                 device_weights: DeviceParamSource | None = None, compute_dtype: str = "float32"):
+                 device_weights: DeviceParamSource | None = None, compute_dtype: str = "float32",
+                 exact_logprobs: bool = False):
         check_trainer_config(trainer)
         self.batch_shape = batch_shape(max_sequences, seq_len, trainer.minibatches, trainer.micro_batch_rows,
                                        mesh.shape["data"] * mesh.shape["fsdp"])
@@ -311,7 +332,7 @@ class RLTrainer:
         self.state: TrainState = create_train_state(model, self.tx, mesh)
         self.shardings = train_state_shardings(self.state.params, self.tx, mesh)
         self.minibatches = trainer.minibatches
-        self.step_config = step_config(trainer, compute_dtype)
+        self.step_config = step_config(trainer, compute_dtype, exact_logprobs)
         # The KL reference: the initial policy, frozen (a copy: the state's arrays are donated to the step).
         self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.step_config.loss.kl_coef > 0
                            else None)

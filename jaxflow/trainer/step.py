@@ -9,6 +9,8 @@ decoupled PPO, is the weights at the start of the call:
   current log-prob with its gradient stopped (no extra pass); with K > 1 a forward-only scan over the
   batch computes it first.
 - prox="loglinear": AReaL's interpolation between μ and π_θ by per-token versions, no extra pass.
+- prox="exact": a forward-only pass of `scoring.sequence_logprobs`, one sequence a row (unpacked rows), the
+  program the JAX engine's exact mode reports its log-probs with: on-policy tokens get π_prox = μ bit for bit.
 
 With a KL penalty (loss.kl_coef > 0) the caller passes the reference policy's parameters and a
 forward-only pass over the batch computes its log-probs (no gradient) for the loss's `ref_logp_bt`.
@@ -35,13 +37,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow import sharding
 from jaxflow.models import precision
-from jaxflow.trainer import losses
+from jaxflow.trainer import losses, scoring
 from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
 from jaxflow.trainer.state import TrainState
 
 logger = logging.getLogger(__name__)
 
 PROX_MODES = ("recompute", "loglinear")
+# Also a StepConfig.prox: π_prox from `scoring.sequence_logprobs`, the program the JAX engine's exact mode reports
+# log-probs with (rows of one sequence each). The job sets it with `rollout.exact_logprobs`.
+EXACT_PROX = "exact"
 # Positions per chunk of the log-prob computation (`token_logprobs`) unless the config says otherwise.
 LOGPROB_CHUNK = 512
 
@@ -67,8 +72,8 @@ class StepConfig:
         if isinstance(self.logprob_chunk, bool) or not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 0:
             raise ValueError(f"logprob_chunk must be an int >= 0, got {self.logprob_chunk!r}")
         precision.dtype_of(self.compute_dtype)
-        if self.prox not in PROX_MODES:
-            raise ValueError(f"unknown prox mode {self.prox!r}; valid: {', '.join(PROX_MODES)}")
+        if self.prox not in (*PROX_MODES, EXACT_PROX):
+            raise ValueError(f"unknown prox mode {self.prox!r}; valid: {', '.join((*PROX_MODES, EXACT_PROX))}")
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
         losses.validate_loss_config(self.loss)
@@ -224,13 +229,15 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
 
     compute = jnp.dtype(cfg.compute_dtype)
 
-    def forward(params, mb):  # with LoRA, params are the adapters and `frozen` the base
+    def merged(params):  # with LoRA, params are the adapters and `frozen` the base
         # The one cast to the compute dtype, inside the differentiated function: gradients come back in
         # the parameters' own dtype.
         params = precision.cast_floating(params, compute)
-        model = (nnx.merge(graphdef, params) if frozen is None
-                 else nnx.merge(graphdef, params, precision.cast_floating(frozen, compute)))
-        return token_logprobs(model, mb, cfg.remat, cfg.logprob_chunk, mesh)
+        return (nnx.merge(graphdef, params) if frozen is None
+                else nnx.merge(graphdef, params, precision.cast_floating(frozen, compute)))
+
+    def forward(params, mb):
+        return token_logprobs(merged(params), mb, cfg.remat, cfg.logprob_chunk, mesh)
 
     def forward_logp(params, mb):  # no work on a micro-batch with nothing to train
         return jax.lax.cond(_has_tokens(mb), lambda: forward(params, mb)[0],
@@ -240,9 +247,20 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     prox_all = None
     if uses_prox and cfg.prox == "recompute" and k > 1:
         prox_all = jax.lax.map(lambda mb: forward_logp(state.params, mb), batch)
+    elif uses_prox and cfg.prox == EXACT_PROX:  # rows hold one sequence each, from position 0 (unpacked)
+        prox_all = jax.lax.map(lambda mb: scoring.sequence_logprobs(
+            merged(state.params), mb.tokens, jnp.sum(mb.segment_ids > 0, axis=1), cfg.logprob_chunk), batch)
     ref_all = None
     if ref_params is not None:
         ref_all = jax.lax.map(lambda mb: forward_logp(ref_params, mb), batch)
+
+    # Which log-prob is the trainer's at the start-of-step weights, for the same-version mismatch metric.
+    if uses_prox and cfg.prox != "loglinear":
+        same_version_logp = lambda logp, prox: prox
+    elif k == 1:
+        same_version_logp = lambda logp, prox: logp
+    else:  # later minibatches' log-probs are of updated weights, and nothing recomputes the start's
+        same_version_logp = None
 
     def loss_fn(params, mb, weights, prox, ref):
         logp, entropy = forward(params, mb)
@@ -256,6 +274,12 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
                                                 mb.loss_mask, weights, ref, mb.rewards)
         mask = mb.loss_mask > 0
         metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+        if same_version_logp is not None:
+            # The train-rollout mismatch at equal weights: tokens sampled at this step's version, whose
+            # log-prob the trainer recomputes at the same weights (0 in exact mode).
+            on_policy = mask & (mb.versions == version)
+            gap = jnp.abs(jax.lax.stop_gradient(same_version_logp(logp, prox)) - mb.behav_logp)
+            metrics["onpolicy_logp_gap_max"] = jnp.max(jnp.where(on_policy, gap, 0.0))
         return loss, metrics
 
     def split(x):  # [M, ...] -> [K, M/K, ...]

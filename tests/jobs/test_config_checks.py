@@ -178,3 +178,24 @@ def test_a_reward_ref_that_names_no_reward_function_is_refused(ref):
     with pytest.raises(ConfigError, match=r"task\.reward_ref") as e:
         rl.check_config(load_config(CONFIG, {"task.reward_ref": ref}))
     assert ref in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({}, "rollout.exact_logprobs needs trainer.pack = False"),
+    ({"trainer.pack": "False", "trainer.share_prompts": "False", "trainer.prox": "loglinear"},
+     "rollout.exact_logprobs needs trainer.prox = 'recompute'"),
+    ({"trainer.pack": "False", "trainer.share_prompts": "False", "rollout.engine": "vllm"},
+     "rollout.exact_logprobs needs rollout.engine = 'jax'"),
+    ({"trainer.pack": "False", "trainer.share_prompts": "False", "cluster.mode": "ray",
+      "cluster.rollout_actors": "1"}, "rollout.exact_logprobs needs the engines in the job's process"),
+    ({"rollout.exact_logprobs": "maybe"}, "rollout.exact_logprobs"),
+])
+def test_exact_logprobs_is_refused_where_it_cannot_hold(overrides, says):
+    overrides = {"rollout.exact_logprobs": "True", **overrides}
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        rl.check_config(load_config(CONFIG, overrides))
+
+
+def test_exact_logprobs_with_unpacked_rows_passes():
+    rl.check_config(load_config(CONFIG, {"rollout.exact_logprobs": "True", "trainer.pack": "False",
+                                         "trainer.share_prompts": "False"}))
