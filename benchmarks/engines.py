@@ -17,10 +17,11 @@ With --json naming an existing result file, its figures go under that file's "si
 block of their own.
 
 The JSON carries jax_tokens_per_s, vllm_tokens_per_s and jax_vs_vllm (long-tail workload),
-jax_vs_vllm_by_workload (long_tail and uniform), and decode_vs_bandwidth: the JAX engine's tokens/s as a
-fraction of the memory-bandwidth bound, measured in the same run (`machine_limits.py`): each decode step
-reads every weight once and each running sequence's keys/values, so `slots` tokens a step cost at least
-(weight bytes + slots x KV bytes of a mean context) of reads.
+jax_vs_vllm_by_workload (long_tail and uniform), jax_exact_vs_default (the JAX engine's tokens/s in exact mode,
+`rollout.exact_logprobs`, over its default, on the long-tail workload), and decode_vs_bandwidth: the JAX
+engine's tokens/s as a fraction of the memory-bandwidth bound, measured in the same run (`machine_limits.py`):
+each decode step reads every weight once and each running sequence's keys/values, so `slots` tokens a step cost
+at least (weight bytes + slots x KV bytes of a mean context) of reads.
 vLLM runs when it is installed (`python3 -m jaxflow.setup_env`); otherwise its columns say n/a.
 """
 
@@ -150,6 +151,15 @@ def main(argv=None) -> int:
     finally:
         engine.close()
     print("  jax engine done", flush=True)
+    # Exact mode (`rollout.exact_logprobs`): the same engine rescoring every sample with the trainer's program.
+    engine = JaxEngine(model_dir, max_slots=args.slots, max_len=max_len, exact_logprobs=True, **serve)
+    engine.warmed()
+    try:
+        results["jax_exact"] = {"long_tail": run_engine(engine, loads["long_tail"], tensors, args.repeats)}
+    finally:
+        engine.close()
+    exact_vs_default = results["jax_exact"]["long_tail"]["tokens_per_s"] / results["jax"]["long_tail"]["tokens_per_s"]
+    print("  jax engine in exact mode done", flush=True)
 
     vllm_ok = not args.no_vllm
     if vllm_ok:
@@ -197,12 +207,14 @@ def main(argv=None) -> int:
     ratio = ratios["long_tail"] if ratios else None
     if ratios is not None:
         print("\njax / vllm tokens/s: " + ", ".join(f"{name} {x:.2f}x" for name, x in ratios.items()))
+    print(f"jax exact mode / default tokens/s (long tail): {exact_vs_default:.2f}x")
     if args.json and preset and os.path.isfile(args.json):
         # A preset size goes under "sizes" of the file the default run wrote (one result file per script), with
         # a meta block of its own; the file's own figures and meta stay as they were.
         with open(args.json) as f:
             existing = json.load(f)
         figures = {"jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
+                   "jax_exact_vs_default": exact_vs_default,
                    "jax_vs_vllm_by_workload": ratios, "decode_vs_bandwidth": decode_vs_bandwidth,
                    "bandwidth_bound_tokens_per_s": bound, "read_bandwidth_bytes_per_s": bandwidth,
                    "weight_bytes": weight_bytes, "results": results, "startup_s": startup_s, "args": vars(args)}
@@ -214,7 +226,7 @@ def main(argv=None) -> int:
     elif args.json:
         results_meta.write_json(args.json, {
             "jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
-            "jax_vs_vllm_by_workload": ratios,
+            "jax_vs_vllm_by_workload": ratios, "jax_exact_vs_default": exact_vs_default,
             "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,
             "read_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
             "results": results, "startup_s": startup_s, "args": vars(args)}, meta_started)
