@@ -10,6 +10,10 @@ decoupled PPO, is the weights at the start of the call:
   batch computes it first.
 - prox="loglinear": AReaL's interpolation between μ and π_θ by per-token versions, no extra pass.
 
+A train-rollout mismatch correction (loss.mismatch) reads ρ = π_prox/μ, so π_prox is computed for
+every loss when one is set, and it needs prox="recompute": the log-linear π_prox equals μ on tokens of
+the current version, where ρ would be 1.
+
 With a KL penalty (loss.kl_coef > 0) the caller passes the reference policy's parameters and a
 forward-only pass over the batch computes its log-probs (no gradient) for the loss's `ref_logp_bt`.
 
@@ -34,6 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow import sharding
+from jaxflow.config import ConfigError
 from jaxflow.models import precision
 from jaxflow.trainer import losses
 from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
@@ -44,6 +49,17 @@ logger = logging.getLogger(__name__)
 PROX_MODES = ("recompute", "loglinear")
 # Positions per chunk of the log-prob computation (`token_logprobs`) unless the config says otherwise.
 LOGPROB_CHUNK = 512
+
+
+def prox_problems(prox: str, loss: Any) -> list[str]:
+    """Why `trainer.prox` cannot serve the loss config `loss` ([] when it can): a mismatch correction needs
+    the recomputed π_prox (see the module docstring)."""
+    mismatch = getattr(loss, "mismatch", "none")
+    if prox == "loglinear" and mismatch != "none":
+        return [f"trainer.loss.mismatch {mismatch!r} needs trainer.prox 'recompute', got 'loglinear': the "
+                f"log-linear π_prox equals μ on tokens sampled at the current version, so the mismatch ratio "
+                f"π_prox/μ would be 1 and the correction would do nothing"]
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +88,9 @@ class StepConfig:
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
         losses.validate_loss_config(self.loss)
+        problems = prox_problems(self.prox, self.loss)
+        if problems:
+            raise ConfigError("bad trainer config: " + "; ".join(problems), problems)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -220,7 +239,8 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     k = cfg.minibatches
     version = state.version
     lc = cfg.loss
-    uses_prox = losses.POLICY_LOSS_USES_PROX[lc.name]
+    # A mismatch correction reads π_prox whatever the loss.
+    uses_prox = losses.POLICY_LOSS_USES_PROX[lc.name] or getattr(lc, "mismatch", "none") != "none"
 
     compute = jnp.dtype(cfg.compute_dtype)
 
@@ -244,16 +264,15 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     if ref_params is not None:
         ref_all = jax.lax.map(lambda mb: forward_logp(ref_params, mb), batch)
 
-    def loss_fn(params, mb, weights, prox, ref):
+    def loss_fn(params, mb, weights, seq_ids, prox, ref):
         logp, entropy = forward(params, mb)
-        if not uses_prox:
-            prox = logp  # unused by the loss
-        elif cfg.prox == "loglinear":
-            prox = losses.loglinear_prox_logp(mb.behav_logp, logp, mb.versions, version)
-        elif prox is None:
+        if cfg.prox == "loglinear":
+            prox = losses.loglinear_prox_logp(mb.behav_logp, logp, mb.versions, version) if uses_prox else None
+        elif prox is None and (uses_prox or k == 1):
+            # K = 1: π_prox is the current log-prob, free, so the mismatch metrics have it for every loss.
             prox = jax.lax.stop_gradient(logp)
         loss, metrics = losses.loss_and_metrics(lc.name, lc, logp, mb.behav_logp, prox, mb.advantages,
-                                                mb.loss_mask, weights, ref, mb.rewards)
+                                                mb.loss_mask, weights, ref, mb.rewards, seq_ids)
         mask = mb.loss_mask > 0
         metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
         return loss, metrics
@@ -269,12 +288,13 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         seq_ids = mbs.segment_ids.reshape(-1, t) + t * jnp.arange(flat_mask.shape[0])[:, None]
         weights = losses.token_weights(flat_mask, lc.aggregation, lc.constant_normalizer,
                                        sequence_ids_bt=seq_ids).reshape(mbs.loss_mask.shape)
+        seq_ids = seq_ids.reshape(mbs.loss_mask.shape)  # each micro-batch's slice, still unique across its rows
 
         def micro(grad_sum, xs):
-            mb, w, p, r = xs
+            mb, w, s, p, r = xs
 
             def compute():
-                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, p, r)
+                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, s, p, r)
                 return jax.tree.map(jnp.add, grad_sum, grads), metrics
 
             # A micro-batch that only pads the batch to its compiled shape costs a branch, not a pass.
@@ -283,7 +303,7 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
             return jax.lax.cond(_has_tokens(mb), compute, lambda: (grad_sum, empty))
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, per_micro = jax.lax.scan(micro, zeros, (mbs, weights, prox, ref))
+        grads, per_micro = jax.lax.scan(micro, zeros, (mbs, weights, seq_ids, prox, ref))
         metrics = _combine(per_micro)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
