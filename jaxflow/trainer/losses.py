@@ -14,7 +14,7 @@ accumulated exactly, and `loss_and_metrics` applies them.
 
 The same w also carries the train-rollout mismatch: the engine computes μ with its own kernels, batch shapes and
 precision, so even a token sampled at the trainer's current version has π_prox/μ ≠ 1. `LossConfig.mismatch`
-chooses a correction for it (truncated IS, token masks, a sequence mask; `mismatch_factor`), which acts on the
+chooses a correction for it (truncated IS, token masks, a sequence mask; `mismatch_mask`), which acts on the
 behaviour weight of the losses that have one and masks the others.
 
 Numerics: every exp() of a log-ratio first clamps the log-ratio to ±MAX_LOG_RATIO (as verl's rollout IS does).
@@ -67,7 +67,7 @@ class LossConfig(Section):
     aggregation: token losses to the batch loss: token_mean, seq_mean_token_mean, seq_mean_token_sum or
       constant (Dr.GRPO: sum / (sequences · constant_normalizer)).
     constant_normalizer: C of "constant" aggregation; None = the row length T.
-    mismatch: the train-rollout mismatch correction, on ρ = π_prox/μ per token (`mismatch_factor`): "none",
+    mismatch: the train-rollout mismatch correction, on ρ = π_prox/μ per token (`mismatch_mask`): "none",
       "tis" (truncate the IS weight to [mismatch_low, mismatch_high]), "mis" (drop tokens whose ρ leaves it),
       "icepop" (the same two-sided mask, the IS weight kept) or "seq_mask" (drop every token of a sequence whose
       geometric-mean ρ leaves it). Needs π_prox (trainer.prox = "recompute"); "tis" and "icepop" need a loss
@@ -134,7 +134,7 @@ class LossConfig(Section):
             problems.append(f"{self.key('mismatch_low')} must be < {self.key('mismatch_high')}, got "
                             f"{self.mismatch_low} >= {self.mismatch_high}")
         if self.mismatch in ("tis", "icepop") and POLICY_LOSS_USES_PROX.get(self.name) is False:
-            # Their per-token weight holds π_θ/μ = (π_θ/π_prox)·ρ: ρ is in it already (see `mismatch_factor`).
+            # Their per-token weight holds π_θ/μ = (π_θ/π_prox)·ρ: ρ is in it already (see `mismatch_mask`).
             with_w = ", ".join(n for n in sorted(POLICY_LOSSES) if POLICY_LOSS_USES_PROX[n])
             problems.append(f"{self.key('mismatch')} {self.mismatch!r} is an importance weight, and "
                             f"{self.key('name')} {self.name!r} already weighs each token by π_θ/μ, which holds "
@@ -264,7 +264,7 @@ def register_policy_loss(name: str, *, uses_prox: bool = True, uses_rewards: boo
 
     A loss registered with uses_prox=True weighs its tokens by the behaviour weight from `behaviour_weight`
     (which applies the "tis" mismatch truncation) and reports its `truncated` flags as the `mismatch_truncated`
-    metric; one with uses_prox=False weighs them by π_θ/μ (see `mismatch_factor`)."""
+    metric; one with uses_prox=False weighs them by π_θ/μ (see `mismatch_mask`)."""
     def deco(fn):
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
@@ -442,7 +442,7 @@ def sequence_mean(x_bt: jax.Array, mask_bt: jax.Array, sequence_ids_bt: jax.Arra
     return (sums / jnp.maximum(counts, 1.0))[dense].reshape(m.shape)
 
 
-def mismatch_factor(behav_logp_bt, prox_logp_bt, mask_bt, cfg, sequence_ids_bt=None) -> jax.Array:
+def mismatch_mask(behav_logp_bt, prox_logp_bt, mask_bt, cfg, sequence_ids_bt=None) -> jax.Array:
     """The train-rollout mismatch correction's keep mask [B, T] float32 (1 = kept, 0 = dropped), applied by
     `policy_loss` to the policy term of every loss.
 
@@ -495,7 +495,7 @@ def mismatch_factor(behav_logp_bt, prox_logp_bt, mask_bt, cfg, sequence_ids_bt=N
 def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt=None,
                 rewards_bt=None, sequence_ids_bt=None):
     """Per-token policy loss `name` (a key of POLICY_LOSSES), times the mismatch correction's mask
-    (`mismatch_factor`), plus the optional KL penalty.
+    (`mismatch_mask`), plus the optional KL penalty.
 
     Args: all [B, T]: logp_bt (log π_θ, differentiable), behav_logp_bt (log μ), prox_logp_bt (log π_prox; may be
       None for ppo/tis/topr without a mismatch correction), adv_bt, mask_bt (1 = trained token), ref_logp_bt
@@ -539,7 +539,7 @@ def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg
     if POLICY_LOSS_USES_REWARDS[name]:
         extra["rewards_bt"] = None if rewards_bt is None else const(rewards_bt)
     loss_bt, metrics = POLICY_LOSSES[name](logp, behav, prox, adv, m.astype(jnp.float32), cfg, **extra)
-    keep = mismatch_factor(behav, prox, m, cfg, sequence_ids_bt)
+    keep = mismatch_mask(behav, prox, m, cfg, sequence_ids_bt)
     loss_bt = jnp.where(keep > 0, loss_bt, 0.0)
     zeros = jnp.zeros_like(logp)
     metrics.setdefault("mismatch_truncated", zeros)

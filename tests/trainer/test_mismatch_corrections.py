@@ -1,5 +1,5 @@
 """Train-rollout mismatch corrections (`LossConfig.mismatch`) against a float64 NumPy reference written from the
-formulas in `losses.mismatch_factor`'s docstring, composed with decoupled_ppo (a loss with a behaviour weight, a
+formulas in `losses.mismatch_mask`'s docstring, composed with decoupled_ppo (a loss with a behaviour weight, a
 staleness cap active) and ppo (a loss without one); the sequence mask on packed rows; the config checks; and the
 key reaching the jitted step from a run config.
 """
