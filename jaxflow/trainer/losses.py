@@ -12,6 +12,11 @@ behind one registry. Every loss returns a per-token loss already zeroed on maske
 `token_weights` turns the mask into aggregation weights computed on the full batch so that micro-batches can be
 accumulated exactly, and `loss_and_metrics` applies them.
 
+The same w also carries the train-rollout mismatch: the engine computes μ with its own kernels, batch shapes and
+precision, so even a token sampled at the trainer's current version has π_prox/μ ≠ 1. `LossConfig.mismatch`
+chooses a correction for it (truncated IS, token masks, a sequence mask; `mismatch_mask`), which acts on the
+behaviour weight of the losses that have one and masks the others.
+
 Numerics: every exp() of a log-ratio first clamps the log-ratio to ±MAX_LOG_RATIO (as verl's rollout IS does).
 exp(20) ≈ 4.9e8 is far beyond any clip or cap, so the clamp only changes values that are already pathological, and
 it keeps a 1e6-token sum of them finite in float32. Beyond the clamp the gradient through that exp() is 0. Masked
@@ -37,6 +42,7 @@ BEHAV_WEIGHT_MODES = ("clamp", "mask", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 TOPR_SPLITS = ("advantage", "reward")
+MISMATCH_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +67,12 @@ class LossConfig(Section):
     aggregation: token losses to the batch loss: token_mean, seq_mean_token_mean, seq_mean_token_sum or
       constant (Dr.GRPO: sum / (sequences · constant_normalizer)).
     constant_normalizer: C of "constant" aggregation; None = the row length T.
+    mismatch: the train-rollout mismatch correction, on ρ = π_prox/μ per token (`mismatch_mask`): "none",
+      "tis" (truncate the IS weight to [mismatch_low, mismatch_high]), "mis" (drop tokens whose ρ leaves it),
+      "icepop" (the same two-sided mask, the IS weight kept) or "seq_mask" (drop every token of a sequence whose
+      geometric-mean ρ leaves it). Needs π_prox (trainer.prox = "recompute"); "tis" and "icepop" need a loss
+      with a behaviour weight.
+    mismatch_low, mismatch_high: the bounds [lo, hi] of the correction, 0 <= lo < hi.
 
     CISPO's defaults follow MiniMax-M1, which clips the IS weight from above only; cispo_eps_high = 0.28 is
     DAPO's clip-higher value.
@@ -87,12 +99,15 @@ class LossConfig(Section):
     kl_estimator: str = "k3"
     aggregation: str = "token_mean"
     constant_normalizer: float | None = None
+    mismatch: str = "none"
+    mismatch_low: float = 0.5
+    mismatch_high: float = 2.0
 
     def problems(self) -> list[str]:
         problems: list[str] = []
         for name, valid in (("name", sorted(POLICY_LOSSES)), ("behav_weight_mode", BEHAV_WEIGHT_MODES),
                             ("kl_estimator", KL_ESTIMATORS), ("aggregation", AGGREGATIONS),
-                            ("topr_split", TOPR_SPLITS)):
+                            ("topr_split", TOPR_SPLITS), ("mismatch", MISMATCH_CORRECTIONS)):
             check_choice(problems, self.key(name), getattr(self, name), valid)
         for name in ("eps_low", "cispo_eps_low"):
             check_float(problems, self.key(name), getattr(self, name), 0.0, 1.0)
@@ -112,6 +127,19 @@ class LossConfig(Section):
                         open_high=True, optional=True)
         check_float(problems, self.key("constant_normalizer"), self.constant_normalizer, 0.0, open_low=True,
                     optional=True)
+        before = len(problems)
+        check_float(problems, self.key("mismatch_low"), self.mismatch_low, 0.0)
+        check_float(problems, self.key("mismatch_high"), self.mismatch_high, 0.0, open_low=True)
+        if len(problems) == before and self.mismatch_low >= self.mismatch_high:
+            problems.append(f"{self.key('mismatch_low')} must be < {self.key('mismatch_high')}, got "
+                            f"{self.mismatch_low} >= {self.mismatch_high}")
+        if self.mismatch in ("tis", "icepop") and POLICY_LOSS_USES_PROX.get(self.name) is False:
+            # Their per-token weight holds π_θ/μ = (π_θ/π_prox)·ρ: ρ is in it already (see `mismatch_mask`).
+            with_w = ", ".join(n for n in sorted(POLICY_LOSSES) if POLICY_LOSS_USES_PROX[n])
+            problems.append(f"{self.key('mismatch')} {self.mismatch!r} is an importance weight, and "
+                            f"{self.key('name')} {self.name!r} already weighs each token by π_θ/μ, which holds "
+                            f"the mismatch ratio π_prox/μ: a second weight would count it twice; use a loss with "
+                            f"a behaviour weight ({with_w}) or the masks 'mis' / 'seq_mask'")
         return problems
 
 
@@ -154,27 +182,39 @@ def kl_estimate(logp_bt: jax.Array, ref_logp_bt: jax.Array, estimator: str = "k3
 
 
 def behaviour_weight(log_w, cfg: Any):
-    """The staleness weight w = π_prox/μ = exp(log_w), bounded per `cfg.behav_weight_mode`.
+    """The behaviour weight w = π_prox/μ = exp(log_w), bounded per `cfg.behav_weight_mode`, then truncated to
+    [mismatch_low, mismatch_high] when cfg.mismatch is "tis".
 
-    Works on any shape ([B, T] per token, [B] per sequence). Returns (w_used, w_raw, capped): w_used enters the
-    loss (clip(w, floor, cap) for "clamp"; 0 above the cap or below the floor for "mask", which drops the token
-    like AReaL's rejection sampling; w for "none" or no bounds); w_raw is the unbounded weight, logged so its max
-    shows the worst staleness; capped is a bool array of the tokens a bound acted on.
+    w corrects for staleness (μ is the engine's policy, possibly versions old) and for the train-rollout mismatch
+    (the engine's kernels and precision against the trainer's) at once: for a token sampled at the trainer's
+    current version it is exactly the mismatch ratio ρ. Works on any shape ([B, T] per token, [B] per sequence).
+    Returns (w_used, w_raw, capped, truncated): w_used enters the loss (clip(w, floor, cap) for "clamp"; 0 above
+    the cap or below the floor for "mask", which drops the token like AReaL's rejection sampling; w for "none" or
+    no bounds; then, with mismatch "tis", clip(·, mismatch_low, mismatch_high) on the tokens "mask" kept); w_raw
+    is the unbounded weight, logged so its max shows the worst staleness; capped is a bool array of the tokens a
+    staleness bound acted on, truncated of those the mismatch truncation changed.
     """
     w_raw = _exp_ratio(log_w)
     cap, floor = _cfg(cfg, "behav_weight_cap"), _cfg(cfg, "behav_weight_floor")
     mode = _cfg(cfg, "behav_weight_mode")
     none = jnp.zeros(w_raw.shape, bool)
-    if (cap is None and floor is None) or mode == "none":
-        return w_raw, w_raw, none
-    over = none if cap is None else w_raw > cap
-    under = none if floor is None else w_raw < floor
-    if mode == "clamp":
-        w_used = w_raw if cap is None else jnp.minimum(w_raw, cap)
-        w_used = w_used if floor is None else jnp.maximum(w_used, floor)
-    else:
-        w_used = jnp.where(over | under, 0.0, w_raw)
-    return w_used, w_raw, over | under
+    w_used, capped, dropped = w_raw, none, none
+    if (cap is not None or floor is not None) and mode != "none":
+        over = none if cap is None else w_raw > cap
+        under = none if floor is None else w_raw < floor
+        capped = over | under
+        if mode == "clamp":
+            w_used = w_raw if cap is None else jnp.minimum(w_raw, cap)
+            w_used = w_used if floor is None else jnp.maximum(w_used, floor)
+        else:
+            w_used, dropped = jnp.where(capped, 0.0, w_raw), capped
+    truncated = none
+    if _cfg(cfg, "mismatch") == "tis":
+        lo, hi = _cfg(cfg, "mismatch_low"), _cfg(cfg, "mismatch_high")
+        # A token the staleness mask dropped stays dropped: its weight 0 is not raised to lo.
+        truncated = ~dropped & ((w_used < lo) | (w_used > hi))
+        w_used = jnp.where(dropped, w_used, jnp.clip(w_used, lo, hi))
+    return w_used, w_raw, capped, truncated
 
 
 def clipped_surrogate(ratio_bt, adv_bt, eps_low, eps_high, dual_clip_c=None):
@@ -196,12 +236,13 @@ def clipped_surrogate(ratio_bt, adv_bt, eps_low, eps_high, dual_clip_c=None):
     return surr, clip_low, clip_high, dual
 
 
-def _metrics(behav_weight, behav_capped, approx_kl, clip_low=None, clip_high=None, dual=None):
+def _metrics(behav_weight, behav_capped, approx_kl, clip_low=None, clip_high=None, dual=None, truncated=None):
     zeros = jnp.zeros(approx_kl.shape, jnp.float32)
     as_f = lambda x: zeros if x is None else jnp.broadcast_to(x, zeros.shape).astype(jnp.float32)
     return {
         "clip_low": as_f(clip_low), "clip_high": as_f(clip_high), "behav_weight": as_f(behav_weight),
         "behav_capped": as_f(behav_capped), "approx_kl": approx_kl.astype(jnp.float32), "dual_clipped": as_f(dual),
+        "mismatch_truncated": as_f(truncated),
     }
 
 
@@ -219,7 +260,11 @@ POLICY_LOSS_USES_REWARDS: dict[str, bool] = {}
 
 def register_policy_loss(name: str, *, uses_prox: bool = True, uses_rewards: bool = False):
     """Decorator adding a loss to POLICY_LOSSES; `uses_prox=False` lets callers pass prox_logp_bt=None;
-    `uses_rewards=True` makes `policy_loss` pass `rewards_bt=` (possibly None) to it."""
+    `uses_rewards=True` makes `policy_loss` pass `rewards_bt=` (possibly None) to it.
+
+    A loss registered with uses_prox=True weighs its tokens by the behaviour weight from `behaviour_weight`
+    (which applies the "tis" mismatch truncation) and reports its `truncated` flags as the `mismatch_truncated`
+    metric; one with uses_prox=False weighs them by π_θ/μ (see `mismatch_mask`)."""
     def deco(fn):
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
@@ -248,9 +293,9 @@ def ppo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
 
 def _decoupled(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, cfg, dual_clip_c):
     u = _exp_ratio(logp_bt - prox_logp_bt)
-    w, w_raw, capped = behaviour_weight(prox_logp_bt - behav_logp_bt, cfg)
+    w, w_raw, capped, truncated = behaviour_weight(prox_logp_bt - behav_logp_bt, cfg)
     surr, lo, hi, dual = clipped_surrogate(u, adv_bt, _cfg(cfg, "eps_low"), _cfg(cfg, "eps_high"), dual_clip_c)
-    return w * surr, _metrics(w_raw, capped, kl_estimate(logp_bt, prox_logp_bt), lo, hi, dual)
+    return w * surr, _metrics(w_raw, capped, kl_estimate(logp_bt, prox_logp_bt), lo, hi, dual, truncated)
 
 
 @register_policy_loss("decoupled_ppo")
@@ -304,7 +349,7 @@ def cispo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
     u = _exp_ratio(logp_bt - prox_logp_bt)
     lo_b, hi_b = 1.0 - _cfg(cfg, "cispo_eps_low"), 1.0 + _cfg(cfg, "cispo_eps_high")
     c = jax.lax.stop_gradient(jnp.clip(u, lo_b, hi_b))
-    w, w_raw, capped = behaviour_weight(prox_logp_bt - behav_logp_bt, cfg)
+    w, w_raw, capped, truncated = behaviour_weight(prox_logp_bt - behav_logp_bt, cfg)
     nonzero = adv_bt != 0
     lo, hi = (u < lo_b) & nonzero, (u > hi_b) & nonzero
     loss = -w * c * adv_bt * logp_bt
@@ -313,7 +358,7 @@ def cispo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
         out_hi = (adv_bt > 0) & (u > 1.0 + _cfg(cfg, "eps_high"))
         loss = jnp.where(out_lo | out_hi, 0.0, loss)
         lo, hi = lo | out_lo, hi | out_hi
-    return loss, _metrics(w_raw, capped, kl_estimate(logp_bt, prox_logp_bt), lo, hi)
+    return loss, _metrics(w_raw, capped, kl_estimate(logp_bt, prox_logp_bt), lo, hi, truncated=truncated)
 
 
 @register_policy_loss("topr", uses_prox=False, uses_rewards=True)
@@ -354,11 +399,12 @@ def gspo_loss(logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg):
     len_b = jnp.maximum(jnp.sum(m, axis=1), 1.0)
     log_s_b = jax.lax.stop_gradient(jnp.sum(m * (logp_bt - prox_logp_bt), axis=1) / len_b)
     s_bt = _exp_ratio(log_s_b)[:, None] * jnp.exp(logp_bt - jax.lax.stop_gradient(logp_bt))
-    w_b, w_raw_b, capped_b = behaviour_weight(jnp.sum(m * (prox_logp_bt - behav_logp_bt), axis=1) / len_b, cfg)
+    w_b, w_raw_b, capped_b, trunc_b = behaviour_weight(jnp.sum(m * (prox_logp_bt - behav_logp_bt), axis=1) / len_b,
+                                                       cfg)
     surr, lo, hi, dual = clipped_surrogate(s_bt, adv_bt, _cfg(cfg, "eps_low"), _cfg(cfg, "eps_high"),
                                            _cfg(cfg, "dual_clip_c"))
     return w_b[:, None] * surr, _metrics(w_raw_b[:, None], capped_b[:, None], kl_estimate(logp_bt, prox_logp_bt),
-                                         lo, hi, dual)
+                                         lo, hi, dual, trunc_b[:, None])
 
 
 # ---------------------------------------------------------------------------------------------- entry points
@@ -373,28 +419,111 @@ def _check_shapes(**arrays) -> None:
             raise ValueError(f"{name} has shape {tuple(jnp.shape(x))} but {ref_name} has shape {ref_shape}")
 
 
+def _dense_ids(sequence_ids_bt) -> jax.Array:
+    """Sequence ids [B, T] as dense indices in [0, B·T), flattened [B·T]; unique(size=...) keeps shapes static
+    under jit."""
+    flat = jnp.asarray(sequence_ids_bt).reshape(-1)
+    _, dense = jnp.unique(flat, return_inverse=True, size=flat.size)
+    return dense.reshape(-1)
+
+
+def sequence_mean(x_bt: jax.Array, mask_bt: jax.Array, sequence_ids_bt: jax.Array | None = None) -> jax.Array:
+    """Per token, the mean of x_bt over the trained tokens (mask_bt > 0) of the token's sequence ([B, T] in,
+    [B, T] float32 out; 0 for a sequence without trained tokens). Without sequence_ids_bt a row is a sequence;
+    with it ([B, T] ints unique across rows, as `token_weights` takes them) a sequence is the tokens sharing an
+    id, so packed rows hold several."""
+    m = (jnp.asarray(mask_bt) > 0).astype(jnp.float32)
+    mx = jnp.where(m > 0, jnp.asarray(x_bt, jnp.float32), 0.0)
+    if sequence_ids_bt is None:
+        return jnp.broadcast_to((jnp.sum(mx, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0))[:, None], m.shape)
+    dense = _dense_ids(sequence_ids_bt)
+    sums = jax.ops.segment_sum(mx.reshape(-1), dense, num_segments=dense.size)
+    counts = jax.ops.segment_sum(m.reshape(-1), dense, num_segments=dense.size)
+    return (sums / jnp.maximum(counts, 1.0))[dense].reshape(m.shape)
+
+
+def mismatch_mask(behav_logp_bt, prox_logp_bt, mask_bt, cfg, sequence_ids_bt=None) -> jax.Array:
+    """The train-rollout mismatch correction's keep mask [B, T] float32 (1 = kept, 0 = dropped), applied by
+    `policy_loss` to the policy term of every loss.
+
+    The engine that sampled a token (μ) and the trainer (π_prox) compute its log-prob with different kernels,
+    batch shapes and precision. With ρ_t = exp(clamp(log π_prox - log μ, ±MAX_LOG_RATIO)), the ratio that for a
+    token sampled at the trainer's current version is exactly that mismatch (stale tokens add their staleness),
+    [lo, hi] = [mismatch_low, mismatch_high], sg the stop-gradient and ρ' the importance weight the loss carries
+    for the gap, cfg.mismatch is:
+
+      "tis"      ρ' → sg(clip(ρ', lo, hi)): truncated IS, every token kept (Yao et al. 2025, "Your efficient RL
+                 framework secretly brings you off-policy RL training"; verl rollout_is_threshold, slime
+                 --use-tis --tis-clip; they cap at 2). Applied in `behaviour_weight`; this mask is all ones.
+      "icepop"   ρ'·1[lo <= ρ_t <= hi]: a two-sided hard mask that keeps the IS weight (IcePop, inclusionAI's
+                 Ring-1T, α = 0.5, β = 5; OpenRLHF is_correction_type=icepop).
+      "mis"      1[lo <= ρ_t <= hi]: token rejection; kept tokens keep whatever weighting the loss has (Liu et al.
+                 2025, "When speed kills stability"; verl's rollout rejection sampling).
+      "seq_mask" 1[lo <= g_s <= hi] for every token of sequence s, g_s = exp(mean over its trained tokens of
+                 log ρ_t), the geometric-mean ratio: drops whole sequences (verl's geometric rejection, OpenRLHF
+                 seq-mask-tis, the seq-mask / OPSM family).
+
+    How it composes: a loss with a behaviour weight (registered uses_prox=True: decoupled_ppo, dual_clip, cispo,
+    gspo) weighs tokens by w = π_prox/μ, which is ρ: ρ' = w_used, the weight after the staleness bounds. "tis"
+    truncates it (gspo: its sequence weight), "icepop" and "mis" multiply the loss by the token mask, which for
+    these losses makes them the same; "seq_mask" by the sequence mask. A loss without one (ppo, tis, topr) weighs
+    tokens by π_θ/μ = (π_θ/π_prox)·ρ (topr's positive tokens not at all), so it carries ρ already and a second
+    IS weight would count it twice: "tis" and "icepop" are refused for them at config check, and "mis" and
+    "seq_mask" are pure masks for every loss. So mis and seq_mask drop tokens; tis and icepop keep the IS weight,
+    truncated or masked. Dropped tokens still count in the aggregation's denominators (as behav_weight_mode
+    "mask" does), and the KL penalty to π_ref is not masked.
+
+    Args: behav_logp_bt, prox_logp_bt, mask_bt [B, T] (masked tokens may hold anything); cfg: a LossConfig or an
+      object with its fields; sequence_ids_bt: [B, T] ints unique across rows (packed rows), else a row is a
+      sequence. Returns [B, T] float32 in {0, 1}, 0 on masked tokens too.
+    """
+    m = jnp.asarray(mask_bt) > 0
+    corr = _cfg(cfg, "mismatch")
+    if corr not in MISMATCH_CORRECTIONS:
+        raise ValueError(f"unknown mismatch correction {corr!r}; valid names: {list(MISMATCH_CORRECTIONS)}")
+    if corr in ("none", "tis"):
+        return m.astype(jnp.float32)
+    lo, hi = _cfg(cfg, "mismatch_low"), _cfg(cfg, "mismatch_high")
+    d = jnp.asarray(prox_logp_bt, jnp.float32) - jnp.asarray(behav_logp_bt, jnp.float32)
+    log_rho = jnp.clip(jnp.where(m, d, 0.0), -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    if corr == "seq_mask":
+        log_rho = sequence_mean(log_rho, m, sequence_ids_bt)
+    rho = jnp.exp(log_rho)
+    return (m & (rho >= lo) & (rho <= hi)).astype(jnp.float32)
+
+
 def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt=None,
-                rewards_bt=None):
-    """Per-token policy loss `name` (a key of POLICY_LOSSES) plus the optional KL penalty.
+                rewards_bt=None, sequence_ids_bt=None):
+    """Per-token policy loss `name` (a key of POLICY_LOSSES), times the mismatch correction's mask
+    (`mismatch_mask`), plus the optional KL penalty.
 
     Args: all [B, T]: logp_bt (log π_θ, differentiable), behav_logp_bt (log μ), prox_logp_bt (log π_prox; may be
-      None for ppo/tis/topr), adv_bt, mask_bt (1 = trained token), ref_logp_bt (log π_ref, optional),
-      rewards_bt (raw reward of the token's sequence; only topr with topr_split="reward" reads it). All but
-      logp_bt are treated as constants. cfg: a LossConfig or any object with its fields.
-    Returns: loss_bt [B, T] float32, zero on masked tokens, = loss of `name` + kl_coef·k(π_θ, π_ref); and per-token
-      metrics [B, T] float32 (zero on masked tokens): clip_low, clip_high, behav_weight (uncapped), behav_capped,
-      approx_kl (k3 vs π_prox, or vs μ for losses without prox), dual_clipped, kl_ref (k(π_θ, π_ref); 0 without
-      ref_logp_bt).
-    Raises: ValueError for an unknown loss, a bad config, mismatched shapes, a missing prox or ref input.
+      None for ppo/tis/topr without a mismatch correction), adv_bt, mask_bt (1 = trained token), ref_logp_bt
+      (log π_ref, optional), rewards_bt (raw reward of the token's sequence; only topr with topr_split="reward"
+      reads it), sequence_ids_bt (ints unique across rows: the sequences of packed rows, for "seq_mask"; None: a
+      row is a sequence). All but logp_bt are treated as constants. cfg: a LossConfig or any object with its
+      fields.
+    Returns: loss_bt [B, T] float32, zero on masked tokens, = mask·(loss of `name`) + kl_coef·k(π_θ, π_ref); and
+      per-token metrics [B, T] float32 (zero on masked tokens): clip_low, clip_high, behav_weight (uncapped),
+      behav_capped, approx_kl (k3 vs π_prox, or vs μ for losses without prox), dual_clipped, kl_ref (k(π_θ, π_ref);
+      0 without ref_logp_bt), mismatch_masked (dropped by the correction), mismatch_truncated (weight truncated by
+      "tis"), mismatch_kl (k3 estimate of KL(μ || π_prox): exp(d) - d - 1, d = log π_prox - log μ clamped to
+      ±MAX_LOG_RATIO) and mismatch_ratio (ρ = π_prox/μ); the last two are 0 without prox_logp_bt.
+    Raises: ValueError for an unknown loss, a bad config, mismatched shapes, a missing prox or ref input (prox is
+      needed by every loss when cfg.mismatch is not "none": without it ρ would be 1).
     """
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
     validate_loss_config(cfg)
     _check_shapes(logp_bt=logp_bt, behav_logp_bt=behav_logp_bt, prox_logp_bt=prox_logp_bt, adv_bt=adv_bt,
-                  mask_bt=mask_bt, ref_logp_bt=ref_logp_bt, rewards_bt=rewards_bt)
-    if prox_logp_bt is None:
+                  mask_bt=mask_bt, ref_logp_bt=ref_logp_bt, rewards_bt=rewards_bt, sequence_ids_bt=sequence_ids_bt)
+    have_prox = prox_logp_bt is not None
+    if not have_prox:
         if POLICY_LOSS_USES_PROX[name]:
             raise ValueError(f"policy loss {name!r} needs prox_logp_bt (got None)")
+        if _cfg(cfg, "mismatch") != "none":
+            raise ValueError(f"mismatch correction {_cfg(cfg, 'mismatch')!r} needs prox_logp_bt (got None): the "
+                             f"mismatch ratio is π_prox/μ")
         prox_logp_bt = behav_logp_bt
     kl_coef = _cfg(cfg, "kl_coef")
     if kl_coef > 0 and ref_logp_bt is None:
@@ -410,6 +539,13 @@ def policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg
     if POLICY_LOSS_USES_REWARDS[name]:
         extra["rewards_bt"] = None if rewards_bt is None else const(rewards_bt)
     loss_bt, metrics = POLICY_LOSSES[name](logp, behav, prox, adv, m.astype(jnp.float32), cfg, **extra)
+    keep = mismatch_mask(behav, prox, m, cfg, sequence_ids_bt)
+    loss_bt = jnp.where(keep > 0, loss_bt, 0.0)
+    zeros = jnp.zeros_like(logp)
+    metrics.setdefault("mismatch_truncated", zeros)
+    metrics["mismatch_masked"] = m.astype(jnp.float32) - keep
+    metrics["mismatch_kl"] = kl_estimate(behav, prox, "k3") if have_prox else zeros
+    metrics["mismatch_ratio"] = _exp_ratio(prox - behav) if have_prox else zeros
 
     if ref_logp_bt is not None:
         kl_bt = kl_estimate(logp, const(ref_logp_bt), _cfg(cfg, "kl_estimator"))
@@ -451,10 +587,9 @@ def token_weights(mask_bt: jax.Array, aggregation: str, constant_normalizer: flo
         return m / jnp.maximum(jnp.sum(m), 1.0)
     if sequence_ids_bt is not None:
         _check_shapes(mask_bt=mask_bt, sequence_ids_bt=sequence_ids_bt)
-        # Dense ids via unique(size=...) keeps shapes static under jit; unmasked tokens add 0 to any count.
+        # Unmasked tokens add 0 to any count.
         m_n = m.reshape(-1)
-        _, dense_n = jnp.unique(jnp.asarray(sequence_ids_bt).reshape(-1), return_inverse=True, size=m_n.size)
-        dense_n = dense_n.reshape(-1)
+        dense_n = _dense_ids(sequence_ids_bt)
         len_s = jax.ops.segment_sum(m_n, dense_n, num_segments=m_n.size)
         num_seqs = jnp.maximum(jnp.sum(len_s > 0), 1).astype(jnp.float32)
         if aggregation == "seq_mean_token_mean":
@@ -475,17 +610,20 @@ def token_weights(mask_bt: jax.Array, aggregation: str, constant_normalizer: flo
 
 
 def loss_and_metrics(name, cfg, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, weights_bt,
-                     ref_logp_bt=None, rewards_bt=None):
+                     ref_logp_bt=None, rewards_bt=None, sequence_ids_bt=None):
     """Scalar loss Σ_bt weights_bt·loss_bt (weights from `token_weights` on the full batch) and scalar metrics.
 
     Inputs as in `policy_loss`; weights_bt [B, T]. Metrics are plain masked means over this (micro-)batch's
     tokens: behav_weight_mean/max (uncapped), behav_capped_frac, clip_low_frac, clip_high_frac, clip_frac (their
-    sum), dual_clip_frac, approx_kl, kl_ref; plus loss and num_tokens (to re-weight means across micro-batches).
-    All metrics are 0 when the mask is empty.
+    sum), dual_clip_frac, approx_kl, kl_ref, mismatch_masked_frac (tokens the mismatch correction dropped),
+    mismatch_truncated_frac (tokens whose weight "tis" truncated), mismatch_kl (KL(μ || π_prox), k3) and
+    mismatch_ratio_max (the largest π_prox/μ); plus loss and num_tokens (to re-weight means across
+    micro-batches). All metrics are 0 when the mask is empty; the mismatch_kl and mismatch_ratio_max are 0
+    without prox_logp_bt.
     """
     _check_shapes(logp_bt=logp_bt, weights_bt=weights_bt)
     loss_bt, tok = policy_loss(name, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, mask_bt, cfg, ref_logp_bt,
-                               rewards_bt)
+                               rewards_bt, sequence_ids_bt)
     m = jnp.asarray(mask_bt) > 0
     loss = jnp.sum(jnp.where(m, weights_bt, 0.0) * loss_bt)
     n = jnp.sum(m).astype(jnp.float32)
@@ -501,6 +639,10 @@ def loss_and_metrics(name, cfg, logp_bt, behav_logp_bt, prox_logp_bt, adv_bt, ma
         "dual_clip_frac": mean(tok["dual_clipped"]),
         "approx_kl": mean(tok["approx_kl"]),
         "kl_ref": mean(tok["kl_ref"]),
+        "mismatch_masked_frac": mean(tok["mismatch_masked"]),
+        "mismatch_truncated_frac": mean(tok["mismatch_truncated"]),
+        "mismatch_kl": mean(tok["mismatch_kl"]),
+        "mismatch_ratio_max": jnp.max(jnp.where(m, tok["mismatch_ratio"], 0.0)),
         "num_tokens": n,
     }
     return loss, metrics

@@ -51,7 +51,15 @@ from jaxflow.trainer import losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
 from jaxflow.trainer.state import TrainState, create_train_state, frozen_state, train_state_shardings, trainable
-from jaxflow.trainer.step import EXACT_PROX, LOGPROB_CHUNK, PROX_MODES, StepConfig, TrainStep, make_optimizer
+from jaxflow.trainer.step import (
+    EXACT_PROX,
+    LOGPROB_CHUNK,
+    PROX_MODES,
+    StepConfig,
+    TrainStep,
+    make_optimizer,
+    prox_problems,
+)
 
 SCHEDULES = ("constant", "cosine")
 
@@ -181,6 +189,7 @@ class TrainerConfig(Section):
         if self.share_prompts is True and self.pack is False:
             problems.append("trainer.share_prompts must be False when trainer.pack is False (prompts are shared "
                             "within packed rows)")
+        problems += prox_problems(self.prox, self.loss)
         return problems
 
 
@@ -216,6 +225,7 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     check_bool(problems, "trainer.remat", trainer.remat)
     check_int(problems, "trainer.logprob_chunk", chunk, 0)
     check_choice(problems, "model.compute_dtype", compute_dtype, precision.COMPUTE_DTYPES)
+    problems += prox_problems(trainer.prox, loss)
     problems += exact_logprobs_problems(trainer, exact_logprobs)
     if problems:
         raise ConfigError("bad trainer config: " + "; ".join(problems), problems)

@@ -12,6 +12,10 @@ decoupled PPO, is the weights at the start of the call:
 - prox="exact": a forward-only pass of `scoring.sequence_logprobs`, one sequence a row (unpacked rows), the
   program the JAX engine's exact mode reports its log-probs with: on-policy tokens get π_prox = μ bit for bit.
 
+A train-rollout mismatch correction (loss.mismatch) reads ρ = π_prox/μ, so π_prox is computed for
+every loss when one is set, and it needs prox="recompute": the log-linear π_prox equals μ on tokens of
+the current version, where ρ would be 1.
+
 With a KL penalty (loss.kl_coef > 0) the caller passes the reference policy's parameters and a
 forward-only pass over the batch computes its log-probs (no gradient) for the loss's `ref_logp_bt`.
 
@@ -36,6 +40,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow import sharding
+from jaxflow.config import ConfigError
 from jaxflow.models import precision
 from jaxflow.trainer import losses, scoring
 from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
@@ -49,6 +54,17 @@ PROX_MODES = ("recompute", "loglinear")
 EXACT_PROX = "exact"
 # Positions per chunk of the log-prob computation (`token_logprobs`) unless the config says otherwise.
 LOGPROB_CHUNK = 512
+
+
+def prox_problems(prox: str, loss: Any) -> list[str]:
+    """Why `trainer.prox` cannot serve the loss config `loss` ([] when it can): a mismatch correction needs
+    the recomputed π_prox (see the module docstring)."""
+    mismatch = getattr(loss, "mismatch", "none")
+    if prox == "loglinear" and mismatch != "none":
+        return [f"trainer.loss.mismatch {mismatch!r} needs trainer.prox 'recompute', got 'loglinear': the "
+                f"log-linear π_prox equals μ on tokens sampled at the current version, so the mismatch ratio "
+                f"π_prox/μ would be 1 and the correction would do nothing"]
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +93,9 @@ class StepConfig:
         if self.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {self.minibatches}")
         losses.validate_loss_config(self.loss)
+        problems = prox_problems(self.prox, self.loss)
+        if problems:
+            raise ConfigError("bad trainer config: " + "; ".join(problems), problems)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -225,7 +244,8 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     k = cfg.minibatches
     version = state.version
     lc = cfg.loss
-    uses_prox = losses.POLICY_LOSS_USES_PROX[lc.name]
+    # A mismatch correction reads π_prox whatever the loss.
+    uses_prox = losses.POLICY_LOSS_USES_PROX[lc.name] or getattr(lc, "mismatch", "none") != "none"
 
     compute = jnp.dtype(cfg.compute_dtype)
 
@@ -247,38 +267,29 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     prox_all = None
     if uses_prox and cfg.prox == "recompute" and k > 1:
         prox_all = jax.lax.map(lambda mb: forward_logp(state.params, mb), batch)
-    elif uses_prox and cfg.prox == EXACT_PROX:  # rows hold one sequence each, from position 0 (unpacked)
+    elif cfg.prox == EXACT_PROX:  # rows hold one sequence each, from position 0 (unpacked)
         prox_all = jax.lax.map(lambda mb: scoring.sequence_logprobs(
             merged(state.params), mb.tokens, jnp.sum(mb.segment_ids > 0, axis=1), cfg.logprob_chunk), batch)
     ref_all = None
     if ref_params is not None:
         ref_all = jax.lax.map(lambda mb: forward_logp(ref_params, mb), batch)
 
-    # Which log-prob is the trainer's at the start-of-step weights, for the same-version mismatch metric.
-    if uses_prox and cfg.prox != "loglinear":
-        same_version_logp = lambda logp, prox: prox
-    elif k == 1:
-        same_version_logp = lambda logp, prox: logp
-    else:  # later minibatches' log-probs are of updated weights, and nothing recomputes the start's
-        same_version_logp = None
-
-    def loss_fn(params, mb, weights, prox, ref):
+    def loss_fn(params, mb, weights, seq_ids, prox, ref):
         logp, entropy = forward(params, mb)
-        if not uses_prox:
-            prox = logp  # unused by the loss
-        elif cfg.prox == "loglinear":
-            prox = losses.loglinear_prox_logp(mb.behav_logp, logp, mb.versions, version)
-        elif prox is None:
+        if cfg.prox == "loglinear":
+            prox = losses.loglinear_prox_logp(mb.behav_logp, logp, mb.versions, version) if uses_prox else None
+        elif prox is None and (uses_prox or k == 1):
+            # K = 1: π_prox is the current log-prob, free, so the mismatch metrics have it for every loss.
             prox = jax.lax.stop_gradient(logp)
         loss, metrics = losses.loss_and_metrics(lc.name, lc, logp, mb.behav_logp, prox, mb.advantages,
-                                                mb.loss_mask, weights, ref, mb.rewards)
+                                                mb.loss_mask, weights, ref, mb.rewards, seq_ids)
         mask = mb.loss_mask > 0
         metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
-        if same_version_logp is not None:
+        if cfg.prox != "loglinear" and prox is not None:
             # The train-rollout mismatch at equal weights: tokens sampled at this step's version, whose
-            # log-prob the trainer recomputes at the same weights (0 in exact mode).
+            # log-prob the trainer recomputed at the same weights (0 in exact mode).
             on_policy = mask & (mb.versions == version)
-            gap = jnp.abs(jax.lax.stop_gradient(same_version_logp(logp, prox)) - mb.behav_logp)
+            gap = jnp.abs(prox - mb.behav_logp)
             metrics["onpolicy_logp_gap_max"] = jnp.max(jnp.where(on_policy, gap, 0.0))
         return loss, metrics
 
@@ -293,12 +304,13 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         seq_ids = mbs.segment_ids.reshape(-1, t) + t * jnp.arange(flat_mask.shape[0])[:, None]
         weights = losses.token_weights(flat_mask, lc.aggregation, lc.constant_normalizer,
                                        sequence_ids_bt=seq_ids).reshape(mbs.loss_mask.shape)
+        seq_ids = seq_ids.reshape(mbs.loss_mask.shape)  # each micro-batch's slice, still unique across its rows
 
         def micro(grad_sum, xs):
-            mb, w, p, r = xs
+            mb, w, s, p, r = xs
 
             def compute():
-                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, p, r)
+                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, s, p, r)
                 return jax.tree.map(jnp.add, grad_sum, grads), metrics
 
             # A micro-batch that only pads the batch to its compiled shape costs a branch, not a pass.
@@ -307,7 +319,7 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
             return jax.lax.cond(_has_tokens(mb), compute, lambda: (grad_sum, empty))
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, per_micro = jax.lax.scan(micro, zeros, (mbs, weights, prox, ref))
+        grads, per_micro = jax.lax.scan(micro, zeros, (mbs, weights, seq_ids, prox, ref))
         metrics = _combine(per_micro)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

@@ -60,7 +60,8 @@ def test_every_loss_field_is_a_key_and_reaches_the_loss_config():
                    behav_weight_floor=0.25, behav_weight_mode="mask", tis_cap=3.0, tis_floor=0.5,
                    cispo_eps_low=0.5, cispo_eps_high=0.4, cispo_unified_mask=True, topr_pos_weight=2.0,
                    topr_neg_weight=0.5, topr_split="reward", kl_coef=0.01, kl_estimator="k2",
-                   aggregation="seq_mean_token_sum", constant_normalizer=8.0)
+                   aggregation="seq_mean_token_sum", constant_normalizer=8.0, mismatch="icepop", mismatch_low=0.25,
+                   mismatch_high=4.0)
     assert sorted(changed) == sorted(fields)
     loss = step_config(trainer_section(**{f"loss__{k}": v for k, v in changed.items()})).loss
     assert dataclasses.asdict(loss) == changed
