@@ -168,25 +168,27 @@ def summary(runs: dict[str, dict[str, dict]]) -> list[dict]:
 
 
 def plot(runs: dict[str, dict[str, dict]], path: pathlib.Path) -> None:
-    """Per task (a column): held-out accuracy, the masked (or truncated) fraction and mismatch_kl per step."""
+    """Per task (a column): held-out accuracy, the masked (or truncated) fraction, mismatch_kl and the largest
+    behaviour weight per step."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5.5 * len(runs), 10))
-    axes = fig.subplots(3, len(runs), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(runs), 13))
+    axes = fig.subplots(4, len(runs), squeeze=False)
     for col, (task, by_run) in enumerate(runs.items()):
-        acc, frac, kl = axes[0][col], axes[1][col], axes[2][col]
+        acc, frac, kl, weight = (axes[row][col] for row in range(4))
         for name, run in by_run.items():
             steps, values = zip(*run["eval_curve"]) if run["eval_curve"] else ((), ())
             acc.plot(steps, values, marker="o", label=name)
             key = "mismatch_truncated_frac" if name == "tis" else "mismatch_masked_frac"
-            for ax, metric in ((frac, key), (kl, "mismatch_kl")):
+            for ax, metric in ((frac, key), (kl, "mismatch_kl"), (weight, "behav_weight_max")):
                 points = [(r["step"], r[metric]) for r in run["mismatch_curves"] if r.get(metric) is not None]
                 if points:
                     ax.plot(*zip(*points), label=name)
         acc.set(title=f"{task}: held-out accuracy", xlabel="step", ylabel="accuracy")
         frac.set(title=f"{task}: tokens masked (tis: truncated)", xlabel="step", ylabel="fraction")
         kl.set(title=f"{task}: mismatch KL", xlabel="step", ylabel="KL(rollout || trainer)")
-        for ax in (acc, frac, kl):
+        weight.set(title=f"{task}: largest behaviour weight pi_prox / mu", xlabel="step", ylabel="weight")
+        for ax in (acc, frac, kl, weight):
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize="small")
     fig.tight_layout()
