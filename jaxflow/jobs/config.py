@@ -73,6 +73,10 @@ class RolloutConfig(Section):
       computes π_prox with (`jaxflow.trainer.scoring`), so that on-policy tokens carry no train-rollout
       mismatch at all (π_prox / μ = 1 bit for bit). Costs a forward pass of each sample in the engine and one
       in the update; needs the JAX engine, `trainer.pack = False` and `trainer.prox = "recompute"`.
+    compute_dtype: what the rollout engines (JAX and vLLM, the evaluator's JAX engine too) compute in:
+      "float32" or "bfloat16", whatever the update computes in; each version is cast to it on its way in.
+      None: model.compute_dtype (`rollout_compute_dtype`). bfloat16 rollouts under a float32 update are
+      the cheaper-rollout case the loss's mismatch corrections are for (trainer.loss).
     """
 
     SECTION: ClassVar[str] = "rollout"
@@ -95,6 +99,7 @@ class RolloutConfig(Section):
     weight_bucket_mb: int = 256
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     exact_logprobs: bool = False
+    compute_dtype: str | None = None
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -103,6 +108,8 @@ class RolloutConfig(Section):
         if self.exact_logprobs is True and self.engine == "vllm":
             problems.append("rollout.exact_logprobs needs rollout.engine = 'jax' (vLLM's kernels are not the "
                             "trainer's: its log-probs agree to rounding only)")
+        if self.compute_dtype is not None:
+            check_choice(problems, self.key("compute_dtype"), self.compute_dtype, COMPUTE_DTYPES)
         check_choice(problems, self.key("weight_transport"), self.weight_transport, WEIGHT_TRANSPORTS)
         check_int(problems, self.key("weight_bucket_mb"), self.weight_bucket_mb, 1, MAX_BUCKET_MB)
         before = len(problems)
@@ -227,9 +234,10 @@ class ModelSection(Section):
     tie_word_embeddings: the LM head reuses the token embedding.
     vocab_size: tokenizer vocabulary to train (the model rounds it up to a multiple of 64).
     extra_tokens: strings that become one token each in the tokenizer (tool-call markers).
-    compute_dtype: what the RL update and the engines compute in: "float32" or "bfloat16" (master weights in
-      trainer.param_dtype; log-probs, losses and their reductions float32 either way). It applies to any base
-      model, and is not part of the base model's cache key.
+    compute_dtype: what the RL update computes in, and the engines unless rollout.compute_dtype says
+      otherwise: "float32" or "bfloat16" (master weights in trainer.param_dtype; log-probs, losses and their
+      reductions float32 either way). It applies to any base model, and is not part of the base model's
+      cache key.
     """
 
     SECTION: ClassVar[str] = "model"
@@ -256,6 +264,13 @@ class ModelSection(Section):
 
 
 def compute_dtype(config) -> str:
-    """model.compute_dtype: what the update and the engines compute in; the section's default when a config
-    file's hand-written model section leaves the key out."""
+    """model.compute_dtype: what the update computes in (and the engines, unless rollout.compute_dtype is
+    set); the section's default when a config file's hand-written model section leaves the key out."""
     return config.model.get("compute_dtype", ModelSection.compute_dtype)
+
+
+def rollout_compute_dtype(config) -> str:
+    """What the rollout engines and the evaluator's engine compute in: rollout.compute_dtype, or where it is
+    None (or a config's rollout section predates it) model.compute_dtype (`compute_dtype`)."""
+    dtype = config.rollout.get("compute_dtype")
+    return compute_dtype(config) if dtype is None else dtype

@@ -24,6 +24,7 @@ from typing import Any
 from jaxflow.cluster import names, ray_actors
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.data.param_service import UnknownVersionError
+from jaxflow.jobs.config import rollout_compute_dtype
 from rollout_bridge.engine import SamplingParams
 from rollout_bridge.factory import make_engine, runs_episodes, with_episodes
 
@@ -58,20 +59,23 @@ class RolloutActor:
       index: the actor's place in its fleet (in its reports).
       env: the `rollout.env` section as a dict, to run that environment's episodes on the engine
         (`with_episodes`; scored by their environments), or None for single answers.
+      dtype: what the engine computes in ("float32" or "bfloat16"; the RL job passes rollout.compute_dtype,
+        default model.compute_dtype), casting each pulled version; None: `make_engine`'s default.
     """
 
     def __init__(self, name: str, trajectories: Any, params: Any, model: str, *, engine: str = "jax",
                  max_len: int = 256, max_slots: int = 8, seed: int = 0, decode_chunk: int = 16,
                  kv_cache_gib: float | None = 1.0, max_tokens: int = 64, temperature: float = 1.0,
                  stop_token_ids: tuple[int, ...] = (), reward_ref: str | None = None, rewards: Any = None,
-                 coordination: dict[str, Any] | None = None, index: int = 0, env: dict | None = None):
+                 coordination: dict[str, Any] | None = None, index: int = 0, env: dict | None = None,
+                 dtype: str | None = None):
         options = {"max_running": max_slots, "sync": "all", **(coordination or {}), "stuck": "wait"}
         strategy = Coordination.from_config(options)
         from jaxflow.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_dir(model)
         self.engine = with_episodes(env, tokenizer)(
             make_engine(engine, model, max_len, max_slots, seed=seed, decode_chunk=decode_chunk,
-                        kv_cache_gib=kv_cache_gib, episodes=runs_episodes(env)))
+                        kv_cache_gib=kv_cache_gib, episodes=runs_episodes(env), dtype=dtype))
         reward_fn = None
         if reward_ref is not None:
             from jaxflow.rewards import group_reward_fn, resolve
@@ -268,7 +272,8 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
     `rollout.engine`, with the `rollout.*` sizes and sampling and the `rollout.coordination` options,
     seeded `seed` + i, named `names.rollout(tag, i)`), started and generating. Rewards are scored by
     `reward_ref`, in the reward pool's actor `rewards` (a proxy), or in the actors when None; with
-    `rollout.env` set, the actors run its episodes, which their environments score. resources:
+    `rollout.env` set, the actors run its episodes, which their environments score. Their engines compute in
+    rollout.compute_dtype (default model.compute_dtype). resources:
     custom node resources each actor needs."""
     r = config.rollout
     coordination = r.coordination.to_dict()
@@ -281,6 +286,7 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
                                   temperature=r.temperature, stop_token_ids=(eos_id,), reward_ref=reward_ref,
                                   rewards=rewards,
                                   coordination=coordination,
-                                  env=r.env.to_dict() if r.get("env") is not None else None)
+                                  env=r.env.to_dict() if r.get("env") is not None else None,
+                                  dtype=rollout_compute_dtype(config))
               for i in range(config.cluster.rollout_actors)]
     return RolloutFleet(actors).start()

@@ -68,6 +68,7 @@ from jaxflow.jobs.config import (
     ModelSection,
     RolloutConfig,
     compute_dtype,
+    rollout_compute_dtype,
 )
 from jaxflow.jobs.prompts import prompt_source, train_records
 from jaxflow.jobs.resume import ExtraCheck
@@ -162,7 +163,9 @@ def check_workdir(workdir: pathlib.Path) -> None:
 
 def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
     """An engine of rollout.engine at the trainer's version: JAX over the trainer's model, vLLM from the
-    base model's directory with the trainer's weights pushed in (after a resume)."""
+    base model's directory with the trainer's weights pushed in (after a resume). It computes in
+    rollout.compute_dtype (default model.compute_dtype), casting each version it takes, whatever the
+    trainer computes in."""
     r = config.rollout
     jax_engine = r.engine == "jax"
     engine = make_engine(r.engine, trainer.model() if jax_engine else base_dir, r.max_len, r.max_slots,
@@ -170,7 +173,7 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
                          version=trainer.version if jax_engine else 0,
                          lora=None if jax_engine or not trainer.publish_adapters else trainer.lora,
                          episodes=runs_episodes(r.get("env")), weight_transport=weight_transport(config),
-                         weight_bucket_bytes=r.weight_bucket_mb << 20, dtype=compute_dtype(config),
+                         weight_bucket_bytes=r.weight_bucket_mb << 20, dtype=rollout_compute_dtype(config),
                          exact_logprobs=r.get("exact_logprobs", False),
                          logprob_chunk=config.trainer.get("logprob_chunk", LOGPROB_CHUNK))
     if not jax_engine and trainer.version != 0:

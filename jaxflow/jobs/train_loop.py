@@ -23,7 +23,7 @@ import ml_collections
 
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.jobs.bookkeeping import REWARD_FAILURES, Ledger, RewardErrors, StopRequest, accounting, check_first_batch
-from jaxflow.jobs.config import compute_dtype
+from jaxflow.jobs.config import rollout_compute_dtype
 from jaxflow.jobs.evaluation import evaluate
 from jaxflow.jobs.prompts import eval_records
 from jaxflow.jobs.run_log import RunLog
@@ -42,7 +42,9 @@ PHASES = ("wait_rollout", "batch", "update", "publish", "eval", "checkpoint")
 
 
 class Evaluator:
-    """Held-out greedy accuracy of the current policy, on a JAX engine of its own."""
+    """Held-out greedy accuracy of the current policy, on a JAX engine of its own, computing in the rollout
+    engines' dtype (rollout.compute_dtype, default model.compute_dtype): evals measure the policy as the
+    rollouts serve it."""
 
     def __init__(self, config: ml_collections.ConfigDict, trainer, weights, task, tokenizer, pool, model=None):
         """trainer: its `version` is evaluated; weights: where that version is pulled from; pool: the reward
@@ -61,7 +63,7 @@ class Evaluator:
                                 max_slots=r.max_slots if shared else min(r.max_slots, 64),
                                 max_len=r.max_len, decode_chunk=r.decode_chunk, version=trainer.version,
                                 reuse_turns=self.episodes,
-                                compute_dtype=compute_dtype(config))
+                                compute_dtype=rollout_compute_dtype(config))
         if isinstance(weights, DeviceParamSource):
             weights.add_target(self.engine.param_shardings)
         self.engine = with_episodes(r.get("env"), tokenizer)(self.engine)  # evals run the task's episodes too
