@@ -224,7 +224,11 @@ def main(argv=None) -> int:
             f.write(json.dumps(existing, indent=2, default=float) + "\n")
         print(f"wrote sizes.{args.model.replace('.', '_')} of {args.json}")
     elif args.json:
-        results_meta.write_json(args.json, {
+        kept = {}  # a preset size's figures, measured by a run of their own, stay in the file
+        if os.path.isfile(args.json):
+            with open(args.json) as f:
+                kept = {k: v for k, v in json.load(f).items() if k == "sizes"}
+        results_meta.write_json(args.json, {**kept,
             "jax_tokens_per_s": jax_tps, "vllm_tokens_per_s": vllm_tps, "jax_vs_vllm": ratio,
             "jax_vs_vllm_by_workload": ratios, "jax_exact_vs_default": exact_vs_default,
             "decode_vs_bandwidth": decode_vs_bandwidth, "bandwidth_bound_tokens_per_s": bound,

@@ -201,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short warm start, few steps (plumbing only)")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
-    parser.add_argument("--steps", type=int, help="train steps per run (default 60, quick 6)")
-    parser.add_argument("--eval-every", type=int, help="steps between held-out evals (default 20, quick 3)")
+    parser.add_argument("--steps", type=int, help="train steps per run (default 40, quick 6)")
+    parser.add_argument("--eval-every", type=int, help="steps between held-out evals (default 10, quick 3)")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {', '.join(TASKS)}")
     parser.add_argument("--corrections", default=",".join(CORRECTIONS),
                         help=f"comma-separated subset of {', '.join(CORRECTIONS)} (the reference always runs)")
@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     tasks = _subset(parser, "--tasks", args.tasks, TASKS)
     corrections = _subset(parser, "--corrections", args.corrections, CORRECTIONS)
     started = results_meta.begin(argv)
-    steps = args.steps or (6 if args.quick else 60)
-    every = args.eval_every or (3 if args.quick else 20)
+    steps = args.steps or (6 if args.quick else 40)
+    every = args.eval_every or (3 if args.quick else 10)
     base: dict = {"eval.every": every}
     for item in args.set:
         key, sep, value = item.partition("=")
