@@ -72,7 +72,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.tie_word_embeddings = True
     # Tokenizer vocabulary to train (the model rounds it up to a multiple of 64).
     config.model.vocab_size = 512
-    # What the update and the engines compute in: "float32" or "bfloat16" (master weights: trainer.param_dtype).
+    # What the update and the engines compute in: "float32" or "bfloat16" (master weights: trainer.param_dtype;
+    # the engines alone: rollout.compute_dtype).
     # Not part of the cache key.
     config.model.compute_dtype = "float32"
 
