@@ -40,6 +40,18 @@ CONFIG = "configs/arithmetic_tiny.py"
 QUICK = {"base.steps": 300, "eval.num_prompts": 64, "eval.every": 1000, "checkpoint.every": 1000}
 
 
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """`--set KEY=VALUE` items -> {dotted key: text} (a leading "config." dropped), the overrides a benchmark
+    passes to every run; an item without "=" is an error naming it."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.param_dtype=bfloat16")
+        overrides[key.removeprefix("config.")] = value
+    return overrides
+
+
 def run_one(eta: int, steps: int, workdir: pathlib.Path, overrides: dict, config: str = CONFIG) -> dict:
     shutil.rmtree(workdir, ignore_errors=True)
     args = {**overrides, "trainer.eta": eta, "trainer.steps": steps, "workdir": workdir}
@@ -125,11 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (25 if args.quick else 150)
     stem = pathlib.Path(args.config).stem
     overrides = {**QUICK, "base.dir": f"runs/base/{stem}_quick"} if args.quick else {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--set takes KEY=VALUE, got {item!r}")
-        overrides[key] = value
+    overrides.update(parse_overrides(args.set))
     etas = [int(e) for e in args.etas.split(",")]
     runs = [run_one(eta, steps, args.workdir / f"eta{eta}", overrides, args.config) for eta in etas]
     window = args.window or max(steps // 6, 1)

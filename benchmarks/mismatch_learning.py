@@ -47,7 +47,7 @@ import pathlib
 import sys
 
 import results_meta
-from async_vs_sync import QUICK, run_one
+from async_vs_sync import QUICK, parse_overrides, run_one
 from precision import difference_noise, eval_curve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -229,11 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (6 if args.quick else 40)
     every = args.eval_every or (3 if args.quick else 10)
     base: dict = {"eval.every": every}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--set takes KEY=VALUE, got {item!r}")
-        base[key] = value
+    base.update(parse_overrides(args.set))
     info = check_configs(tasks, corrections, {**QUICK, **base} if args.quick else base)
     runs: dict[str, dict[str, dict]] = {}
     for task in tasks:

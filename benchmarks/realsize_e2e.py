@@ -48,6 +48,7 @@ import time
 import numpy as np
 import psutil
 import results_meta
+from async_vs_sync import parse_overrides
 
 ROOT = results_meta.ROOT
 CONFIG = "configs/qwen3_gsm8k.py:cpu_smoke"
@@ -139,17 +140,6 @@ def compare_export(export_dir: pathlib.Path, base_dir: pathlib.Path) -> dict:
         moved = max(moved, float(np.abs(array.astype(np.float32) - base[name].astype(np.float32)).max()))
     return {"logits_max_abs_diff": max_abs, "logits_max_abs": scale, "same_token_ids": bool(same_tokens),
             "max_weight_change_from_base": moved, "tensors": len(exported)}
-
-
-def parse_overrides(items: list[str]) -> dict[str, str]:
-    """`--set KEY=VALUE` items -> {dotted key: text}; an item without "=" is an error naming it."""
-    overrides = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.param_dtype=bfloat16")
-        overrides[key.removeprefix("config.")] = value
-    return overrides
 
 
 def settings(config) -> dict:
