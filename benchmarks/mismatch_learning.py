@@ -31,8 +31,8 @@ most 2 of them). The headline figures are flat keys (`tools_none_final_accuracy`
 `single_turn_icepop_gap_points`, ...); `runs`, `curves` and `summary` hold the detail. A plot of the
 accuracy and mismatch curves goes to the workdir.
 
-The corrections live in the loss registry (`trainer.loss.mismatch`); on a tree without them the script stops
-before any run, saying so, unless `--corrections none` asks for the reference and the uncorrected run only.
+Every run's config goes through the job's config check before the first run starts (a bad --set is named
+then, not after an hour of runs).
 
 --quick runs a shorter warm start, fewer steps and fewer eval prompts: its curves check the plumbing, not the
 accuracy. `--quick --corrections none` (4 runs) takes about 5 minutes on 2 cores once the quick bases are
@@ -60,24 +60,21 @@ MISMATCH_METRICS = ("mismatch_masked_frac", "mismatch_truncated_frac", "mismatch
 BEHAVIOUR_METRICS = ("behav_weight_mean", "behav_weight_max", "behav_capped_frac")
 
 
-class CorrectionsMissing(SystemExit):
-    """The config refuses `trainer.loss.mismatch` (or one of its values): the corrections are not in this tree."""
+class RunRefused(SystemExit):
+    """A run's config does not pass the job's config check (a bad --set, say): named before any run starts."""
 
 
-def run_overrides(correction: str | None, has_mismatch: bool) -> dict:
+def run_overrides(correction: str | None) -> dict:
     """The overrides of one run: correction None is the float32-rollout reference, else bfloat16 rollouts
-    with that correction. `trainer.loss.mismatch` is set only where the config has the key."""
-    out = {"model.compute_dtype": "float32", "trainer.prox": "recompute",
-           "rollout.compute_dtype": "float32" if correction is None else "bfloat16"}
-    if has_mismatch:
-        out["trainer.loss.mismatch"] = correction or "none"
-    return out
+    with that correction."""
+    return {"model.compute_dtype": "float32", "trainer.prox": "recompute",
+            "rollout.compute_dtype": "float32" if correction is None else "bfloat16",
+            "trainer.loss.mismatch": correction or "none"}
 
 
 def check_configs(tasks: list[str], corrections: list[str], base: dict) -> dict[str, dict]:
-    """Loads and checks every run's config before any run starts; per task {"has_mismatch": the config has
-    `trainer.loss.mismatch`, "eval_prompts": n}. CorrectionsMissing when a correction asked for cannot be
-    set, with what to do about it."""
+    """Loads and checks every run's config before any run starts; per task {"eval_prompts": n}. RunRefused
+    names the run a config check refuses."""
     sys.path.insert(0, str(ROOT))
     from jaxflow.config import ConfigError, load_config
     from jaxflow.jobs import rl
@@ -86,21 +83,14 @@ def check_configs(tasks: list[str], corrections: list[str], base: dict) -> dict[
     for task in tasks:
         path = str(ROOT / TASKS[task])
         plain = load_config(path, {k: str(v) for k, v in base.items()})
-        has_mismatch = "mismatch" in plain.trainer.loss
-        wanted = [c for c in corrections if c != "none"]
-        if wanted and not has_mismatch:
-            raise CorrectionsMissing(
-                f"mismatch_learning: {TASKS[task]} has no key trainer.loss.mismatch: this tree lacks the loss's "
-                f"mismatch corrections, so {', '.join(wanted)} cannot run. Use a tree that has them, or run "
-                f"--corrections none (the float32 reference and uncorrected bfloat16 rollouts only).")
         for correction in (None, *corrections):
-            overrides = {**base, **run_overrides(correction, has_mismatch)}
+            overrides = {**base, **run_overrides(correction)}
             try:
                 rl.check_config(load_config(path, {k: str(v) for k, v in overrides.items()}))
             except ConfigError as e:
                 what = "the reference" if correction is None else f"trainer.loss.mismatch={correction}"
-                raise CorrectionsMissing(f"mismatch_learning: {TASKS[task]} refuses {what}: {e}") from None
-        info[task] = {"has_mismatch": has_mismatch, "eval_prompts": int(plain.eval.num_prompts)}
+                raise RunRefused(f"mismatch_learning: {TASKS[task]} refuses {what}: {e}") from None
+        info[task] = {"eval_prompts": int(plain.eval.num_prompts)}
     return info
 
 
@@ -117,11 +107,11 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def one_run(task: str, name: str, correction: str | None, steps: int, workdir: pathlib.Path, overrides: dict,
-            has_mismatch: bool) -> dict:
+def one_run(task: str, name: str, correction: str | None, steps: int, workdir: pathlib.Path,
+            overrides: dict) -> dict:
     """Runs one of a task's runs (`name`: "reference" or a correction) and reads its figures."""
     run_dir = workdir / task / name
-    run = run_one(ETA, steps, run_dir, {**overrides, **run_overrides(correction, has_mismatch)}, TASKS[task])
+    run = run_one(ETA, steps, run_dir, {**overrides, **run_overrides(correction)}, TASKS[task])
     curves = mismatch_curves(run_dir)
     return {"task": task, "run": name, "config": TASKS[task],
             "rollout_compute_dtype": "float32" if correction is None else "bfloat16",
@@ -235,10 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     for task in tasks:
         stem = pathlib.Path(TASKS[task]).stem
         overrides = {**QUICK, "base.dir": f"runs/base/{stem}_quick", **base} if args.quick else dict(base)
-        has = info[task]["has_mismatch"]
-        runs[task] = {"reference": one_run(task, "reference", None, steps, args.workdir, overrides, has)}
+        runs[task] = {"reference": one_run(task, "reference", None, steps, args.workdir, overrides)}
         for correction in corrections:
-            runs[task][correction] = one_run(task, correction, correction, steps, args.workdir, overrides, has)
+            runs[task][correction] = one_run(task, correction, correction, steps, args.workdir, overrides)
         compare(runs[task], info[task]["eval_prompts"])
 
     out = {"tasks": {t: TASKS[t] for t in tasks}, "eta": ETA, "steps": steps, "eval_every": every,

@@ -1,5 +1,5 @@
-"""benchmarks/mismatch_learning.py without running it: each run's overrides, the check that stops it before
-the first run on a tree without the loss's mismatch corrections, and the figures it derives from runs."""
+"""benchmarks/mismatch_learning.py without running it: each run's overrides, the config check of every run
+before the first starts, and the figures it derives from runs."""
 
 from __future__ import annotations
 
@@ -15,20 +15,13 @@ import mismatch_learning  # noqa: E402
 import results_tables  # noqa: E402
 
 
-def _has_corrections() -> bool:
-    from jaxflow.config import load_config
-    return "mismatch" in load_config(str(ROOT / "configs" / "arithmetic_tiny.py")).trainer.loss
-
-
 def test_each_run_trains_in_float32_with_prox_recomputed():
-    ref = mismatch_learning.run_overrides(None, has_mismatch=True)
-    icepop = mismatch_learning.run_overrides("icepop", has_mismatch=True)
+    ref = mismatch_learning.run_overrides(None)
+    icepop = mismatch_learning.run_overrides("icepop")
     for run in (ref, icepop):
         assert run["model.compute_dtype"] == "float32" and run["trainer.prox"] == "recompute"
     assert (ref["rollout.compute_dtype"], ref["trainer.loss.mismatch"]) == ("float32", "none")
     assert (icepop["rollout.compute_dtype"], icepop["trainer.loss.mismatch"]) == ("bfloat16", "icepop")
-    # A tree without the key: no run sets it.
-    assert "trainer.loss.mismatch" not in mismatch_learning.run_overrides("none", has_mismatch=False)
 
 
 def test_the_reference_and_the_uncorrected_run_check_on_any_tree():
@@ -36,15 +29,10 @@ def test_the_reference_and_the_uncorrected_run_check_on_any_tree():
     assert info["single_turn"]["eval_prompts"] >= 1
 
 
-@pytest.mark.skipif(_has_corrections(), reason="this tree has the mismatch corrections")
-def test_without_the_corrections_it_stops_before_any_run_saying_why():
-    with pytest.raises(mismatch_learning.CorrectionsMissing, match=r"trainer\.loss\.mismatch.*--corrections none"):
-        mismatch_learning.check_configs(["tools"], ["none", "icepop"], {})
-
-
-@pytest.mark.skipif(not _has_corrections(), reason="this tree lacks the mismatch corrections")
-def test_with_the_corrections_every_one_checks():
+def test_every_correction_checks_and_a_bad_override_is_named_before_any_run():
     mismatch_learning.check_configs(list(mismatch_learning.TASKS), list(mismatch_learning.CORRECTIONS), {})
+    with pytest.raises(mismatch_learning.RunRefused, match=r"trainer\.loss\.mismatch_high"):
+        mismatch_learning.check_configs(["tools"], ["icepop"], {"trainer.loss.mismatch_high": "0.1"})
 
 
 def test_gaps_noise_and_flat_figures():
