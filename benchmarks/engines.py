@@ -184,10 +184,10 @@ def main(argv=None) -> int:
 
     print(f"\nmodel {args.model}; {args.requests} requests, {args.slots} concurrent, median "
           f"{args.median_tokens} tokens (long tail up to {args.max_tokens}); median of {args.repeats}")
-    print(f"{'engine':<8}{'workload':<11}{'tokens':>8}{'tokens/s':>11}{'weight sync (ms)':>18}")
+    print(f"{'engine':<10}{'workload':<11}{'tokens':>8}{'tokens/s':>11}{'weight sync (ms)':>18}")
     for eng, per in results.items():
         for name, r in per.items():
-            print(f"{eng:<8}{name:<11}{r['tokens']:>8}{r['tokens_per_s']:>11,.0f}{1e3 * r['weight_sync_s']:>18.1f}")
+            print(f"{eng:<10}{name:<11}{r['tokens']:>8}{r['tokens_per_s']:>11,.0f}{1e3 * r['weight_sync_s']:>18.1f}")
     print("engine start-up (load, compile, warm-up): "
           + ", ".join(f"{eng} {seconds:.1f} s" for eng, seconds in startup_s.items()))
     jax_tps = results["jax"]["long_tail"]["tokens_per_s"]
