@@ -63,6 +63,7 @@ BAD_SAMPLES = [
     ("string log-prob", Sample([5, 6], ["abc", None], [0, 0], "stop"), r"sample 0: logprobs\[0\]"),
     ("positive log-prob", Sample([5, 6], [-1.0, 0.5], [0, 0], "stop"), r"sample 0: logprobs\[1\]"),
     ("inf log-prob", Sample([5, 6], [-math.inf, -1.0], [0, 0], "stop"), r"sample 0: logprobs\[0\]"),
+    ("+inf log-prob", Sample([5, 6], [-1.0, math.inf], [0, 0], "stop"), r"sample 0: logprobs\[1\]"),
     ("float token", Sample([5, 6.5], [-1.0, -1.0], [0, 0], "stop"), r"sample 0: tokens\[1\]"),
     ("bool token", Sample([True, 6], [-1.0, -1.0], [0, 0], "stop"), r"sample 0: tokens\[0\]"),
     ("negative token", Sample([5, -6], [-1.0, -1.0], [0, 0], "stop"), r"sample 0: tokens\[1\]"),
