@@ -82,7 +82,6 @@ from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
 from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config, exact_logprobs_problems
 from jaxflow.trainer.state import abstract_train_state
-from jaxflow.trainer.step import LOGPROB_CHUNK
 from rollout_bridge.engine import SamplingParams
 from rollout_bridge.factory import make_engine, runs_episodes, with_episodes
 from rollout_bridge.weight_transport import WeightTransportMismatch, resolve_weight_transport
@@ -175,7 +174,7 @@ def _make_engine(config, trainer: RLTrainer, base_dir: pathlib.Path):
                          episodes=runs_episodes(r.get("env")), weight_transport=weight_transport(config),
                          weight_bucket_bytes=r.weight_bucket_mb << 20, dtype=rollout_compute_dtype(config),
                          exact_logprobs=r.get("exact_logprobs", False),
-                         logprob_chunk=config.trainer.get("logprob_chunk", LOGPROB_CHUNK))
+                         logprob_chunk=trainer.step_config.logprob_chunk)
     if not jax_engine and trainer.version != 0:
         engine.update_weights(trainer.version, trainer.publish_tensors())
     return engine

@@ -268,8 +268,11 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     if uses_prox and cfg.prox == "recompute" and k > 1:
         prox_all = jax.lax.map(lambda mb: forward_logp(state.params, mb), batch)
     elif cfg.prox == EXACT_PROX:  # rows hold one sequence each, from position 0 (unpacked)
-        prox_all = jax.lax.map(lambda mb: scoring.sequence_logprobs(
-            merged(state.params), mb.tokens, jnp.sum(mb.segment_ids > 0, axis=1), cfg.logprob_chunk), batch)
+        def exact_logp(mb):  # no work on a micro-batch with nothing to train, as `forward_logp`
+            return jax.lax.cond(_has_tokens(mb), lambda: scoring.sequence_logprobs(
+                merged(state.params), mb.tokens, jnp.sum(mb.segment_ids > 0, axis=1), cfg.logprob_chunk),
+                lambda: jnp.zeros(mb.tokens.shape, jnp.float32))
+        prox_all = jax.lax.map(exact_logp, batch)
     ref_all = None
     if ref_params is not None:
         ref_all = jax.lax.map(lambda mb: forward_logp(ref_params, mb), batch)
