@@ -1,7 +1,12 @@
 """The device mesh and the one table that maps logical array axes to mesh axes.
 
 Parameters are annotated with logical axis names (`embed`, `mlp`, `heads`, ...); the rules below decide
-which mesh axis (`data`, `fsdp`, `tensor`) each is split over. Every sharding in jaxflow is derived here.
+which mesh axis (`data`, `fsdp`, `expert`, `tensor`) each is split over. Every sharding in jaxflow is
+derived here.
+
+The `expert` axis splits a mixture-of-experts model's experts (`jaxflow.models.moe`); everything else
+treats it as one more axis the batch's rows are split over, so a mesh without experts to split loses
+nothing by having it (size 1 by default).
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# The mesh axes a batch's rows are split over.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None for replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "seq": None,
     "vocab": "tensor",
     "embed": "fsdp",
@@ -27,30 +34,37 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "layers": None,
     "lora_rank": None,
+    "experts": "expert",
 }
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all); one size may be -1 to take the rest.
+              devices: Sequence[jax.Device] | None = None, expert: int = 1) -> Mesh:
+    """A (data, fsdp, expert, tensor) mesh over `devices` (default: all); one size may be -1 to take the
+    rest.
 
     Axis types are Auto so that nnx modules and GSPMD propagate shardings without explicit annotations.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, expert, tensor]
+    said = f"data={data} fsdp={fsdp} expert={expert} tensor={tensor}"
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+        raise ValueError(f"at most one mesh axis may be -1, got {said}")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices cannot be split into data={data} fsdp={fsdp} "
-                             f"tensor={tensor}")
+            raise ValueError(f"{len(devices)} devices cannot be split into {said}")
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
+        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x expert={sizes[2]} x tensor={sizes[3]} needs "
                          f"{int(np.prod(sizes))} devices, {len(devices)} given")
     grid = np.asarray(devices, dtype=object).reshape(sizes)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def rows_per_shard(mesh: Mesh) -> int:
+    """How many parts a batch's rows are split into on `mesh` (the product of its batch axes)."""
+    return int(np.prod([mesh.shape.get(a, 1) for a in BATCH_AXES]))
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,

@@ -27,7 +27,15 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.models.config import ModelConfig
-from jaxflow.models.transformer import MASK_VALUE, attention, attention_mask, decoder_layer, rms_norm, rope_inv_freq
+from jaxflow.models.transformer import (
+    MASK_VALUE,
+    attention,
+    attention_mask,
+    decoder_layer,
+    rms_norm,
+    rope_inv_freq,
+    scan_layers,
+)
 
 # SlotState.finish_b codes.
 RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -113,11 +121,12 @@ def prefill(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, l
     mask = attention_mask(segment_ids_pt)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
 
-    def body(x_ptd, p):
-        return decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, mask)
+    def body(x_ptd, p, _, __):
+        x_ptd, kv, _ = decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, mask)
+        return x_ptd, kv
 
     x_ptd = jnp.take(model.embed[...], tokens_pt, axis=0)
-    _, (k_lptgk, v_lptgk) = jax.lax.scan(body, x_ptd, model.layers.stacked())
+    _, (k_lptgk, v_lptgk) = scan_layers(cfg, model.layers.stacked(), body, x_ptd, all_ys=True)
     fanout = slots_pr.shape[1]
     slots_q = slots_pr.reshape(-1)  # destination q = p * R + r takes row p
     k_lqgkt = jnp.repeat(jnp.transpose(k_lptgk, (0, 1, 3, 4, 2)), fanout, axis=1)
@@ -148,9 +157,8 @@ def extend(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, st
     visible_pts = jnp.arange(max_len)[None, None, :] <= positions_pt[:, :, None]
     rows_p = jnp.minimum(slots_p, cache.v_lbgsk.shape[1] - 1)  # padding rows read some slot, write nowhere
 
-    def body(carry, xs):
+    def body(carry, p, layer, _):
         x_ptd, k_lbgks, v_lbgsk = carry
-        p, layer = xs
 
         def attend(q_ptgrk, k_ptgk, v_ptgk):
             k = k_lbgks.at[layer, slots_p[:, None], :, :, positions_pt].set(k_ptgk.astype(k_lbgks.dtype),
@@ -161,12 +169,12 @@ def extend(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, st
             values = jnp.swapaxes(v[layer, rows_p], 1, 2)
             return attention(q_ptgrk, keys, values, visible_pts[:, None, None]), (k, v)
 
-        x_ptd, (k_lbgks, v_lbgsk) = decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, None, attend)
+        x_ptd, (k_lbgks, v_lbgsk), stats = decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, None, attend)
         return (x_ptd, k_lbgks, v_lbgsk), None
 
     x_ptd = jnp.take(model.embed[...], tokens_pt, axis=0)
-    layers = (model.layers.stacked(), jnp.arange(cfg.num_layers))
-    (_, k, v), _ = jax.lax.scan(body, (x_ptd, cache.k_lbgks, cache.v_lbgsk), layers)
+    (_, k, v), _ = scan_layers(cfg, model.layers.stacked(), body, (x_ptd, cache.k_lbgks, cache.v_lbgsk),
+                               layer_xs=jnp.arange(cfg.num_layers))
     return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
 
 
@@ -219,9 +227,8 @@ def _forward_step(model, cache: KVCache, rows_b: jax.Array | None, tokens_b: jax
 
     branches = [functools.partial(windowed, w) for w in windows]
 
-    def body(carry, xs):
+    def body(carry, p, layer, _):
         x_b1d, k_lbgks, v_lbgsk = carry
-        p, layer = xs
 
         def attend(q_b1grk, k_b1gk, v_b1gk):
             # The cache is the loop carry and is written with a scatter, which XLA does in place; a
@@ -235,12 +242,12 @@ def _forward_step(model, cache: KVCache, rows_b: jax.Array | None, tokens_b: jax
                                     per_group)
             return out_gmgrk.reshape(b, 1, *out_gmgrk.shape[2:]), (k, v)
 
-        x_b1d, (k_lbgks, v_lbgsk) = decoder_layer(cfg, p, x_b1d, positions_b1, inv_freq, None, attend)
+        x_b1d, (k_lbgks, v_lbgsk), stats = decoder_layer(cfg, p, x_b1d, positions_b1, inv_freq, None, attend)
         return (x_b1d, k_lbgks, v_lbgsk), None
 
     x_b1d = jnp.take(model.embed[...], tokens_b[:, None], axis=0)
-    layers = (model.layers.stacked(), jnp.arange(cfg.num_layers))
-    (x_b1d, k, v), _ = jax.lax.scan(body, (x_b1d, cache.k_lbgks, cache.v_lbgsk), layers)
+    (x_b1d, k, v), _ = scan_layers(cfg, model.layers.stacked(), body, (x_b1d, cache.k_lbgks, cache.v_lbgsk),
+                                   layer_xs=jnp.arange(cfg.num_layers))
     h_b1d = rms_norm(x_b1d, model.final_norm[...], cfg.rms_norm_eps)
     return model.logits(h_b1d)[:, 0], KVCache(k, v)
 

@@ -29,7 +29,7 @@ def expected_hf_tensors(cfg: ModelConfig) -> tuple[tuple[str, ...], dict[str, tu
         for part in row.path:
             node = getattr(node, part)
         shape = node.get_value().shape
-        shapes[name] = row.hf_shape(shape[1:] if row.stacked else shape)
+        shapes[name] = row.hf_shape(shape[row.lead:])
     return model.layers.names, shapes
 
 

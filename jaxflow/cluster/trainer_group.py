@@ -103,15 +103,16 @@ def hf_pieces(model) -> Iterator[tuple[str, list[int], list[int], np.ndarray]]:
         if spec is not None and row.path[0] == "layers" and row.path[-1] in spec.targets:
             array = _merged(array, getattr(model.layers, f"{row.path[-1]}_lora_a")[...],
                             getattr(model.layers, f"{row.path[-1]}_lora_b")[...], spec.scale)
-        shape = tuple(array.shape[1:] if row.stacked else array.shape)
+        shape = tuple(array.shape[row.lead:])
         hf_shape = list(row.hf_shape(shape))
-        ok = all(_hf_block(row, s, n, shape) is not None for s, n in _blocks(array, row.stacked))
+        # Expert rows (one HF tensor per layer and expert) are gathered whole rather than cut in blocks.
+        ok = not row.experts and all(_hf_block(row, s, n, shape) is not None
+                                     for s, n in _blocks(array, row.stacked))
         if not ok:  # gather this one; process 0 puts it whole
             whole = np.asarray(multihost_utils.process_allgather(array, tiled=True))
             if jax.process_index() == 0:
-                for layer in (range(cfg.num_layers) if row.stacked else [None]):
-                    host = whole[layer] if row.stacked else whole
-                    yield row.hf_name(layer), hf_shape, [0] * len(hf_shape), np.ascontiguousarray(row.to_hf(host))
+                for name, index in row.units():
+                    yield name, hf_shape, [0] * len(hf_shape), np.ascontiguousarray(row.to_hf(whole[index]))
             continue
         for shard in array.addressable_shards:
             if shard.replica_id != 0:
@@ -122,7 +123,7 @@ def hf_pieces(model) -> Iterator[tuple[str, list[int], list[int], np.ndarray]]:
                 for j in range(data.shape[0]):
                     start, piece_shape = _hf_block(row, starts[1:], list(data.shape[1:]), shape)
                     piece = row.to_hf(data[j]).reshape(piece_shape)
-                    yield row.hf_name(starts[0] + j), hf_shape, start, np.ascontiguousarray(piece)
+                    yield row.hf_name(row.layers[starts[0] + j]), hf_shape, start, np.ascontiguousarray(piece)
             else:
                 start, piece_shape = _hf_block(row, starts, list(data.shape), shape)
                 yield row.hf_name(), hf_shape, start, np.ascontiguousarray(row.to_hf(data).reshape(piece_shape))

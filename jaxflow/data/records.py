@@ -27,6 +27,10 @@ class Sample:
     the version of the model turn before them); sorted, disjoint, non-empty. [] for a single answer.
     reward: a finished episode's reward from its environment (the sum over its turns; 0.0 when the
     environment failed); None for a single answer, which the task's reward function scores.
+    routes: a mixture-of-experts policy's routing, for replay in the update (`jaxflow.models.moe`):
+    [len(tokens), L_sparse, k] small ints (`route_dtype`), routes[i] the experts each sparse layer chose
+    at the input position that produced token i (the token before it: for i = 0 the prompt's last
+    token), -1 where not recorded. None when the engine records none (a dense model, replay off).
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -35,6 +39,7 @@ class Sample:
     finish_reason: str | None = None
     env_spans: list[list[int]] = dataclasses.field(default_factory=list)
     reward: float | None = None
+    routes: np.ndarray | None = None
 
     def model_mask(self) -> np.ndarray:
         """bool per token: True where the model wrote it (trained), False inside an env span."""
@@ -61,6 +66,11 @@ class Sample:
         ids = np.asarray(self.tokens)
         if n and (ids.dtype.kind not in "iu" or ids.min() < 0):
             raise ValueError(f"{what}: token ids must be non-negative integers")
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The smallest signed integer dtype that holds expert ids 0 .. num_experts - 1 and -1 (no record)."""
+    return np.dtype(np.int8 if num_experts <= 128 else np.int16 if num_experts <= 32768 else np.int32)
 
 
 @dataclasses.dataclass

@@ -1,7 +1,8 @@
-"""The model description shared by the Llama, Qwen2 and Qwen3 layouts, and its HF config.json form.
+"""The model description shared by the Llama, Qwen2, Qwen3 and Qwen3-MoE layouts, and its HF config.json form.
 
 One frozen dataclass describes every supported checkpoint; the layout differences (qkv bias, q/k RMSNorm,
-tied embeddings, rope scaling) are fields, not subclasses, so the forward pass has one code path.
+tied embeddings, rope scaling, mixture-of-experts MLPs) are fields, not subclasses, so the forward pass has
+one code path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -55,6 +57,17 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Mixture of experts (Qwen3-MoE; `jaxflow.models.moe`). num_experts 0: every MLP is dense. A layer i
+    # is sparse unless i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0, as transformers
+    # decides; a sparse layer's experts are [moe_intermediate_size] wide, a dense layer's MLP
+    # [intermediate_size]. The router keeps each token's num_experts_per_tok most likely experts, their
+    # weights renormalised to sum to 1 when norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -66,6 +79,18 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.dtype not in _DTYPES:
             raise ModelConfigError(f"dtype {self.dtype!r} is not one of {_DTYPES}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                       f"[1, num_experts={self.num_experts}]")
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ModelConfigError(f"moe_intermediate_size={self.moe_intermediate_size} and "
+                                       f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ModelConfigError(f"mlp_only_layers {bad} are not layers of a {self.num_layers}-layer model")
+        elif self.architecture == "Qwen3MoeForCausalLM":
+            raise ModelConfigError("Qwen3MoeForCausalLM needs num_experts >= 1")
         rope_type = dict(self.rope_scaling).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelConfigError(
@@ -80,16 +105,34 @@ class ModelConfig:
         """The rope settings as a dict with at least `rope_type`."""
         return dict(self.rope_scaling)
 
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts, in order (none for a dense model)."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The layers with a dense MLP, in order."""
+        sparse = set(self.sparse_layers)
+        return tuple(i for i in range(self.num_layers) if i not in sparse)
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embedding counted once when tied); `active`: with only the experts one
+        token runs (num_experts_per_tok of each sparse layer's num_experts)."""
         d, f, h, g, k = (self.hidden_size, self.intermediate_size, self.num_heads,
                          self.num_kv_heads, self.head_dim)
         attn = d * (h + 2 * g) * k + h * k * d
         attn += (h + 2 * g) * k * self.qkv_bias + d * self.o_bias + 2 * k * self.qk_norm
         mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-        per_layer = attn + mlp + 2 * d
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        per_layer = attn + 2 * d
+        mlps = len(self.dense_layers) * mlp + len(self.sparse_layers) * moe
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * per_layer + d + head
+        return self.vocab_size * d + self.num_layers * per_layer + mlps + d + head
 
 
 def _tuple(x):
@@ -141,7 +184,19 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> ModelConf
         "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
         "Qwen3ForCausalLM": dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False,
                                  qk_norm=True),
+        "Qwen3MoeForCausalLM": dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False,
+                                    qk_norm=True),
     }[arch]
+    if arch == "Qwen3MoeForCausalLM":
+        # transformers 5 writes the expert count as num_local_experts, the Hub's files as num_experts.
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if experts is None:
+            raise ModelConfigError(f"{source}: missing required field 'num_experts' for {arch}")
+        layout.update(num_experts=int(experts), num_experts_per_tok=int(need("num_experts_per_tok")),
+                      moe_intermediate_size=int(need("moe_intermediate_size")),
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                      decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                      mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
     try:
         return ModelConfig(
             architecture=arch,
@@ -196,6 +251,11 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     elif cfg.architecture == "Qwen3ForCausalLM":
         hf.update(attention_bias=cfg.qkv_bias, use_sliding_window=False)
+    elif cfg.architecture == "Qwen3MoeForCausalLM":
+        hf.update(attention_bias=cfg.qkv_bias, use_sliding_window=False, num_experts=cfg.num_experts,
+                  num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+                  norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=cfg.decoder_sparse_step,
+                  mlp_only_layers=list(cfg.mlp_only_layers))
     else:
         hf.update(use_sliding_window=False)
     return hf

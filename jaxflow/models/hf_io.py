@@ -76,8 +76,7 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
     check_hf_names(cfg, layer_names, tensors.keys(), source=source, error=error)
     abstract = nnx.state(shapes)
     rows = {row.path: row for row in tensor_maps(cfg, layer_names)}
-    per_layer = {path: var.get_value().shape[1:] if rows[tuple(path)].stacked else var.get_value().shape
-                 for path, var in nnx.to_flat_state(abstract)}
+    per_layer = {path: var.get_value().shape[rows[tuple(path)].lead:] for path, var in nnx.to_flat_state(abstract)}
     for name, row, _ in hf_names(cfg, layer_names):
         tensor = tensors[name]
         got, want = tuple(tensor.shape), row.hf_shape(per_layer[row.path])
@@ -88,10 +87,10 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
                         f"parameter dtype; casting was not asked for)")
 
     def host_row(row: TensorMap, shape) -> np.ndarray:
-        if row.stacked:
-            return np.stack([row.from_hf(np.asarray(tensors[row.hf_name(i)]), shape[1:]).astype(dtype)
-                             for i in range(cfg.num_layers)])
-        return np.array(row.from_hf(np.asarray(tensors[row.hf_name()]), shape), dtype=dtype, copy=True)
+        host = np.empty(shape, dtype)
+        for name, index in row.units():
+            host[index] = row.from_hf(np.asarray(tensors[name]), shape[row.lead:])
+        return host
 
     placed = []
     for path, var in nnx.to_flat_state(abstract):
@@ -122,7 +121,7 @@ class _ReaderTensors(Mapping):
 
 def load_model(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
                param_dtype=None, rules=None, lora: LoRASpec | None = None, lora_seed: int = 0) -> Transformer:
-    """Loads an HF Llama/Qwen2/Qwen3 directory (config.json + safetensors, single or sharded).
+    """Loads an HF Llama/Qwen2/Qwen3/Qwen3-MoE directory (config.json + safetensors, single or sharded).
 
     Each parameter is placed directly with its mesh sharding: a device receives only its own slice.
     mesh: default a one-device mesh. param_dtype: default the checkpoint's config dtype. lora: fresh
@@ -167,11 +166,8 @@ def iter_hf_tensors(model: Transformer, dtype=None) -> Iterator[tuple[str, np.nd
             host = (host.astype(np.float32) + spec.scale * delta.reshape(host.shape)).astype(host.dtype)
         if dtype is not None:
             host = host.astype(dtype)
-        if row.stacked:
-            for i in range(cfg.num_layers):
-                yield row.hf_name(i), np.ascontiguousarray(row.to_hf(host[i]))
-        else:
-            yield row.hf_name(), np.ascontiguousarray(row.to_hf(host))
+        for name, index in row.units():
+            yield name, np.ascontiguousarray(row.to_hf(host[index]))
 
 
 def export_model(model: Transformer, directory: str | os.PathLike, *, hf_config: dict | None = None,

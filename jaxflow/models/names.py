@@ -7,6 +7,12 @@ is fixed in one place.
 HF stores a linear layer as `weight[out, in]`; jaxflow stores kernels as `[in..., out...]` with heads
 split out (q_proj is [D, H, K]). `in_dims` says how many leading jaxflow dims (after the layer axis)
 form HF's `in` axis; rows without it are plain reshapes (biases [H, K] <-> [H*K]).
+
+A mixture-of-experts layer (Qwen3-MoE) stacks its experts too: jaxflow's `expert_gate` is [L_sparse, E,
+D, F], HF's `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` is one [F, D] tensor per layer and expert
+(the layout of the published checkpoints, which transformers 5 also writes). A row's `layers` says which
+HF layers its stack holds: all of them, only the sparse ones (router and experts) or only the dense ones
+(a dense MLP among sparse layers).
 """
 
 from __future__ import annotations
@@ -27,16 +33,35 @@ class TensorMap:
     """One jaxflow parameter <-> one HF tensor (per layer when `hf` contains `{i}`)."""
 
     path: tuple[str, ...]  # attribute path in the nnx model, e.g. ("layers", "q_proj")
-    hf: str  # HF tensor name, with `{i}` for the layer index of stacked parameters
+    hf: str  # HF tensor name, with `{i}` for the layer index of stacked parameters, `{e}` for the expert
     in_dims: int | None = None  # kernels: leading jaxflow dims that make HF's input axis
     hf_rank: int = 1  # non-kernels: rank of the HF tensor
+    layers: tuple[int, ...] = ()  # stacked rows: the HF layer index of each entry of the stack
+    experts: int = 0  # expert rows: the number of experts stacked after the layer axis
 
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf
 
-    def hf_name(self, layer: int | None = None) -> str:
-        return self.hf.format(i=layer) if self.stacked else self.hf
+    @property
+    def lead(self) -> int:
+        """How many leading jaxflow axes index HF tensors: 0, 1 (layer) or 2 (layer, expert)."""
+        return self.stacked + bool(self.experts)
+
+    def hf_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return self.hf.format(i=layer, e=expert) if self.stacked else self.hf
+
+    def units(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """(HF name, index into the jaxflow array) of each HF tensor this row holds, in stack order."""
+        if not self.stacked:
+            yield self.hf, ()
+            return
+        for s, layer in enumerate(self.layers):
+            if self.experts:
+                for e in range(self.experts):
+                    yield self.hf_name(layer, e), (s, e)
+            else:
+                yield self.hf_name(layer), (s,)
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """HF shape of one (per-layer) jaxflow array of `shape`."""
@@ -81,7 +106,25 @@ LAYER_TABLE = {
     "gate_bias": (_MLP + "gate_proj.bias", None),
     "up_bias": (_MLP + "up_proj.bias", None),
     "down_bias": (_MLP + "down_proj.bias", None),
+    "router": (_MLP + "gate.weight", 1),
+    "expert_gate": (_MLP + "experts.{e}.gate_proj.weight", 1),
+    "expert_up": (_MLP + "experts.{e}.up_proj.weight", 1),
+    "expert_down": (_MLP + "experts.{e}.down_proj.weight", 1),
 }
+# Layer parameters of a dense MLP and of a mixture of experts: in a Qwen3-MoE model each exists only in
+# the layers of its kind (`ModelConfig.dense_layers`, `ModelConfig.sparse_layers`).
+DENSE_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
+MOE_NAMES = ("router", "expert_gate", "expert_up", "expert_down")
+EXPERT_NAMES = ("expert_gate", "expert_up", "expert_down")
+
+
+def layers_of(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The layers whose stack holds the layer parameter `name`, in stack order."""
+    if name in MOE_NAMES:
+        return cfg.sparse_layers
+    if name in DENSE_MLP_NAMES:
+        return cfg.dense_layers
+    return tuple(range(cfg.num_layers))
 
 # HF tensors that carry no parameters (rotary buffers saved by old transformers versions).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -92,18 +135,18 @@ def tensor_maps(cfg: ModelConfig, layer_names: tuple[str, ...]) -> list[TensorMa
     rows = [TensorMap(("embed",), "model.embed_tokens.weight", hf_rank=2)]
     for name in layer_names:
         suffix, in_dims = LAYER_TABLE[name]
-        rows.append(TensorMap(("layers", name), LAYER_PREFIX + suffix, in_dims=in_dims))
+        rows.append(TensorMap(("layers", name), LAYER_PREFIX + suffix, in_dims=in_dims,
+                              layers=layers_of(cfg, name),
+                              experts=cfg.num_experts if name in EXPERT_NAMES else 0))
     rows.append(TensorMap(("final_norm",), "model.norm.weight"))
     if not cfg.tie_word_embeddings:
         rows.append(TensorMap(("lm_head",), "lm_head.weight", in_dims=1))
     return rows
 
 
-def hf_names(cfg: ModelConfig, layer_names: tuple[str, ...]) -> Iterator[tuple[str, TensorMap, int | None]]:
-    """Every HF tensor name of the model with its row and layer index (None for unstacked rows)."""
+def hf_names(cfg: ModelConfig, layer_names: tuple[str, ...]) -> Iterator[tuple[str, TensorMap, tuple[int, ...]]]:
+    """Every HF tensor name of the model with its row and its index into the row's jaxflow array (()
+    for unstacked rows, (stack position,) for layer rows, (stack position, expert) for expert rows)."""
     for row in tensor_maps(cfg, layer_names):
-        if row.stacked:
-            for i in range(cfg.num_layers):
-                yield row.hf_name(i), row, i
-        else:
-            yield row.hf_name(), row, None
+        for name, index in row.units():
+            yield name, row, index

@@ -1,8 +1,10 @@
-"""Decoder-only transformer in flax.nnx covering the Llama, Qwen2 and Qwen3 layouts.
+"""Decoder-only transformer in flax.nnx covering the Llama, Qwen2, Qwen3 and Qwen3-MoE layouts.
 
 Layer parameters are stacked along a leading `layers` axis and the forward pass scans over them, so
 compile time does not grow with depth. Every parameter carries logical axis names; `jaxflow.sharding`
-maps them onto the mesh.
+maps them onto the mesh. In a mixture-of-experts model (`jaxflow.models.moe`) the router and experts are
+stacked over the sparse layers only and a dense MLP over the dense ones; the layers run as one scan per
+run of consecutive layers of one kind (`scan_layers`).
 
 Shapes: B batch, T query length, S key length, D hidden, H query heads, G kv heads, R = H // G,
 K head_dim, F mlp width, V vocab, L layers.
@@ -19,9 +21,10 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.models import lora as lora_lib
-from jaxflow.models import precision
+from jaxflow.models import moe, precision
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.lora import LoRASpec
+from jaxflow.models.names import DENSE_MLP_NAMES, MOE_NAMES
 
 # Large negative instead of -inf: a query with no visible key (a padding row) gets a uniform softmax
 # instead of NaN, and its output is never used.
@@ -222,8 +225,8 @@ def _split_attention_bwd(residuals, d_out):
 _split_attention.defvjp(_split_attention_fwd, _split_attention_bwd)
 
 
-# Layer parameter name -> (logical axes without the leading `layers` axis, shape function, init kind).
-# The order here is the order of `DecoderLayers` attributes; `present` decides optional ones.
+# Layer parameter name -> (logical axes without the leading `layers` axis, shape, init kind). The order
+# here is the order of `DecoderLayers` attributes; the model's config decides which optional ones exist.
 def _layer_param_specs(cfg: ModelConfig):
     d, f, h, g, k = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                      cfg.head_dim)
@@ -249,7 +252,73 @@ def _layer_param_specs(cfg: ModelConfig):
     if cfg.mlp_bias:
         specs.update(gate_bias=(("mlp",), (f,), "zeros"), up_bias=(("mlp",), (f,), "zeros"),
                      down_bias=(("embed",), (d,), "zeros"))
+    if cfg.num_experts:
+        e, fm = cfg.num_experts, cfg.moe_intermediate_size
+        specs.update(router=(("embed", None), (d, e), "normal"),
+                     expert_gate=(("experts", "embed", "mlp"), (e, d, fm), "normal"),
+                     expert_up=(("experts", "embed", "mlp"), (e, d, fm), "normal"),
+                     expert_down=(("experts", "mlp", "embed"), (e, fm, d), "normal"))
+        if not cfg.dense_layers:
+            specs = {name: spec for name, spec in specs.items() if name not in DENSE_MLP_NAMES}
     return specs
+
+
+def stack_size(cfg: ModelConfig, name: str) -> int:
+    """How many layers' worth the stack of layer parameter `name` (or of its LoRA adapters) holds."""
+    base = name.removesuffix("_lora_a").removesuffix("_lora_b")
+    if cfg.num_experts and base in MOE_NAMES:
+        return len(cfg.sparse_layers)
+    if cfg.num_experts and base in DENSE_MLP_NAMES:
+        return len(cfg.dense_layers)
+    return cfg.num_layers
+
+
+def layer_runs(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+    """The layers as (start, stop, sparse) runs of consecutive layers of one kind; one run when dense."""
+    sparse = set(cfg.sparse_layers)
+    runs: list[tuple[int, int, bool]] = []
+    for i in range(cfg.num_layers):
+        if runs and runs[-1][2] == (i in sparse):
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, i in sparse))
+    return runs
+
+
+def _rows(tree, start: int, n: int):
+    """Entries start .. start + n - 1 of every [L, ...] array of `tree`."""
+    return jax.tree.map(lambda a: a[start:start + n], tree)
+
+
+def scan_layers(cfg: ModelConfig, stacked: dict[str, jax.Array], body, carry, *, layer_xs=None,
+                sparse_xs=None, unroll: int = 1, all_ys: bool = False):
+    """Runs `body(carry, p, layer_x, sparse_x) -> (carry, y)` over the layers in order, a `lax.scan`
+    per run of one kind (`layer_runs`), p one layer's parameters (its dense MLP's or its router's and
+    experts', as the layer has). layer_xs: a pytree of [L, ...] arrays, sliced per layer; sparse_xs:
+    [L_sparse, ...] arrays, given to sparse layers only (None to dense ones). unroll: at most this many
+    layers of a run per loop step. Returns (carry, the sparse layers' ys stacked [L_sparse, ...], or None
+    when the model has none)."""
+    ys = []
+    at = {True: 0, False: 0}  # the next layer's index in the sparse and the dense stacks
+    for start, stop, sparse in layer_runs(cfg):
+        n = stop - start
+        own = at[sparse]
+        at[sparse] += n
+        p = {}
+        for name, value in stacked.items():
+            base = name.removesuffix("_lora_a").removesuffix("_lora_b")
+            if cfg.num_experts and base in (DENSE_MLP_NAMES if sparse else MOE_NAMES):
+                continue
+            lo = own if cfg.num_experts and base in DENSE_MLP_NAMES + MOE_NAMES else start
+            p[name] = value if (lo, lo + n) == (0, value.shape[0]) else value[lo:lo + n]
+        xs = (p, None if layer_xs is None else _rows(layer_xs, start, n),
+              _rows(sparse_xs, own, n) if sparse and sparse_xs is not None else None)
+        carry, y = jax.lax.scan(lambda c, x: body(c, *x), carry, xs, unroll=max(1, min(unroll, n)))
+        if sparse or all_ys:
+            ys.append(y)
+    if not ys:
+        return carry, None
+    return carry, ys[0] if len(ys) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *ys)
 
 
 def _init(kind, key, shape, std, dtype):
@@ -269,7 +338,7 @@ class DecoderLayers(nnx.Module):
         specs = _layer_param_specs(cfg)
         self.names = tuple(specs)
         for name, (axes, shape, kind) in specs.items():
-            value = _init(kind, rngs.params(), (cfg.num_layers, *shape), cfg.initializer_range,
+            value = _init(kind, rngs.params(), (stack_size(cfg, name), *shape), cfg.initializer_range,
                           param_dtype)
             setattr(self, name, nnx.Param(value, logical_axes=("layers", *axes)))
         self.lora = None
@@ -307,8 +376,10 @@ def _project(p: dict[str, jax.Array], name: str, equation: str, x: jax.Array) ->
 
 
 def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, positions_bt,
-                  inv_freq_k, mask_b11ts, attend=None):
-    """One pre-norm decoder block on the per-layer params `p`.
+                  inv_freq_k, mask_b11ts, attend=None, *, routes_btk=None, valid_bt=None):
+    """One pre-norm decoder block on the per-layer params `p`; a mixture of experts in place of the MLP
+    when p holds a router (`jaxflow.models.moe.moe_mlp`, replaying `routes_btk` when given; valid_bt:
+    the real tokens its router statistics count, default all).
 
     attend says how the block attends. None: the chunk attends within itself under `mask_b11ts`
     ([B, 1, 1, T, T]; prefill) and its own (k_btgk, v_btgk) are returned. Otherwise a function
@@ -318,7 +389,7 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
     caller's business, so the engine can update a buffer in place and read it in the order its hardware
     likes while this body stays the one the trainer runs); the trainer's attends within packed rows
     (`split_attention`).
-    Returns (x_btd, (k_btgk, v_btgk) or extra).
+    Returns (x_btd, (k_btgk, v_btgk) or extra, the router's `moe.RouterStats` or None).
     """
     b, t, _ = x_btd.shape
     g, r = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
@@ -345,6 +416,9 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
     x_btd = x_btd + attn
 
     h = rms_norm(x_btd, p["post_attn_norm"], cfg.rms_norm_eps)
+    if "router" in p:
+        out, stats = moe.moe_mlp(cfg, p, h, routes_btk, valid_bt)
+        return x_btd + out, kv_out, stats
     gate = _project(p, "gate_proj", "btd,df->btf", h)
     up = _project(p, "up_proj", "btd,df->btf", h)
     if cfg.mlp_bias:
@@ -352,7 +426,7 @@ def decoder_layer(cfg: ModelConfig, p: dict[str, jax.Array], x_btd: jax.Array, p
     down = _project(p, "down_proj", "btf,fd->btd", jax.nn.silu(gate) * up)
     if cfg.mlp_bias:
         down = down + p["down_bias"]
-    return x_btd + down, kv_out
+    return x_btd + down, kv_out, None
 
 
 class Transformer(nnx.Module):
@@ -373,7 +447,7 @@ class Transformer(nnx.Module):
 
     def hidden_states(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                       segment_ids_bt: jax.Array | None = None, context_ids_bt: jax.Array | None = None, *,
-                      remat: bool = False) -> jax.Array:
+                      remat: bool = False, routes_btlk: jax.Array | None = None, with_router: bool = False):
         """Final-norm hidden states [B, T, D].
 
         tokens_bt: int32 token ids. positions_bt: rotary positions (default 0..T-1; for left padding
@@ -381,20 +455,28 @@ class Transformer(nnx.Module):
         to each other (packing; rows whose segments allow it attend in parts, `split_attention`);
         default all ones. context_ids_bt: per token, the segment id of a shared prompt it also attends
         to (0 or None: none). remat recomputes each block in the backward pass.
+        routes_btlk: a mixture-of-experts model's recorded experts to replay, [B, T, L_sparse, k]
+        (-1: the token routes itself; `jaxflow.models.moe`). with_router: return (h, stats), stats the
+        sparse layers' `moe.RouterStats` stacked [L_sparse, ...] over the real tokens (None if dense).
         """
         cfg = self.config
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones(tokens_bt.shape, jnp.int32)
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        if routes_btlk is not None and not cfg.num_experts:
+            raise ValueError(f"routes to replay given to a dense model ({cfg.architecture} has no experts)")
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
         x = rows_sharded(jnp.take(self.embed[...], tokens_bt, axis=0))
+        valid_bt = segment_ids_bt != 0
 
         def attend(q, k, v):
             return split_attention(q, k, v, segment_ids_bt, context_ids_bt), None
 
-        def body(x, p):
-            return rows_sharded(decoder_layer(cfg, p, x, positions_bt, inv_freq, None, attend)[0]), None
+        def body(x, p, _, routes_btk):
+            x, _, stats = decoder_layer(cfg, p, x, positions_bt, inv_freq, None, attend, routes_btk=routes_btk,
+                                        valid_bt=valid_bt)
+            return rows_sharded(x), stats
 
         if remat:
             body = jax.checkpoint(body)
@@ -402,8 +484,10 @@ class Transformer(nnx.Module):
         # and stack each layer's saved activations for the backward pass, copies that took 8% of the
         # 2-layer tiny model's train step. Deeper models keep the loop, whose compile time does not grow.
         unroll = cfg.num_layers if cfg.num_layers <= UNROLL_LAYERS else 1
-        x, _ = jax.lax.scan(body, x, self.layers.stacked(), unroll=unroll)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        routes = None if routes_btlk is None else jnp.moveaxis(routes_btlk, 2, 0)
+        x, stats = scan_layers(cfg, self.layers.stacked(), body, x, sparse_xs=routes, unroll=unroll)
+        h = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        return (h, stats) if with_router else h
 
     def head_weight(self) -> tuple[jax.Array, tuple[str | None, ...]]:
         """The LM head's weight and its logical axes: the embedding [V, D] when tied, else lm_head [D, V]."""
@@ -432,11 +516,11 @@ class Transformer(nnx.Module):
 
 
 # Mesh axes a batch's rows are split over (jaxflow.sharding's "batch" rule).
-ROW_AXES = ("data", "fsdp")
+ROW_AXES = moe.ROW_AXES
 
 
 def rows_sharded(x_b: jax.Array) -> jax.Array:
-    """x_b [B, ...] constrained to rows split over the data and fsdp axes of the mesh set around the trace
+    """x_b [B, ...] constrained to rows split over the data, fsdp and expert axes of the mesh set around the trace
     (`jax.set_mesh`; without one, x_b as it is), the rest of each row whole on its device.
 
     Without it, GSPMD may follow the fsdp-sharded weights instead: the embedding gather and the blocks'

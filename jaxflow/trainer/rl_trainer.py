@@ -41,6 +41,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from jaxflow import sharding
 from jaxflow.config import ConfigError, Section, check_bool, check_choice, check_float, check_int
 from jaxflow.data import checks
 from jaxflow.data.device_params import DeviceParamSource
@@ -328,7 +329,7 @@ class RLTrainer:
                  exact_logprobs: bool = False):
         check_trainer_config(trainer)
         self.batch_shape = batch_shape(max_sequences, seq_len, trainer.minibatches, trainer.micro_batch_rows,
-                                       mesh.shape["data"] * mesh.shape["fsdp"])
+                                       sharding.rows_per_shard(mesh))
         self.mesh, self.seq_len, self.cfg = mesh, seq_len, trainer
         self.device_weights = device_weights
         self.graphdef = nnx.graphdef(model)

@@ -366,8 +366,8 @@ class TrainStep:
     def __init__(self, graphdef, tx: optax.GradientTransformation, cfg: StepConfig, mesh,
                  state_shardings: TrainState, frozen: nnx.State | None = None):
         self.cfg, self.mesh = cfg, mesh
-        batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
-        self.rows_per_shard = mesh.shape["data"] * mesh.shape["fsdp"]
+        batch_axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
+        self.rows_per_shard = sharding.rows_per_shard(mesh)
         self.batch_sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes, None))
         batch_shardings = TrajectoryBatch(**{f.name: self.batch_sharding
                                              for f in dataclasses.fields(TrajectoryBatch)})
