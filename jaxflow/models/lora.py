@@ -43,6 +43,8 @@ __all__ = ["LORA_TARGETS", "LoRASpec", "adapter_names", "attach", "lora_problems
 
 # Projections that can carry adapters, in the order of the layer table.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The targets a mixture-of-experts model (Qwen3-MoE) may carry: its MLPs are experts, which take no adapters.
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # jaxflow input dims (after the layer axis) of each target: HF's `in` axis (names.py's table).
 IN_DIMS = {t: names.LAYER_TABLE[t][1] for t in LORA_TARGETS}
 PEFT_PREFIX = "base_model.model."
@@ -115,6 +117,10 @@ def attach(layers, spec: LoRASpec, key: jax.Array, mesh: jax.sharding.Mesh | Non
     (the rank axis replicated); placed on `mesh` when given. Raises ValueError when it has adapters."""
     if getattr(layers, "lora", None) is not None:
         raise ValueError(f"the model already has LoRA adapters ({layers.lora}); load a base model to add others")
+    mlp = [t for t in spec.targets if t not in ATTENTION_TARGETS]
+    if "router" in layers.names and mlp:
+        raise ValueError(f"lora targets {', '.join(mlp)}: a mixture-of-experts model carries adapters on its "
+                         f"attention projections only ({', '.join(ATTENTION_TARGETS)}); its experts have none")
     for target, k in ((t, IN_DIMS[t]) for t in spec.targets):
         kernel = getattr(layers, target)
         axes, shape, dtype = kernel.get_metadata()["logical_axes"], kernel[...].shape, kernel[...].dtype

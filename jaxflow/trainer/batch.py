@@ -11,6 +11,11 @@ own (h); each sample follows as a segment that starts with the prompt's last tok
 positions continuing from the prompt's, and `context_ids` h on each of its tokens: its tokens attend to
 h and to their own segment, so every log-probability is the one of the sample laid out alone, while the
 prompt's tokens go through the model once instead of once per sample.
+
+Routing replay (a mixture-of-experts policy, `make_batch(route_shape=...)`): `routes` [M, b, T, L_sparse,
+k] holds, at position t, the experts the rollout engine chose for the input token t, which the trainer's
+forward then uses (`jaxflow.models.moe`). A sample's `routes[i]` (its completion token i's) goes to the
+position before token i; every other position holds -1 and routes itself (the prompt, padding).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax
 import numpy as np
 from flax import struct
 
+from jaxflow.data.records import route_dtype
 from jaxflow.models.transformer import row_splits
 from jaxflow.trainer.advantages import compute_advantages
 
@@ -50,6 +56,7 @@ class Trajectory:
     group_id: int = 0
     advantage: float | None = None
     env_spans: Sequence[Sequence[int]] = ()
+    routes: np.ndarray | None = None  # [len(completion), L_sparse, k]: see `jaxflow.data.records.Sample.routes`
 
 
 @struct.dataclass
@@ -62,6 +69,8 @@ class TrajectoryBatch:
     float32 advantage of the token's sequence (0 where not trained); rewards float32 raw reward of the
     token's sequence (0 where not trained), for losses that look at the reward itself (TOPR's split);
     context_ids int32 the segment id of a shared prompt the token also attends to (0: none).
+    routes: with routing replay, [M, b, T, L_sparse, k] small ints, the recorded experts of each input
+    position (-1: none; module docstring); None otherwise.
     """
 
     tokens: jax.Array
@@ -73,6 +82,7 @@ class TrajectoryBatch:
     advantages: jax.Array
     rewards: jax.Array
     context_ids: jax.Array
+    routes: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +119,11 @@ def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
     if (mask & (segments != previous)).any():
         raise ValueError("batch.loss_mask marks a sequence's first token, which has no prediction")
     _validate_context(segments, np.asarray(batch.context_ids))
+    if batch.routes is not None:
+        routes = np.asarray(batch.routes)
+        if routes.ndim != 5 or routes.shape[:3] != shape or routes.dtype.kind != "i":
+            raise ValueError(f"batch.routes must be integers [micro_batches, rows, seq_len, layers, top_k] with "
+                             f"[micro_batches, rows, seq_len] = {shape}, got {routes.dtype} {routes.shape}")
     versions = np.asarray(batch.versions)[mask]
     if versions.max() > train_version:
         raise ValueError(f"batch holds tokens of policy version {versions.max()}, newer than the "
@@ -255,7 +270,8 @@ def _share(trajectories: Sequence[Trajectory], seq_len: int) -> list[list[int]]:
 def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: int,
                micro_batches: int = 1, pack: bool = False, advantage_estimator: str = "grpo",
                scale_by_std: bool = True, std_ddof: int = 0, minibatches: int = 1,
-               share_prompts: bool = False) -> tuple[TrajectoryBatch, dict[str, float]]:
+               share_prompts: bool = False,
+               route_shape: tuple[int, int, int] | None = None) -> tuple[TrajectoryBatch, dict[str, float]]:
     """Lays trajectories out as a [micro_batches, num_rows // micro_batches, seq_len] batch.
 
     Advantages come from the trajectories' rewards and group ids (or their own `advantage`), by
@@ -264,7 +280,9 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
     inside a minibatch they fill its micro-batches in order: rows beyond the trajectories leave whole
     micro-batches empty at the end of each minibatch, which the step skips. A batch padded to a fixed
     shape therefore costs compute for its trajectories only. share_prompts (packed rows only): samples
-    of one group with the same prompt may share one copy of it (module docstring).
+    of one group with the same prompt may share one copy of it (module docstring). route_shape: (sparse
+    layers, experts per token, experts) of a mixture-of-experts policy whose recorded routes the batch
+    carries for replay (module docstring); a trajectory without routes routes itself.
     Returns the batch (numpy arrays) and advantage statistics. Raises BatchOverflow when the trajectories
     do not fit num_rows rows, ValueError for other bad arguments.
     """
@@ -291,6 +309,17 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
                              f"its {n} completion tokens")
         if len(t.prompt) + n > seq_len:
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
+        if t.routes is not None:
+            if route_shape is None:
+                raise ValueError(f"trajectory {i} has routes but the batch replays none (route_shape=None)")
+            layers, top_k, experts = route_shape
+            r = np.asarray(t.routes)
+            if r.shape != (n, layers, top_k) or r.dtype.kind not in "iu":
+                raise ValueError(f"trajectory {i}: routes are {r.dtype} {r.shape}, expected integers "
+                                 f"{(n, layers, top_k)} ({n} completion tokens, {layers} sparse layers, top-{top_k})")
+            if r.size and not -1 <= r.min() <= r.max() < experts:
+                raise ValueError(f"trajectory {i}: routes span [{r.min()}, {r.max()}], outside [-1, {experts - 1}] "
+                                 f"({experts} experts)")
     advantages, stats = _advantages(trajectories, advantage_estimator, scale_by_std, std_ddof, num_rows)
     items = _share(trajectories, seq_len) if share_prompts else [[i] for i in range(len(trajectories))]
     # An item's tokens: its prompt but the last, then each sample's last prompt token and completion (for an
@@ -302,6 +331,8 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         what += f" ({len(items)} packed items)"
     out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in FIELD_DTYPES.items()}
     out["versions"][:] = -1
+    if route_shape is not None:
+        out["routes"] = np.full((num_rows, seq_len, *route_shape[:2]), -1, route_dtype(route_shape[2]))
     next_segment = np.ones(num_rows, np.int32)
 
     def write(row: int, start: int, tokens: Sequence[int], first_position: int, context: int) -> int:
@@ -315,9 +346,12 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         return segment
 
     def train(row: int, start: int, i: int) -> None:
-        """Marks trajectory i's completion, from `start`, for training (its environment spans not)."""
+        """Marks trajectory i's completion, from `start`, for training (its environment spans not), and
+        places its routes one position earlier (the inputs that produced its tokens)."""
         t = trajectories[i]
         gen = slice(start, start + len(t.completion))
+        if t.routes is not None:
+            out["routes"][row, start - 1:start - 1 + len(t.completion)] = t.routes
         out["loss_mask"][row, gen] = 1.0
         out["behav_logp"][row, gen] = t.behav_logp
         out["versions"][row, gen] = t.versions
@@ -344,6 +378,6 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
             start += 1 + len(completion)
     # Row r goes to minibatch r % K, position r // K of that minibatch's rows, in micro-batch order.
     k, rows = minibatches, num_rows // micro_batches
-    split = {name: v.reshape(num_rows // k, k, seq_len).swapaxes(0, 1).reshape(micro_batches, rows, seq_len)
-             for name, v in out.items()}
+    split = {name: v.reshape(num_rows // k, k, seq_len, *v.shape[2:]).swapaxes(0, 1).reshape(
+        micro_batches, rows, seq_len, *v.shape[2:]) for name, v in out.items()}
     return TrajectoryBatch(**{name: np.ascontiguousarray(v) for name, v in split.items()}), stats

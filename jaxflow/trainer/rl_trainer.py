@@ -56,6 +56,7 @@ from jaxflow.trainer.step import (
     EXACT_PROX,
     LOGPROB_CHUNK,
     PROX_MODES,
+    ROUTING_REPLAY,
     StepConfig,
     TrainStep,
     make_optimizer,
@@ -93,6 +94,43 @@ class LoraOptions(Section):
 
     def problems(self) -> list[str]:
         return lora.lora_problems(self.rank, self.alpha, self.targets, prefix=f"{self.SECTION}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeOptions(Section):
+    """The `trainer.moe` section: options of a mixture-of-experts policy (jaxflow/models/moe.py); a dense model
+    ignores them, but refuses routing replay.
+
+    routing_replay: "off" (the update routes every token itself) or "rollout" (routing replay, R3: the
+      update's forwards send each generated token through the experts the rollout engine chose for it, so a
+      route that flipped between the engine's and the trainer's numerics cannot turn the behaviour
+      log-probs stale; the router still learns through the chosen experts' gate values).
+    aux_loss_coef: weight of the router's load-balancing loss (Switch Transformer's E * sum f_e P_e); 0 by
+      default, as RL recipes run it.
+    z_loss_coef: weight of the router z-loss (mean squared logsumexp of the router logits); 0 by default.
+    """
+
+    SECTION: ClassVar[str] = "trainer.moe"
+
+    routing_replay: str = "off"
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        check_choice(problems, self.key("routing_replay"), self.routing_replay, ROUTING_REPLAY)
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            check_float(problems, self.key(name), getattr(self, name), 0.0)
+        return problems
+
+
+def moe_problems(trainer: ml_collections.ConfigDict, num_experts: int) -> list[str]:
+    """Why the `trainer.moe` section cannot apply to a policy with `num_experts` experts (0: dense)."""
+    moe = trainer.get("moe")
+    if moe is None or num_experts or moe.get("routing_replay", "off") == "off":
+        return []
+    return ["trainer.moe.routing_replay = 'rollout' needs a mixture-of-experts policy; this model is dense "
+            "(no experts to replay)"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +176,7 @@ class TrainerConfig(Section):
       (jaxflow.trainer.batch): the prompt's tokens run once per copy, not once per sample, for the same
       log-probabilities and gradients. False lays every sample out with its own prompt.
     loss: the policy loss (`jaxflow.trainer.losses.LossConfig`).
+    moe: options of a mixture-of-experts policy (`MoeOptions`).
     """
 
     SECTION: ClassVar[str] = "trainer"
@@ -169,6 +208,7 @@ class TrainerConfig(Section):
     pack: bool = True
     share_prompts: bool = True
     loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
+    moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -213,11 +253,12 @@ def loss_config(section: ml_collections.ConfigDict) -> losses.LossConfig:
 
 
 def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float32",
-                exact_logprobs: bool = False) -> StepConfig:
+                exact_logprobs: bool = False, model_config=None) -> StepConfig:
     """What the jitted update computes, from the run config's trainer section: the loss (`trainer.loss.*`),
     `minibatches`, `prox`, `remat` and `logprob_chunk`; and the model's compute dtype (`model.compute_dtype`).
     exact_logprobs (`rollout.exact_logprobs`): π_prox from the engine's exact program (prox "exact"), which
-    takes unpacked rows and a recomputed π_prox. A bad value raises ValueError naming its key."""
+    takes unpacked rows and a recomputed π_prox. model_config: the policy's `ModelConfig`, for the
+    `trainer.moe` options of a mixture-of-experts policy. A bad value raises ValueError naming its key."""
     loss = loss_config(trainer.loss)
     chunk = trainer.get("logprob_chunk", LOGPROB_CHUNK)
     problems: list[str] = []
@@ -228,11 +269,21 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     check_choice(problems, "model.compute_dtype", compute_dtype, precision.COMPUTE_DTYPES)
     problems += prox_problems(trainer.prox, loss)
     problems += exact_logprobs_problems(trainer, exact_logprobs)
+    moe = MoeOptions.from_config(trainer.moe) if "moe" in trainer else MoeOptions()
+    experts = getattr(model_config, "num_experts", 0)
+    problems += moe_problems(trainer, experts)
+    if exact_logprobs is True and moe.routing_replay != "off":
+        problems.append("rollout.exact_logprobs cannot run with trainer.moe.routing_replay = 'rollout': the exact "
+                        "program routes every token itself")
     if problems:
         raise ConfigError("bad trainer config: " + "; ".join(problems), problems)
     prox = EXACT_PROX if exact_logprobs else trainer.prox
+    route_shape = None
+    if experts:
+        route_shape = (len(model_config.sparse_layers), model_config.num_experts_per_tok, experts)
     return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=prox, remat=trainer.remat,
-                      logprob_chunk=chunk, compute_dtype=compute_dtype)
+                      logprob_chunk=chunk, compute_dtype=compute_dtype, routing_replay=moe.routing_replay,
+                      route_shape=route_shape, router_aux_coef=moe.aux_loss_coef, router_z_coef=moe.z_loss_coef)
 
 
 def exact_logprobs_problems(trainer: ml_collections.ConfigDict, exact_logprobs) -> list[str]:
@@ -264,7 +315,8 @@ def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
     for g in groups:
         for sample, reward in zip(g.samples, g.rewards):
             out.append(Trajectory(g.prompt, sample.tokens, sample.logprobs, sample.versions,
-                                  reward=float(reward), group_id=g.group_id, env_spans=sample.env_spans))
+                                  reward=float(reward), group_id=g.group_id, env_spans=sample.env_spans,
+                                  routes=sample.routes))
     return out
 
 
@@ -343,7 +395,7 @@ class RLTrainer:
         self.state: TrainState = create_train_state(model, self.tx, mesh)
         self.shardings = train_state_shardings(self.state.params, self.tx, mesh)
         self.minibatches = trainer.minibatches
-        self.step_config = step_config(trainer, compute_dtype, exact_logprobs)
+        self.step_config = step_config(trainer, compute_dtype, exact_logprobs, model.config)
         # The KL reference: the initial policy, frozen (a copy: the state's arrays are donated to the step).
         self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.step_config.loss.kl_coef > 0
                            else None)
@@ -391,6 +443,14 @@ class RLTrainer:
             return self.hf_tensors()
         return lora.peft_tensors(self.model().layers)
 
+    def _route_shape(self, trajs: list[Trajectory]):
+        """The batch's route layout: the policy's with replay on; else None, the samples' routes dropped."""
+        if self.step_config.routing_replay == "off":
+            for t in trajs:
+                t.routes = None
+            return None
+        return self.step_config.route_shape
+
     def train(self, consumed: ConsumedBatch) -> tuple[dict[str, float], dict[int, int]]:
         """One update on buffer `consumed.step` (== this trainer's version). Returns (metrics, staleness
         histogram {versions behind: trained tokens}). An empty buffer (the data ran out) raises."""
@@ -416,7 +476,7 @@ class RLTrainer:
                                               micro_batches=micro,
                                               minibatches=self.minibatches, advantage_estimator=self.cfg.advantage,
                                               scale_by_std=self.cfg.adv_scale_by_std,
-                                              std_ddof=self.cfg.adv_std_ddof)
+                                              std_ddof=self.cfg.adv_std_ddof, route_shape=self._route_shape(trajs))
                 break
             except BatchOverflow:  # more sequences than the rows hold: a deeper shape, compiled once
                 micro *= 2

@@ -19,6 +19,13 @@ the current version, where ρ would be 1.
 With a KL penalty (loss.kl_coef > 0) the caller passes the reference policy's parameters and a
 forward-only pass over the batch computes its log-probs (no gradient) for the loss's `ref_logp_bt`.
 
+A mixture-of-experts policy (`jaxflow.models.moe`): with routing_replay "rollout" every forward of the
+step (π_θ, π_prox, the reference) sends each input token to the experts the rollout engine recorded for
+it (`TrajectoryBatch.routes`; unrecorded positions route themselves). The router's load-balancing and z
+losses join the loss with their coefficients (0 by default, as the anchors' RL recipes run), and the
+metrics report the expert load (max over mean), both losses and, where routes were recorded, the
+fraction of tokens whose own top-k differs from the recorded one (route_flip_frac).
+
 An update whose loss or gradient is not finite is skipped (parameters and optimizer state unchanged),
 counted in `state.skipped`, and reported; it never corrupts the state.
 """
@@ -41,7 +48,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow import sharding
 from jaxflow.config import ConfigError
-from jaxflow.models import precision
+from jaxflow.data.records import route_dtype
+from jaxflow.models import moe, precision
 from jaxflow.trainer import losses, scoring
 from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
 from jaxflow.trainer.state import TrainState
@@ -49,6 +57,7 @@ from jaxflow.trainer.state import TrainState
 logger = logging.getLogger(__name__)
 
 PROX_MODES = ("recompute", "loglinear")
+ROUTING_REPLAY = ("off", "rollout")
 # Also a StepConfig.prox: π_prox from `scoring.sequence_logprobs`, the program the JAX engine's exact mode reports
 # log-probs with (rows of one sequence each). The job sets it with `rollout.exact_logprobs`.
 EXACT_PROX = "exact"
@@ -75,6 +84,9 @@ class StepConfig:
     log-prob and entropy computation (`token_logprobs`); 0 computes the whole sequence at once.
     compute_dtype: what the forward and backward pass compute in ("float32" or "bfloat16"); the
     parameters stay in their own (master) dtype, and so do their gradients.
+    Mixture of experts: routing_replay "off" | "rollout" (replay the batch's recorded routes);
+    route_shape: (sparse layers, experts per token, experts) of the policy, which replay needs;
+    router_aux_coef / router_z_coef: weights of the router's load-balancing and z losses.
     """
 
     loss: losses.LossConfig = losses.LossConfig()
@@ -83,8 +95,20 @@ class StepConfig:
     remat: bool = False
     logprob_chunk: int = LOGPROB_CHUNK
     compute_dtype: str = "float32"
+    routing_replay: str = "off"
+    route_shape: tuple[int, int, int] | None = None
+    router_aux_coef: float = 0.0
+    router_z_coef: float = 0.0
 
     def __post_init__(self):
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
+        if self.routing_replay == "rollout" and self.route_shape is None:
+            raise ValueError("routing_replay 'rollout' needs route_shape (the policy has no experts?)")
+        for name in ("router_aux_coef", "router_z_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if isinstance(self.logprob_chunk, bool) or not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 0:
             raise ValueError(f"logprob_chunk must be an int >= 0, got {self.logprob_chunk!r}")
         precision.dtype_of(self.compute_dtype)
@@ -185,8 +209,11 @@ def _chunk_logprobs(model: nnx.Module, h_bcd: jax.Array, targets_bc: jax.Array, 
     return logp, entropy
 
 
-def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False, chunk: int = 0, mesh=None):
-    """log π(token_t | tokens_<t) and the policy entropy at t, both [b, T] float32 (0 at t = 0).
+def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False, chunk: int = 0, mesh=None,
+                   router: bool = False):
+    """log π(token_t | tokens_<t) and the policy entropy at t, both [b, T] float32 (0 at t = 0); with
+    `router`, also the sparse layers' `moe.RouterStats` (None for a dense model). A batch with routes
+    replays them (`TrajectoryBatch.routes`).
 
     chunk: positions per chunk of the LM head. 0, or a chunk that covers the sequence, makes the logits
     [b, T-1, V] at once. Otherwise the positions are cut into chunks (the last one padded), mapped over in
@@ -195,7 +222,9 @@ def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False, 
     chunk's logits are constrained to the batch and vocab shardings (`jaxflow.sharding`).
     The entropy carries no gradient: it is a diagnostic.
     """
-    h_btd = model.hidden_states(mb.tokens, mb.positions, mb.segment_ids, mb.context_ids, remat=remat)[:, :-1]
+    h_btd, stats = model.hidden_states(mb.tokens, mb.positions, mb.segment_ids, mb.context_ids, remat=remat,
+                                       routes_btlk=getattr(mb, "routes", None), with_router=True)
+    h_btd = h_btd[:, :-1]
     targets_bt = mb.tokens[:, 1:]
     b, n, d = h_btd.shape
     if chunk <= 0 or chunk >= n:
@@ -216,7 +245,23 @@ def token_logprobs(model: nnx.Module, mb: TrajectoryBatch, remat: bool = False, 
         logp, entropy = jax.lax.map(per_chunk, (h_kbcd, t_kbc))
         logp, entropy = (x.swapaxes(0, 1).reshape(b, k * chunk)[:, :n] for x in (logp, entropy))
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
-    return pad(logp), pad(entropy)
+    return (pad(logp), pad(entropy), stats) if router else (pad(logp), pad(entropy))
+
+
+def router_metrics(stats, routes_btlk, num_experts: int, top_k: int) -> tuple[jax.Array, jax.Array, dict]:
+    """(load-balancing loss, z-loss, metrics) of a forward's sparse-layer `moe.RouterStats` [L_sparse, ...],
+    each loss the mean over the sparse layers. routes_btlk: the replayed routes, or None."""
+    aux, z = jax.vmap(lambda s: moe.router_losses(s, num_experts, top_k))(stats)
+    load = stats.load_e  # [L_sparse, E]
+    metrics = {"router_aux_loss": jnp.mean(aux), "router_z_loss": jnp.mean(z),
+               "expert_load_max": jnp.max(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))}
+    if routes_btlk is not None:
+        own = jnp.sort(jnp.moveaxis(stats.topk_btk, 0, 2), axis=-1)  # [B, T, L_sparse, k]
+        recorded = jnp.all(routes_btlk >= 0, axis=-1)  # [B, T, L_sparse]
+        differs = jnp.any(own != jnp.sort(routes_btlk.astype(jnp.int32), axis=-1), axis=-1) & recorded
+        tokens = jnp.any(recorded, axis=-1)
+        metrics["route_flip_frac"] = jnp.sum(jnp.any(differs, -1)) / jnp.maximum(jnp.sum(tokens), 1)
+    return jnp.mean(aux), jnp.mean(z), metrics
 
 
 def _combine(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -256,8 +301,12 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         return (nnx.merge(graphdef, params) if frozen is None
                 else nnx.merge(graphdef, params, precision.cast_floating(frozen, compute)))
 
-    def forward(params, mb):
-        return token_logprobs(merged(params), mb, cfg.remat, cfg.logprob_chunk, mesh)
+    replay = cfg.routing_replay == "rollout"
+    if not replay:
+        batch = batch.replace(routes=None)
+
+    def forward(params, mb, router=False):
+        return token_logprobs(merged(params), mb, cfg.remat, cfg.logprob_chunk, mesh, router=router)
 
     def forward_logp(params, mb):  # no work on a micro-batch with nothing to train
         return jax.lax.cond(_has_tokens(mb), lambda: forward(params, mb)[0],
@@ -278,7 +327,7 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         ref_all = jax.lax.map(lambda mb: forward_logp(ref_params, mb), batch)
 
     def loss_fn(params, mb, weights, seq_ids, prox, ref):
-        logp, entropy = forward(params, mb)
+        logp, entropy, stats = forward(params, mb, router=True)
         if cfg.prox == "loglinear":
             prox = losses.loglinear_prox_logp(mb.behav_logp, logp, mb.versions, version) if uses_prox else None
         elif prox is None and (uses_prox or k == 1):
@@ -288,6 +337,14 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
                                                 mb.loss_mask, weights, ref, mb.rewards, seq_ids)
         mask = mb.loss_mask > 0
         metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+        if stats is not None:
+            mcfg = merged(params).config
+            aux, z, router = router_metrics(stats, mb.routes, mcfg.num_experts, mcfg.num_experts_per_tok)
+            # Each micro-batch's share of the minibatch's token weights, so the accumulated gradient is
+            # the minibatch's mean over micro-batches.
+            share = jnp.sum(weights)
+            loss = loss + share * (cfg.router_aux_coef * aux + cfg.router_z_coef * z)
+            metrics.update(router)
         if cfg.prox != "loglinear" and prox is not None:
             # The train-rollout mismatch at equal weights: tokens sampled at this step's version, whose
             # log-prob the trainer recomputed at the same weights (0 in exact mode).
@@ -369,8 +426,10 @@ class TrainStep:
         batch_axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
         self.rows_per_shard = sharding.rows_per_shard(mesh)
         self.batch_sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes, None))
-        batch_shardings = TrajectoryBatch(**{f.name: self.batch_sharding
-                                             for f in dataclasses.fields(TrajectoryBatch)})
+        batch_shardings = TrajectoryBatch(**{f.name: self.batch_sharding for f in dataclasses.fields(TrajectoryBatch)
+                                             if f.name != "routes"})
+        if cfg.routing_replay == "rollout":
+            batch_shardings = batch_shardings.replace(routes=self.batch_sharding)
 
         # With LoRA the frozen base goes in as an argument of its own (never a constant of the program,
         # never donated), on the shardings it already has.
@@ -408,8 +467,12 @@ class TrainStep:
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         abstract_state = jax.tree.map(spec, state)
         abstract_batch = TrajectoryBatch(**{
-            f.name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(FIELD_DTYPES[f.name]), sharding=self.batch_sharding)
-            for f in dataclasses.fields(TrajectoryBatch)})
+            name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self.batch_sharding)
+            for name, dtype in FIELD_DTYPES.items()})
+        if self.cfg.routing_replay == "rollout":
+            layers, top_k, experts = self.cfg.route_shape
+            abstract_batch = abstract_batch.replace(routes=jax.ShapeDtypeStruct(
+                (*shape, layers, top_k), route_dtype(experts), sharding=self.batch_sharding))
         abstract_frozen = None if self.frozen is None else jax.tree.map(spec, self.frozen)
         # Traced with the mesh set, so that the model keeps activations split by rows (`rows_sharded`).
         with jax.set_mesh(self.mesh):
@@ -436,6 +499,14 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
         validate_batch(batch, int(state.version))
+        if self.cfg.routing_replay == "rollout":
+            layers, top_k, experts = self.cfg.route_shape
+            want = (*np.shape(batch.tokens), layers, top_k)
+            if batch.routes is None or np.shape(batch.routes) != want or batch.routes.dtype != route_dtype(experts):
+                got = None if batch.routes is None else f"{batch.routes.dtype} {np.shape(batch.routes)}"
+                raise ValueError(f"routing replay needs batch.routes {route_dtype(experts)} {want}, got {got}")
+        else:
+            batch = batch.replace(routes=None)
         shape = tuple(np.shape(batch.tokens))
         self._check_shape(shape)
         if self.cfg.loss.kl_coef > 0 and ref_params is None:
