@@ -241,7 +241,8 @@ def test_a_train_state_of_another_expert_count_is_refused(tmp_path):
     other_cfg = ModelConfig(**{**CFG.__dict__, "num_experts": 8})
     other = create_train_state(Transformer(other_cfg, rngs=nnx.Rngs(1)), tx, mesh)
     kept = jax.tree.map(np.asarray, other.params)
-    with pytest.raises(ValueError, match=r"'params/layers/(expert_\w+|router)' was saved with shape \(2, [4,].*expects \(2, [8,]"):
+    refused = r"'params/layers/expert_\w+' was saved with shape \(2, 4,.*expects \(2, 8,"
+    with pytest.raises(ValueError, match=refused):
         manager.restore(other)
     for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(other.params)):
         np.testing.assert_array_equal(a, np.asarray(b))
