@@ -25,6 +25,16 @@ The JSON's headline keys are each case's largest gap over the sizes measured: ja
 (exact mode), jax_float32_decode_max_abs_logp_gap, jax_bfloat16_max_abs_logp_gap, vllm_float32_max_abs_logp_gap,
 vllm_bfloat16_max_abs_logp_gap; `rows` holds every figure, one row per size and case. --quick measures the tiny
 size alone.
+
+    .venv/bin/python benchmarks/mismatch.py --moe --quick --json benchmarks/results/mismatch_moe.json
+
+`--moe` measures routing replay instead (jaxflow.models.moe): the tool demo's warm-started tiny mixture of
+experts (configs/arithmetic_tools_tiny.py:moe) samples in bfloat16 on the JAX engine, which records each
+token's experts, and the trainer recomputes the log-probs in float32 with its own routing (replay off) and
+with the recorded routes (replay on). moe_route_flip_frac is the share of sampled tokens whose float32
+top-k differs from the engine's in some layer; moe_mean_abs_logp_gap_replay_off / _on the mean |Δ| each
+way; dense_mean_abs_logp_gap the same precisions' gap of the demo's dense base
+(configs/arithmetic_tools_tiny.py), the floor replay can reach.
 """
 
 from __future__ import annotations
@@ -122,6 +132,91 @@ def _trainer_programs():
     return batched, exact
 
 
+@functools.cache
+def _routed_program():
+    """The trainer's float32 forward with optional replayed routes: (log-probs [N, T], own top-k [N, T, L, k])."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    @functools.partial(jax.jit, static_argnames=("graphdef",))
+    def routed(graphdef, params, tokens, lengths, routes):
+        model = nnx.merge(graphdef, params)
+        segments = (jnp.arange(tokens.shape[1])[None] < lengths[:, None]).astype(jnp.int32)
+        h, stats = model.hidden_states(tokens, segment_ids_bt=segments, routes_btlk=routes, with_router=True)
+        logits = model.logits(h[:, :-1])
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], -1)[..., 0]
+        return jnp.pad(logp, ((0, 0), (1, 0))), jnp.moveaxis(stats.topk_btk, 0, 2)
+
+    return routed
+
+
+def routed_recompute(model, samples, max_len: int, replay: bool):
+    """The trainer's float32 log-probs of each sample's tokens, replaying the engine's routes or not, and the
+    share of sampled tokens whose own top-k differs from the recorded one in some sparse layer."""
+    from flax import nnx
+
+    cfg = model.config
+    graphdef, params = nnx.split(model)
+    n, layers, k = len(samples), len(cfg.sparse_layers), cfg.num_experts_per_tok
+    tokens, lengths = np.zeros((n, max_len), np.int32), np.zeros(n, np.int32)
+    routes = np.full((n, max_len, layers, k), -1, np.int32)
+    for i, (prompt, completion, _, recorded) in enumerate(samples):
+        tokens[i, :len(prompt) + len(completion)] = prompt + completion
+        lengths[i] = len(prompt) + len(completion)
+        routes[i, len(prompt) - 1:len(prompt) - 1 + len(completion)] = recorded  # before the token each produced
+    logp, own = (np.asarray(x) for x in _routed_program()(graphdef, params, tokens, lengths,
+                                                          routes if replay else None))
+    recorded = routes[..., 0] >= 0
+    flipped = np.any(np.sort(own, -1) != np.sort(routes, -1), axis=-1).any(-1) & recorded.any(-1)
+    per_sample = [logp[i, len(p):len(p) + len(c)] for i, (p, c, _, _) in enumerate(samples)]
+    return per_sample, float(flipped.sum() / max(recorded.any(-1).sum(), 1))
+
+
+def measure_moe(quick: bool) -> dict:
+    """Routing replay's figures (module docstring): the tiny MoE and the dense base, engine bfloat16, trainer
+    float32."""
+    from jaxflow.config import load_config
+    from jaxflow.jobs.warm_start import ensure_base_model
+    from jaxflow.models.hf_io import load_model
+    from rollout_bridge.jax_engine import JaxEngine
+
+    n, max_tokens, prompt_len, slots = WORKLOADS["tiny"]
+    if quick:
+        n //= 2
+    config = results_meta.ROOT / "configs" / "arithmetic_tools_tiny.py"
+    out = {}
+    for kind, arg in (("moe", ":moe"), ("dense", "")):
+        directory = ensure_base_model(load_config(str(config) + arg, {}))
+        model = load_model(directory, param_dtype="float32")
+        max_len = prompt_len + max_tokens + 16
+        reqs = requests(n, max_tokens, prompt_len, model.config.vocab_size)
+        engine = JaxEngine(str(directory), max_slots=slots, max_len=max_len, param_dtype="float32",
+                           compute_dtype="bfloat16")
+        t0 = time.perf_counter()
+        try:
+            done = {c.request_id: c for c in engine.generate(reqs, timeout=3600)}
+        finally:
+            engine.close()
+        samples = [(r.prompt, done[r.request_id].sample.tokens, np.asarray(done[r.request_id].sample.logprobs),
+                    done[r.request_id].sample.routes) for r in reqs]
+        plain = [s[:3] for s in samples]
+        if kind == "dense":
+            out["dense"] = gap_figures(plain, recompute(model, plain, max_len, exact=False))
+        else:
+            if any(s[3] is None for s in samples):
+                raise RuntimeError("the JAX engine recorded no routes for the mixture of experts")
+            off, flips = routed_recompute(model, samples, max_len, replay=False)
+            on, flips_on = routed_recompute(model, samples, max_len, replay=True)
+            out["moe_replay_off"] = gap_figures(plain, off)
+            out["moe_replay_on"] = gap_figures(plain, on)
+            out["moe_route_flip_frac"] = flips
+            out["moe_model"] = {"experts": model.config.num_experts, "top_k": model.config.num_experts_per_tok,
+                                "sparse_layers": len(model.config.sparse_layers)}
+        print(f"  {kind}: {n} samples in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
 def recompute(model, samples, max_len: int, exact: bool) -> list[np.ndarray]:
     """The trainer's float32 log-probs of each sample's tokens (module docstring)."""
     from flax import nnx
@@ -182,12 +277,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
     parser.add_argument("--sizes", nargs="+", choices=sorted(WORKLOADS), help="default: all (quick: tiny)")
     parser.add_argument("--cases", nargs="+", choices=CASES, help="default: all (vLLM's when it is installed)")
+    parser.add_argument("--moe", action="store_true", help="routing replay on the tiny mixture of experts instead "
+                                                           "(module docstring)")
     return parser
+
+
+def main_moe(args, started) -> int:
+    figures = measure_moe(args.quick)
+    off, on, dense = figures["moe_replay_off"], figures["moe_replay_on"], figures["dense"]
+    print(f"\n{'case':<22}{'mean |Δ|':>11}{'max |Δ|':>11}{'KL':>11}{'|Δ|>1e-3':>10}")
+    for name, f in (("moe, replay off", off), ("moe, replay on", on), ("dense", dense)):
+        print(f"{name:<22}{f['mean_abs_logp_gap']:>11.3g}{f['max_abs_logp_gap']:>11.3g}"
+              f"{f['kl_engine_trainer']:>11.3g}{f['frac_tokens_gap_above_1e-3']:>10.2%}")
+    print(f"tokens whose float32 top-k differs from the engine's (bfloat16) in some layer: "
+          f"{figures['moe_route_flip_frac']:.2%}")
+    headline = {"moe_mean_abs_logp_gap_replay_off": off["mean_abs_logp_gap"],
+                "moe_mean_abs_logp_gap_replay_on": on["mean_abs_logp_gap"],
+                "dense_mean_abs_logp_gap": dense["mean_abs_logp_gap"],
+                "moe_route_flip_frac": figures["moe_route_flip_frac"],
+                "replay_on_vs_dense": on["mean_abs_logp_gap"] / dense["mean_abs_logp_gap"],
+                "replay_off_vs_on": off["mean_abs_logp_gap"] / on["mean_abs_logp_gap"]}
+    if args.json:
+        rows = [{"case": name, **f} for name, f in (("moe_replay_off", off), ("moe_replay_on", on), ("dense", dense))]
+        results_meta.write_json(str(args.json), {**headline, "rows": rows, "model": figures["moe_model"],
+                                                 "engine_dtype": "bfloat16", "trainer_dtype": "float32",
+                                                 "quick": args.quick}, started)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     started = results_meta.begin(argv)
+    if args.moe:
+        return main_moe(args, started)
     sizes = args.sizes or (["tiny"] if args.quick else list(WORKLOADS))
     cases = list(args.cases or CASES)
     try:

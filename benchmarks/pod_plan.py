@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -114,13 +115,14 @@ TINY = dict(architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=64, int
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """"data=2,fsdp=4,tensor=1" (any subset; missing axes are 1) -> {"data": 2, "fsdp": 4, "tensor": 1}."""
-    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    """"data=2,fsdp=4,tensor=1" (any subset; missing axes are 1) -> {"data": 2, "fsdp": 4, "expert": 1,
+    "tensor": 1}. `expert` splits a mixture of experts' experts (and the batch's rows, like data and fsdp)."""
+    mesh = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         if name not in mesh or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh {text!r}: {part!r} is not AXIS=SIZE with AXIS in data, fsdp, tensor and "
-                             f"SIZE >= 1")
+            raise ValueError(f"--mesh {text!r}: {part!r} is not AXIS=SIZE with AXIS in data, fsdp, expert, tensor "
+                             f"and SIZE >= 1")
         mesh[name] = int(value)
     return mesh
 
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (importable, so tests parse the documented commands without running them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-8b", help="a preset (jaxflow/models/presets.py) or 'tiny'")
-    parser.add_argument("--mesh", default="fsdp=64", help="the trainer's mesh: data=..,fsdp=..,tensor=..")
+    parser.add_argument("--mesh", default="fsdp=64", help="the trainer's mesh: data=..,fsdp=..,expert=..,tensor=..")
     parser.add_argument("--engine-mesh", default=None,
                         help="the JAX engine's mesh on the same devices (default tensor=min(8, N), data=the rest)")
     parser.add_argument("--seq", type=int, default=8192, help="sequence length of the batch and the engine cache")
@@ -301,12 +303,13 @@ def analytic(model_cfg, mesh, state, batch_bytes: int, rows: int, args, step_cfg
     import jax
     import numpy as np
 
+    from jaxflow import sharding
     from jaxflow.models import transformer
     params = _tree_shard_bytes(state.params)
     opt = _tree_shard_bytes(state.opt_state)
     counters = _tree_shard_bytes((state.step, state.version, state.skipped))
     tp = mesh.shape["tensor"]
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = sharding.rows_per_shard(mesh)
     rows_dev = max(1, rows // shards)
     t = args.seq
     tokens = rows_dev * t
@@ -315,6 +318,8 @@ def analytic(model_cfg, mesh, state, batch_bytes: int, rows: int, args, step_cfg
     d, f, h, g, k, v, n_layers = (model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_heads,
                                   model_cfg.num_kv_heads, model_cfg.head_dim, model_cfg.vocab_size,
                                   model_cfg.num_layers)
+    if model_cfg.num_experts:  # a token's k experts: each keeps its gate, up and product, and the token's copy
+        f = model_cfg.num_experts_per_tok * (model_cfg.moe_intermediate_size + d * tp / 3)
     no_remat = c * (4 * d + (3 * h + 3 * g) * k / tp + 3 * f / tp)
     saved = c * d if args.remat else no_remat
     queries = min(t, transformer.ATTENTION_QUERY_BLOCK)
@@ -341,8 +346,10 @@ def train_flops(model_cfg, tokens: int, t: int, tp: int, remat: bool) -> float:
     recompute in `split_attention`'s backward), split over tensor."""
     passes = 4 if remat else 3
     head = model_cfg.vocab_size * model_cfg.hidden_size
-    # The blocks' weights; an untied embedding is a lookup, not a matmul.
-    blocks = model_cfg.num_params() - head * (1 if model_cfg.tie_word_embeddings else 2) - model_cfg.hidden_size
+    # The blocks' weights a token computes with (a mixture of experts' k experts, not all of them); an
+    # untied embedding is a lookup, not a matmul.
+    blocks = (model_cfg.num_params(active=True) - head * (1 if model_cfg.tie_word_embeddings else 2)
+              - model_cfg.hidden_size)
     attention = 4 * t * model_cfg.num_heads * model_cfg.head_dim * model_cfg.num_layers * (passes + 1)
     return tokens * (2 * blocks * passes + 2 * head * 3 + attention) / tp
 
@@ -351,7 +358,7 @@ def _engine_mesh_shape(args, n: int) -> dict[str, int]:
     if args.engine_mesh:
         return parse_mesh(args.engine_mesh)
     tensor = min(8, n)
-    return {"data": n // tensor, "fsdp": 1, "tensor": tensor}
+    return {"data": n // tensor, "fsdp": 1, "expert": 1, "tensor": tensor}
 
 
 def compile_engine(model_cfg, engine_mesh, args, trainer_param_shardings, trainer_params):
@@ -417,9 +424,10 @@ def plan(args, mesh_sizes: dict[str, int]) -> dict:
     # upcast operands (`precision.float32_dot_operands`).
     precision.UPCAST_ON_CPU = False
     n = jax.device_count()
-    mesh = sharding.make_mesh(mesh_sizes["data"], mesh_sizes["fsdp"], mesh_sizes["tensor"])
+    mesh = sharding.make_mesh(mesh_sizes["data"], mesh_sizes["fsdp"], mesh_sizes["tensor"],
+                              expert=mesh_sizes.get("expert", 1))
     model_cfg = _model_config(args.model)
-    rows = args.rows or mesh_sizes["data"] * mesh_sizes["fsdp"]
+    rows = args.rows or sharding.rows_per_shard(mesh)
     print(f"plan: {args.model} ({model_cfg.num_params() / 1e9:.3g}B parameters), mesh {mesh_text(mesh_sizes)} on "
           f"{n} devices, seq {args.seq}, {args.micro_batches} micro-batch(es) of {rows} rows, compute "
           f"{args.compute_dtype}, remat {args.remat}", flush=True)
@@ -457,7 +465,8 @@ def plan(args, mesh_sizes: dict[str, int]) -> dict:
             print(f"  unchunked train step compiled in {s:.1f}s", flush=True)
     if not args.skip_engine:
         engine_sizes = _engine_mesh_shape(args, n)
-        engine_mesh = sharding.make_mesh(engine_sizes["data"], engine_sizes["fsdp"], engine_sizes["tensor"])
+        engine_mesh = sharding.make_mesh(engine_sizes["data"], engine_sizes["fsdp"], engine_sizes["tensor"],
+                                         expert=engine_sizes.get("expert", 1))
         result["engine_mesh"] = engine_sizes
         param_shardings = jax.tree.map(lambda x: x.sharding, state.params)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
@@ -664,7 +673,7 @@ def main(argv=None) -> int:
         if args.quick:
             args.model, args.seq = "qwen3-0.6b", 2048
             mesh = parse_mesh("fsdp=8")
-        n = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
+        n = math.prod(mesh.values())
         _set_device_count(n)
         import jax
         if jax.device_count() != n:

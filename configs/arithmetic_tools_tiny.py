@@ -7,11 +7,15 @@ gives `<answer>22</answer>`, which the task's reward scores. The warm start demo
 calls it; RL can teach it when and how (the arithmetic facts the tiny model lacks are the tool's). Evals
 run the same episodes, greedily.
 
-Everything else is configs/arithmetic_tiny.py's (its variants too: `:sync` for eta = 0).
+Everything else is configs/arithmetic_tiny.py's (its variants too: `:sync` for eta = 0). The variant
+`:moe` (combines with the option `small`: `:moe,small`) swaps the dense model for a tiny mixture of experts
+(Qwen3-MoE: 4 experts a layer, top-2, each half the dense MLP's width, so a token computes what it would in
+the dense model) built by its own warm start, and trains it with routing replay (`trainer.moe`).
 
 Commands:
   .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tools_tiny.py
   .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tools_tiny.py --config.rollout.env.options.latency_s=0.2
+  .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tools_tiny.py:moe
 """
 
 import pathlib
@@ -23,10 +27,19 @@ from jaxflow.envs.config import env_section
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    config = base_config(pathlib.Path(__file__).with_name("arithmetic_tiny.py"), arg)
-    variant = arg or "async"
+    variant, *options = (arg or "async").split(",")
+    moe = variant == "moe"
+    config = base_config(pathlib.Path(__file__).with_name("arithmetic_tiny.py"),
+                         ",".join(["async" if moe else variant, *options]))
     config.workdir = f"runs/arithmetic_tools_tiny_{variant}"
-    config.base.dir = "runs/base/arithmetic_tools_tiny"
+    config.base.dir = "runs/base/arithmetic_tools_tiny" + ("_moe" if moe else "")
+    if moe:
+        config.model.architecture = "Qwen3MoeForCausalLM"
+        config.model.num_experts = 4
+        config.model.num_experts_per_tok = 2
+        config.model.moe_intermediate_size = config.model.intermediate_size // 2
+        config.model.mlp_only_layers = ()
+        config.trainer.moe.routing_replay = "rollout"
     # The fraction of warm-start demonstrations that call the calculator instead of working it out.
     config.task.tool_fraction = 0.25
     # The tool-call markers, one token each in the tiny tokenizer (the turn stops at "</tool>").

@@ -86,6 +86,7 @@ def test_hlo_costs_count_loop_bodies_by_trip_count():
 
 
 def test_mesh_argument_names_a_bad_axis():
-    assert pod_plan.parse_mesh("data=2,fsdp=4") == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert pod_plan.parse_mesh("data=2,fsdp=4") == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert pod_plan.parse_mesh("fsdp=2,expert=4")["expert"] == 4
     with pytest.raises(ValueError, match="pipeline"):
         pod_plan.parse_mesh("pipeline=2")

@@ -234,6 +234,10 @@ class ModelSection(Section):
     tie_word_embeddings: the LM head reuses the token embedding.
     vocab_size: tokenizer vocabulary to train (the model rounds it up to a multiple of 64).
     extra_tokens: strings that become one token each in the tokenizer (tool-call markers).
+    num_experts: a mixture of experts (architecture "Qwen3MoeForCausalLM"): experts per sparse layer; 0: dense.
+    num_experts_per_tok: experts each token goes through (top-k).
+    moe_intermediate_size: width of one expert's SwiGLU hidden layer.
+    mlp_only_layers: layers that keep a dense MLP among the sparse ones.
     compute_dtype: what the RL update computes in, and the engines unless rollout.compute_dtype says
       otherwise: "float32" or "bfloat16" (master weights in trainer.param_dtype; log-probs, losses and their
       reductions float32 either way). It applies to any base model, and is not part of the base model's
@@ -252,6 +256,10 @@ class ModelSection(Section):
     tie_word_embeddings: bool = True
     vocab_size: int = 512
     extra_tokens: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
     compute_dtype: str = "float32"
 
     def problems(self) -> list[str]:
@@ -259,6 +267,16 @@ class ModelSection(Section):
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "vocab_size"):
             check_int(problems, self.key(name), getattr(self, name), 1)
+        for name in ("num_experts", "moe_intermediate_size"):
+            check_int(problems, self.key(name), getattr(self, name), 0)
+        moe = self.architecture == "Qwen3MoeForCausalLM"
+        if moe:
+            check_int(problems, self.key("num_experts_per_tok"), self.num_experts_per_tok, 1, max(self.num_experts, 1))
+        if moe != (self.num_experts > 0) or (moe and self.moe_intermediate_size < 1):
+            problems.append(f"{self.key('num_experts')} and {self.key('moe_intermediate_size')} must be >= 1 for "
+                            f"architecture 'Qwen3MoeForCausalLM' and num_experts 0 for any other (got "
+                            f"{self.architecture!r} with {self.num_experts} experts of width "
+                            f"{self.moe_intermediate_size})")
         check_choice(problems, self.key("compute_dtype"), self.compute_dtype, COMPUTE_DTYPES)
         return problems
 

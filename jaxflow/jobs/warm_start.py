@@ -145,7 +145,10 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
                      intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                      tie_word_embeddings=m.tie_word_embeddings, vocab_size=m.vocab_size, seed=b.seed,
-                     overwrite=True, extra_tokens=tuple(m.get("extra_tokens", ())))
+                     overwrite=True, extra_tokens=tuple(m.get("extra_tokens", ())),
+                     num_experts=m.get("num_experts", 0), num_experts_per_tok=m.get("num_experts_per_tok", 2),
+                     moe_intermediate_size=m.get("moe_intermediate_size", 0),
+                     mlp_only_layers=tuple(m.get("mlp_only_layers", ())))
     tokenizer = Tokenizer.from_dir(directory)
     task = make_task(config)
     records = sft_records(task, task.examples("train", b.num_examples, seed=b.seed), tokenizer)

@@ -39,6 +39,11 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
                  "num_attention_heads": 32, "tie_word_embeddings": False},
     "qwen3-32b": {**_QWEN3_COMMON, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
                   "num_attention_heads": 64, "tie_word_embeddings": False},
+    "qwen3-30b-a3b": {**_QWEN3_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                      "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "tie_word_embeddings": False,
+                      "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -70,8 +75,11 @@ PUBLISHED_PARAMS = {
     "qwen3-1.7b": 1.72e9,
     "qwen3-8b": 8.19e9,
     "qwen3-32b": 32.8e9,
+    "qwen3-30b-a3b": 30.5e9,
     "llama-3.1-8b": 8.03e9,
 }
+# Parameters a token computes with (a mixture of experts' active experts only), as published.
+PUBLISHED_ACTIVE_PARAMS = {"qwen3-30b-a3b": 3.3e9}
 
 
 def preset_names() -> tuple[str, ...]:

@@ -167,13 +167,15 @@ def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3
                      num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32,
                      tie_word_embeddings: bool = True, vocab_size: int = 512, seed: int = 0,
                      dtype: str = "float32", overwrite: bool = False,
-                     extra_tokens: tuple[str, ...] = ()) -> pathlib.Path:
+                     extra_tokens: tuple[str, ...] = (), num_experts: int = 0, num_experts_per_tok: int = 2,
+                     moe_intermediate_size: int = 0, mlp_only_layers: tuple[int, ...] = ()) -> pathlib.Path:
     """Writes a randomly initialised HF model plus the tiny tokenizer into `directory`.
 
     The model's vocab is the tokenizer's rounded up to a multiple of 64 (so it splits evenly over a
     tensor axis). head_dim defaults to 32: vLLM's CPU attention kernels reject 16. Refuses to replace a
-    model already in `directory` unless `overwrite`. extra_tokens: as for `write_tiny_tokenizer`. Returns the
-    directory, which
+    model already in `directory` unless `overwrite`. extra_tokens: as for `write_tiny_tokenizer`. num_experts,
+    num_experts_per_tok, moe_intermediate_size, mlp_only_layers: a Qwen3MoeForCausalLM's experts (the
+    other architectures have none). Returns the directory, which
     `jaxflow.models.hf_io.load_model`, transformers and vLLM all load.
     """
     # Imported here: the tokenizer half of this module must not pull in JAX.
@@ -190,7 +192,9 @@ def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3
         hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         tie_word_embeddings=tie_word_embeddings, qkv_bias=architecture == "Qwen2ForCausalLM",
-        qk_norm=architecture == "Qwen3ForCausalLM", max_position_embeddings=2048,
-        rope_theta=10000.0, dtype=dtype, eos_token_id=tokenizer.eos_id)
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), max_position_embeddings=2048,
+        rope_theta=10000.0, dtype=dtype, eos_token_id=tokenizer.eos_id, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok if num_experts else 0, moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=bool(num_experts), mlp_only_layers=tuple(mlp_only_layers))
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
     return export_model(model, directory, overwrite=overwrite)
