@@ -116,6 +116,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if exact is True and config.cluster.get("rollout_actors"):
         problems.append("rollout.exact_logprobs needs the engines in the job's process (cluster.rollout_actors "
                         "is set)")
+    problems += [p for p in replay_problems(config) if p not in problems]
     if not problems:  # the transport against the engine kind and the deployment, once those are sound
         try:
             weight_transport(config)
@@ -126,6 +127,39 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         problems += [p for p in env_problems(env) if p not in problems]
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
+
+
+# Engines that record each generated token's experts (`Sample.routes`) for routing replay.
+ROUTE_RECORDING_ENGINES = ("jax",)
+
+
+def replay_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """Why `trainer.moe.routing_replay = "rollout"` cannot run with this config: the engine must record
+    routes, and the warm start must build a mixture of experts (a given base model is checked when the
+    trainer is built with its config, `rl_trainer.moe_problems`; exact mode, `exact_logprobs_problems`)."""
+    moe = config.trainer.get("moe")
+    if moe is None or moe.get("routing_replay", "off") != "rollout":
+        return []
+    problems = []
+    engine = config.rollout.get("engine", "jax")
+    if engine not in ROUTE_RECORDING_ENGINES:
+        problems.append(f"trainer.moe.routing_replay = 'rollout' needs an engine that records each token's "
+                        f"experts ({', '.join(ROUTE_RECORDING_ENGINES)}); rollout.engine = {engine!r} does not")
+    architecture = config.model.get("architecture")
+    if config.base.get("build_if_missing", True) and architecture and architecture != "Qwen3MoeForCausalLM" \
+            and not _given_model(config):
+        problems.append(f"trainer.moe.routing_replay = 'rollout' needs a mixture-of-experts policy; model.architecture "
+                        f"{architecture!r} is dense")
+    return problems
+
+
+def _given_model(config) -> bool:
+    """Whether base.dir holds an HF model the warm start did not build (then model.* does not apply)."""
+    import pathlib
+
+    from jaxflow.jobs.warm_start import read_info
+    directory = pathlib.Path(config.base.dir)
+    return (directory / "config.json").is_file() and read_info(directory) is None
 
 
 def _task_problems(config: ml_collections.ConfigDict) -> list[str]:

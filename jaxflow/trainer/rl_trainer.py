@@ -272,9 +272,6 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     moe = MoeOptions.from_config(trainer.moe) if "moe" in trainer else MoeOptions()
     experts = getattr(model_config, "num_experts", 0)
     problems += moe_problems(trainer, experts)
-    if exact_logprobs is True and moe.routing_replay != "off":
-        problems.append("rollout.exact_logprobs cannot run with trainer.moe.routing_replay = 'rollout': the exact "
-                        "program routes every token itself")
     if problems:
         raise ConfigError("bad trainer config: " + "; ".join(problems), problems)
     prox = EXACT_PROX if exact_logprobs else trainer.prox
@@ -298,6 +295,9 @@ def exact_logprobs_problems(trainer: ml_collections.ConfigDict, exact_logprobs) 
                         "sequence a row)")
     if trainer.get("prox", TrainerConfig.prox) != "recompute":
         problems.append(f"rollout.exact_logprobs needs trainer.prox = 'recompute', not {trainer.get('prox')!r}")
+    if (trainer.get("moe") or {}).get("routing_replay", "off") != "off":
+        problems.append("rollout.exact_logprobs cannot run with trainer.moe.routing_replay = 'rollout': the exact "
+                        "program routes every token itself")
     return problems
 
 

@@ -199,3 +199,21 @@ def test_exact_logprobs_is_refused_where_it_cannot_hold(overrides, says):
 def test_exact_logprobs_with_unpacked_rows_passes():
     rl.check_config(load_config(CONFIG, {"rollout.exact_logprobs": "True", "trainer.pack": "False",
                                          "trainer.share_prompts": "False"}))
+
+
+@pytest.mark.parametrize("config, overrides, says", [
+    ("configs/arithmetic_tools_tiny.py", {"trainer.moe.routing_replay": "rollout"},
+     "needs a mixture-of-experts policy; model.architecture 'Qwen3ForCausalLM' is dense"),
+    ("configs/arithmetic_tools_tiny.py:moe", {"rollout.engine": "vllm"},
+     "needs an engine that records each token's experts \\(jax\\); rollout.engine = 'vllm' does not"),
+    ("configs/arithmetic_tools_tiny.py:moe", {"rollout.exact_logprobs": "True", "trainer.pack": "False",
+                                              "trainer.share_prompts": "False"},
+     "rollout.exact_logprobs cannot run with trainer.moe.routing_replay = 'rollout'"),
+    ("configs/arithmetic_tools_tiny.py:moe", {"trainer.moe.routing_replay": "always"},
+     "trainer.moe.routing_replay"),
+    ("configs/arithmetic_tools_tiny.py:moe", {"model.num_experts": "0"}, "model.num_experts"),
+])
+def test_routing_replay_is_refused_where_it_cannot_hold(config, overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        rl.check_config(load_config(config, overrides))
+    rl.check_config(load_config("configs/arithmetic_tools_tiny.py:moe", {}))  # the demo's own variant passes
