@@ -21,15 +21,17 @@ CLUSTER_MODES = ("embedded", "ray")
 
 @dataclasses.dataclass(frozen=True)
 class TrainerMesh(Section):
-    """The mesh over all the trainer processes' devices, fsdp x tensor.
+    """The mesh over all the trainer processes' devices, fsdp x expert x tensor.
 
     fsdp: devices along the fsdp axis; -1: the devices left.
+    expert: devices along the expert axis (a mixture of experts' experts split over them; the batch's rows too).
     tensor: devices along the tensor axis.
     """
 
     SECTION: ClassVar[str] = "cluster.trainer_mesh"
 
     fsdp: int = -1
+    expert: int = 1
     tensor: int = 1
 
     def problems(self) -> list[str]:
@@ -38,6 +40,7 @@ class TrainerMesh(Section):
             check_int(problems, self.key("fsdp"), self.fsdp, 1)
             if problems:
                 problems[-1] = problems[-1].replace("must be ", "must be -1 (the devices left) or ", 1)
+        check_int(problems, self.key("expert"), self.expert, 1)
         check_int(problems, self.key("tensor"), self.tensor, 1)
         return problems
 
@@ -110,9 +113,11 @@ class ClusterConfig(Section):
                                            self.trainer_mesh)
         if devices is not None and trainers:
             total = devices * trainers
-            fsdp = total // mesh.tensor if mesh.fsdp == -1 else mesh.fsdp
-            if total % mesh.tensor or fsdp * mesh.tensor != total:
-                problems.append(f"cluster.trainer_mesh fsdp {mesh.fsdp} x tensor {mesh.tensor} does not cover the "
+            rest = mesh.expert * mesh.tensor
+            fsdp = total // rest if mesh.fsdp == -1 else mesh.fsdp
+            if total % rest or fsdp * rest != total:
+                problems.append(f"cluster.trainer_mesh fsdp {mesh.fsdp} x expert {mesh.expert} x tensor {mesh.tensor} "
+                                f"does not cover the "
                                 f"{total} devices of {trainers} trainer processes x {devices} "
                                 f"(cluster.trainer_cpu_devices)")
         if self.mode == "embedded":

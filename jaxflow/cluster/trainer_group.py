@@ -202,7 +202,7 @@ class TrainerActor:
         from jaxflow.trainer.checkpoint import Checkpointer
         from jaxflow.trainer.rl_trainer import RLTrainer
 
-        mesh = distributed.global_mesh(fsdp=spec["fsdp"], tensor=spec["tensor"])
+        mesh = distributed.global_mesh(fsdp=spec["fsdp"], tensor=spec["tensor"], expert=spec.get("expert", 1))
         # Adapters start from the same seed in every process (and as the single-process job's would).
         model = hf_io.load_model(spec["model_dir"], mesh=mesh, lora=LoRASpec.from_config(spec["trainer"].get("lora")),
                                  lora_seed=spec["lora_seed"], param_dtype=spec["trainer"].get("param_dtype", "float32"))
@@ -310,7 +310,8 @@ class TrainerGroup:
 
     @staticmethod
     def spec(model_dir: str, trainer: ml_collections.ConfigDict, *, seq_len: int, max_sequences: int,
-             checkpoints: str, max_to_keep: int, fsdp: int = -1, tensor: int = 1, init_timeout_s: float = 120.0,
+             checkpoints: str, max_to_keep: int, fsdp: int = -1, tensor: int = 1, expert: int = 1,
+             init_timeout_s: float = 120.0,
              heartbeat_timeout_s: int = 60, lora_seed: int = 0, compute_dtype: str = "float32",
              validate_extra: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
         """What every trainer process is built from (LoRA: `trainer.lora`, adapters drawn from `lora_seed`;
@@ -320,6 +321,7 @@ class TrainerGroup:
         return {"model_dir": str(model_dir), "trainer": trainer, "seq_len": seq_len, "max_sequences": max_sequences,
                 "lora_seed": lora_seed, "compute_dtype": compute_dtype, "validate_extra": validate_extra,
                 "checkpoints": str(checkpoints), "max_to_keep": max_to_keep, "fsdp": fsdp, "tensor": tensor,
+                "expert": expert,
                 "init_timeout_s": init_timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s}
 
     def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:

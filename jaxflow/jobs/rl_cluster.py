@@ -82,7 +82,8 @@ class _Cluster:
         self.spec = TrainerGroup.spec(
             str(base_dir), t, seq_len=config.rollout.max_len, max_sequences=t.batch_groups * config.rollout.group_size,
             checkpoints=str(self.workdir / "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
-            fsdp=config.cluster.trainer_mesh.fsdp, tensor=config.cluster.trainer_mesh.tensor, lora_seed=config.seed,
+            fsdp=config.cluster.trainer_mesh.fsdp, tensor=config.cluster.trainer_mesh.tensor,
+            expert=config.cluster.trainer_mesh.get("expert", 1), lora_seed=config.seed,
             compute_dtype=compute_dtype(config),
             validate_extra=ExtraCheck(group_size=config.rollout.group_size, batch_groups=t.batch_groups, eta=t.eta,
                                       reserve_groups=Coordination.from_config(config.rollout.coordination)

@@ -288,15 +288,15 @@ def initialize(coordinator_address: str | None, num_processes: int | None, proce
                                heartbeat_timeout_seconds=int(heartbeat_timeout_s))
 
 
-def global_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1) -> jax.sharding.Mesh:
-    """A (data, fsdp, tensor) mesh over the devices of every process, grouped by process.
+def global_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1) -> jax.sharding.Mesh:
+    """A (data, fsdp, expert, tensor) mesh over the devices of every process, grouped by process.
 
     Position i of the mesh is the i-th device in (process, device id) order, so process p holds a
     contiguous block of the data x fsdp rows and, when `tensor` divides its local device count, whole
     tensor groups: the layout a single process holding all the devices gets from `make_mesh`.
     """
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return sharding.make_mesh(data, fsdp, tensor, devices=devices)
+    return sharding.make_mesh(data, fsdp, tensor, devices=devices, expert=expert)
 
 
 def gather_params(params: nnx.State) -> dict[str, np.ndarray]:

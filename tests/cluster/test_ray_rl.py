@@ -81,7 +81,7 @@ def test_two_trainer_processes_and_two_rollout_actors_learn(cluster, tmp_path, b
     trained, result = check_run(pathlib.Path(config.workdir), steps, groups_per_step=8)
     placed = result["cluster"]
     assert len(placed["trainer_processes"]) == 2 and placed["trainer_processes"][0]["mesh"] == {
-        "data": 1, "fsdp": 4, "tensor": 2}
+        "data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
     assert len({p["pid"] for p in placed["trainer_processes"]}) == 2
     assert len(placed["rollout_actors"]) == 2
     # The engines generate with the weights the trainer processes published, version by version.

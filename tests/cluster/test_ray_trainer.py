@@ -26,7 +26,7 @@ def test_two_trainer_actors_train_like_one_process_with_all_the_devices(tmp_path
     group = group_of(tmp_path, model_dir, fsdp=4, tensor=2)
     try:
         assert group.start() == (0, None)  # no checkpoint yet
-        assert group.started[0]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+        assert group.started[0]["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
         assert len({s["pid"] for s in group.started}) == 2
         buffers = [buffer(0, seed=0), buffer(1, seed=1)]
         metrics = []
@@ -49,7 +49,7 @@ def test_two_trainer_actors_train_like_one_process_with_all_the_devices(tmp_path
     config = distributed.process_config(str(model_dir), trainer_section(), seq_len=64, max_sequences=16,
                                         fsdp=4, tensor=2, return_params=True)
     reference = distributed.train_on_mesh(config, buffers)
-    assert reference["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert reference["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
     for got, want in zip(metrics, reference["metrics"]):
         assert got["trained_tokens"] == want["trained_tokens"] > 0
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=0, atol=BOUND * 2 * want["adv_adv_abs_max"])

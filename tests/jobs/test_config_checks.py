@@ -145,7 +145,7 @@ def test_unwritable_workdir_fails_before_the_base_model(tmp_path, capsys):
     ({"cluster.mode": "ray", "cluster.node_resource.trainer": " "}, "cluster.node_resource.trainer must be None"),
     ({"cluster.mode": "ray", "cluster.rollout_actors": "2", "cluster.trainer_processes": "2",
       "cluster.trainer_cpu_devices": "4", "cluster.trainer_mesh.fsdp": "3", "cluster.trainer_mesh.tensor": "2"},
-     "cluster.trainer_mesh fsdp 3 x tensor 2 does not cover the 8 devices of 2 trainer processes x 4"),
+     "cluster.trainer_mesh fsdp 3 x expert 1 x tensor 2 does not cover the 8 devices of 2 trainer processes x 4"),
 ])
 def test_bad_cluster_section_is_named(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

@@ -34,7 +34,8 @@ def test_two_processes_train_like_one_process_with_all_the_devices(tmp_path):
 
     assert [r["process_id"] for r in results] == [0, 1]
     for r in results:
-        assert r["num_processes"] == 2 and r["mesh"] == reference["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+        assert r["num_processes"] == 2
+        assert r["mesh"] == reference["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
         assert r["batch_shape"] == reference["batch_shape"] == (1, 16, 64)
     # One computation: both processes read the same replicated metrics and gather the same parameters.
     computed = lambda metrics: [{k: v for k, v in m.items() if k not in TIMINGS} for m in metrics]  # noqa: E731
