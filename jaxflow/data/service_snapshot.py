@@ -153,7 +153,7 @@ def parse_snapshot(snap: Any, *, group_fields: tuple[str, ...], states: dict[str
             if d["reserved"] != -1 or d["step"] is not None:
                 raise ValueError(f"snapshot {where}: a failed group holds no slot (reserved=-1, step=None)")
             if isinstance(d["samples"], list):  # never dispatched again: read back as they were saved
-                d["samples"] = [_sample(s, where) for s in d["samples"]]
+                d["samples"] = [_sample(s, f"{where} sample {i}") for i, s in enumerate(d["samples"])]
             groups.append(d)
             continue
         holds = d["reserved"] if state != "occupied" else d["step"]
@@ -169,7 +169,7 @@ def parse_snapshot(snap: Any, *, group_fields: tuple[str, ...], states: dict[str
         if d["samples"] is not None:
             if not isinstance(d["samples"], list):
                 raise ValueError(f"snapshot {where}: samples must be a list or None")
-            d["samples"] = [_sample(s, where) for s in d["samples"]]
+            d["samples"] = [_sample(s, f"{where} sample {i}") for i, s in enumerate(d["samples"])]
             try:
                 checks.check_samples(gid, n, d["samples"], "snapshot", d["v_start"], published,
                                      finished=state in ("finished", "occupied"), route_spec=route_spec)

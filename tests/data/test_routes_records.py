@@ -296,9 +296,10 @@ def test_restore_refuses_bad_routes_and_changes_nothing(place, corrupt, match):
     bad["groups"][i]["samples"][0]["routes"] = corrupt(g["samples"][0]["routes"])
     other = place(make(batch_groups=3))
     before_stats, before_snap = other.stats(), other.snapshot()
-    with pytest.raises(ValueError, match=f"snapshot.*{match}"):
+    where = f"snapshot group {g['group_id']} sample 0: "
+    with pytest.raises(ValueError, match=where + match):
         other.restore(bad)
-    with pytest.raises(ValueError, match=f"trajectory snapshot.*{match}"):
+    with pytest.raises(ValueError, match="trajectory snapshot.* is invalid: " + where + match):
         ExtraCheck(group_size=2, batch_groups=3, reserve_groups=3, eta=1, route_spec=SPEC)(0, {
             "trajectories": bad, "base_accuracy": None})
     assert other.stats() == before_stats and other.snapshot() == before_snap
