@@ -13,7 +13,7 @@ import pytest
 from service_placements import PLACEMENTS, placed
 
 from jaxflow.data.prompt_source import PromptSource
-from jaxflow.data.records import RouteSpec, Sample, fit_routes, route_dtype
+from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec, Sample, fit_routes, route_dtype
 from jaxflow.data.service_snapshot import encode_routes
 from jaxflow.data.trajectory_service import SampleRefused, TrajectoryService
 from jaxflow.jobs.resume import ExtraCheck
@@ -323,3 +323,13 @@ def test_a_sample_with_routes_crosses_the_wire_bit_exact(n, dtype):
     got, plain = wire.decode(message)["samples"]
     assert got.tokens == s.tokens and plain.routes is None
     assert_same_routes(got.routes, s.routes)
+
+
+def test_batches_and_the_spec_cross_the_wire():
+    s = sample(4, 31)
+    batch = ConsumedBatch(0, [FinishedGroup(5, [1, 2], 0, [s, Sample()], [1.0, 0.0], step=0)], "ready")
+    got = wire.decode(wire.encode([batch, SPEC]))
+    assert got[1] == SPEC
+    (g,) = got[0].groups
+    assert_same_routes(g.samples[0].routes, s.routes)
+    assert g.samples[1].routes is None
