@@ -11,15 +11,20 @@ import json
 import numpy as np
 import pytest
 from service_placements import PLACEMENTS, placed
+from waiting import wait_until
 
+from jaxflow.data import checks
 from jaxflow.data.prompt_source import PromptSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec, Sample, fit_routes, route_dtype
 from jaxflow.data.service_snapshot import encode_routes
 from jaxflow.data.trajectory_service import SampleRefused, TrajectoryService
+from jaxflow.envs.base import Step
 from jaxflow.jobs.resume import ExtraCheck
 from jaxflow.models.config import ModelConfig
 from jaxflow.transport import wire
-from rollout_bridge.engine import Request, copy_prefix, in_flight_copy, request_error
+from rollout_bridge.engine import Request, SamplingParams, copy_prefix, in_flight_copy, request_error
+from rollout_bridge.episodes import EpisodeEngine
+from rollout_bridge.scripted import CharTokenizer, ScriptedEngine
 
 # A tiny Qwen3-MoE shape: 3 layers, the middle one dense (so 2 sparse layers), 4 experts, top-2.
 SPEC = RouteSpec(layers=2, top_k=2, num_experts=4)
@@ -157,6 +162,57 @@ def test_engine_copies_fit_routes_to_the_tokens():
     assert not np.shares_memory(copied.routes, s.routes)
     assert fit_routes(None, 3) is None
     np.testing.assert_array_equal(fit_routes(s.routes, 2), s.routes[:2])
+
+
+def expert_row(token):
+    """The experts a scripted engine records for `token`: [sparse layer, k] ids, a function of the token."""
+    return np.array([[token % 4, (token + 1) % 4], [(token + 2) % 4, (token + 3) % 4]], np.int8)
+
+
+class RoutedEngine(ScriptedEngine):
+    """A ScriptedEngine that records routes as a MoE engine does: a row per token it generates, appended
+    to the prefix's (a copy of the request's, from `copy_prefix`)."""
+
+    def _accept(self, request, sample):
+        before = len(sample.tokens)
+        routes = np.zeros((0, 2, 2), np.int8) if sample.routes is None else sample.routes
+        super()._accept(request, sample)  # under the engine's lock: poll sees the sample once done here
+        new = [expert_row(t) for t in sample.tokens[before:]]
+        sample.routes = np.concatenate([routes, np.array(new, np.int8).reshape(-1, 2, 2)])
+
+
+def test_an_episode_keeps_each_turns_routes_and_marks_the_environments_tokens_unrecorded():
+    """A multi-turn episode on an engine recording routes: every model turn continues from a copy of the
+    prefix's routes and appends its own; the environment's observations get rows of -1 (not recorded)."""
+    turn = [ord(c) for c in "hi#"]
+
+    class Answers:
+        async def reset(self, meta):
+            self.k = 0
+
+        async def step(self, action):
+            self.k += 1
+            return Step(observation=[{"role": "tool", "content": f"ok {self.k}"}], reward=1.0, done=self.k >= 2)
+
+        async def close(self):
+            pass
+
+    engine = EpisodeEngine(RoutedEngine(lambda request: turn), lambda meta: Answers(), CharTokenizer(),
+                           turn_stop_ids=[ord("#")], step_timeout_s=30)
+    try:
+        engine.submit(Request("e0", [1, 2, 3], SamplingParams(max_tokens=200, temperature=0.0)))
+        got = []
+        wait_until(lambda: bool(got.extend(engine.poll(timeout=0.05)) or got), 60, "the episode to finish")
+    finally:
+        engine.close()
+    (c,) = got
+    s = c.sample
+    assert s.finish_reason == "stop" and len(s.env_spans) == 1  # two model turns, one observation between
+    assert s.routes.dtype == np.int8 and s.routes.shape == (len(s.tokens), 2, 2)
+    mask = s.model_mask()
+    np.testing.assert_array_equal(s.routes[mask], [expert_row(t) for t in np.asarray(s.tokens)[mask]])
+    assert (s.routes[~mask] == -1).all()
+    checks.check_routes("episode", s.routes, len(s.tokens), SPEC)  # what the service takes
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------
