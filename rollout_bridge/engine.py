@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from jaxflow.data.records import Sample
+from jaxflow.data.records import Sample, fit_routes
 
 
 class EngineError(RuntimeError):
@@ -60,8 +60,9 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class Request:
-    """Generate one sample for `prompt`. prefix: tokens already generated for it (with their log-probs
-    and versions), e.g. after an abort; generation continues from prompt + prefix.tokens. meta: the
+    """Generate one sample for `prompt`. prefix: tokens already generated for it (with their log-probs,
+    versions and, from a mixture-of-experts engine, routes), e.g. after an abort; generation continues
+    from prompt + prefix.tokens, the prefix's routes kept as they are. meta: the
     task's data, for an engine that runs episodes (`rollout_bridge.episodes`; others ignore it).
     """
 
@@ -114,6 +115,13 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
     if not len(prefix.logprobs) == len(prefix.versions) == len(prefix.tokens):
         return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
                 f"{len(prefix.versions)} versions")
+    routes = prefix.routes
+    if routes is not None and (not isinstance(routes, np.ndarray) or routes.dtype.kind not in "iu"
+                               or routes.ndim != 3 or len(routes) != len(prefix.tokens)):
+        got = (f"shape {list(routes.shape)} of {routes.dtype}" if isinstance(routes, np.ndarray)
+               else f"a {type(routes).__name__}")
+        return (f"prefix routes must be None or an integer array of [{len(prefix.tokens)} tokens, sparse layers, "
+                f"top-k], got {got}")
     if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
         return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
                 f"max_tokens >= 1")
@@ -122,18 +130,23 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
 
 def copy_prefix(request: Request) -> Sample:
     """A new sample holding the request's prefix (empty without one), to generate into; a multi-turn
-    episode's prefix keeps the spans its environment wrote."""
+    episode's prefix keeps the spans its environment wrote, a mixture-of-experts one its routes (a copy:
+    the continuation appends its own rows to it)."""
     prefix = request.prefix or Sample()
+    # Malformed routes come only with a request `request_error` refuses, whose "error" completion needs none.
+    routes = prefix.routes if isinstance(prefix.routes, np.ndarray) and prefix.routes.ndim == 3 else None
     return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs), versions=list(prefix.versions),
-                  env_spans=[list(span) for span in prefix.env_spans])
+                  env_spans=[list(span) for span in prefix.env_spans], routes=fit_routes(routes, len(prefix.tokens)))
 
 
 def in_flight_copy(sample: Sample, versions: list[int] | None = None) -> Sample:
     """A copy of a sample still generating, for `Engine.progress`: finish_reason None, and `versions`
-    in place of its own where the engine labels versions only when a request ends."""
+    in place of its own where the engine labels versions only when a request ends. Its routes (if any)
+    are copied with one row per token (-1 for tokens not labelled yet: `fit_routes`)."""
     return Sample(tokens=list(sample.tokens), logprobs=list(sample.logprobs),
                   versions=list(sample.versions if versions is None else versions),
-                  env_spans=[list(span) for span in sample.env_spans])
+                  env_spans=[list(span) for span in sample.env_spans],
+                  routes=fit_routes(sample.routes, len(sample.tokens)))
 
 
 def resumed_finish(sample: Sample, params: SamplingParams) -> str | None:

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxflow.data.records import Sample
+from jaxflow.data.records import Sample, fit_routes
 from jaxflow.envs import base
 from jaxflow.envs.render import ObservationRenderer
 from jaxflow.envs.threaded import ThreadedEnv
@@ -371,6 +371,7 @@ class EpisodeEngine(Engine):
             s.tokens += ids
             s.logprobs += [0.0] * len(ids)
             s.versions += [version] * len(ids)
+            s.routes = fit_routes(s.routes, len(s.tokens))  # the environment's tokens: no routes recorded (-1)
             s.finish_reason = None
 
     def _generate(self, ep: _Episode) -> None:

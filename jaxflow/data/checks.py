@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxflow.data.records import FINISH_REASONS, Sample
+import numpy as np
+
+from jaxflow.data.records import FINISH_REASONS, RouteSpec, Sample
 from jaxflow.data.service_errors import SampleRefused
 from jaxflow.data.timeouts import check_timeout  # noqa: F401  (the services call it as checks.check_timeout)
 
@@ -53,11 +55,12 @@ def check_str(name: str, value: Any, empty_ok: bool = True) -> str:
 
 
 def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool, *, vocab_size: int | None = None,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, route_spec: RouteSpec | None = None) -> None:
     """Raises SampleRefused naming `what` (e.g. "group 3 sample 1") and the field of the first problem:
     token ids ints in [0, vocab_size) (below TOKEN_ID_LIMIT when vocab_size is None), at most `max_tokens`
     of them (None: no cap), log-probs finite numbers <= 0, versions ints in [v_start, v_max], the three
-    lists of one length, finish_reason None or one of FINISH_REASONS (done if `finished`), reward None or
+    lists of one length, finish_reason None or one of FINISH_REASONS (done if `finished`), routes as
+    `check_routes` wants them for `route_spec` (the model's; None: a dense model), reward None or
     finite."""
     if not isinstance(s, Sample):
         raise SampleRefused(f"{what}: is a {type(s).__name__}, not a Sample")
@@ -85,6 +88,7 @@ def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool, *,
     if finished and not s.done:
         raise SampleRefused(f"{what} is not finished (finish_reason={s.finish_reason!r})")
     check_env_spans(what, s.env_spans, n)
+    check_routes(what, s.routes, n, route_spec)
     if s.reward is not None and (not is_number(s.reward) or not math.isfinite(s.reward)):
         raise SampleRefused(f"{what}: reward {s.reward!r:.80} must be None or a finite number", "reward")
 
@@ -118,9 +122,10 @@ def check_env_spans(what: str, spans: Any, n: int) -> None:
 
 
 def check_samples(group_id: int, n: int, samples: Any, what: str, v_start: int, v_max: int,
-                  finished: bool, *, vocab_size: int | None = None, max_tokens: int | None = None) -> None:
-    """`n` samples, each passing `check_sample` (with `vocab_size` and `max_tokens`); TypeError for a
-    non-list, SampleRefused naming the group and sample otherwise."""
+                  finished: bool, *, vocab_size: int | None = None, max_tokens: int | None = None,
+                  route_spec: RouteSpec | None = None) -> None:
+    """`n` samples, each passing `check_sample` (with `vocab_size`, `max_tokens` and `route_spec`);
+    TypeError for a non-list, SampleRefused naming the group and sample otherwise."""
     if not isinstance(samples, list):
         raise TypeError(f"group {group_id}: {what} samples must be a list of {n} Samples, "
                         f"got {type(samples).__name__}")
@@ -128,7 +133,31 @@ def check_samples(group_id: int, n: int, samples: Any, what: str, v_start: int, 
         raise SampleRefused(f"group {group_id}: {what} has {len(samples)} samples, expected {n}")
     for i, s in enumerate(samples):
         check_sample(f"group {group_id} sample {i}", s, v_start, v_max, finished, vocab_size=vocab_size,
-                     max_tokens=max_tokens)
+                     max_tokens=max_tokens, route_spec=route_spec)
+
+
+def check_routes(what: str, routes: Any, n: int, spec: RouteSpec | None) -> None:
+    """A sample's routes (`Sample.routes`) for a sample of `n` tokens of a model whose routing is `spec`:
+    None always passes; otherwise the model must have experts (`spec` not None) and routes must be an
+    integer numpy array of shape [n, spec.layers, spec.top_k] holding expert ids in
+    [-1, spec.num_experts - 1] (-1: not recorded). Else SampleRefused naming `what` and the fault (the
+    first bad element for a value out of range)."""
+    if routes is None:
+        return
+    if spec is None:
+        raise SampleRefused(f"{what}: routes given, but the model has no experts (a dense model records no "
+                            f"routing: routes must be None)")
+    if not isinstance(routes, np.ndarray) or routes.dtype.kind not in "iu":
+        got = f"a {routes.dtype} array" if isinstance(routes, np.ndarray) else f"a {type(routes).__name__}"
+        raise SampleRefused(f"{what}: routes must be an integer numpy array, got {got}")
+    if routes.shape != spec.shape(n):
+        raise SampleRefused(f"{what}: routes have shape {list(routes.shape)}, expected {list(spec.shape(n))} "
+                            f"([{n} tokens, {spec.layers} sparse layers, top-{spec.top_k} experts])")
+    bad = (routes < -1) | (routes >= spec.num_experts)
+    if bad.any():
+        i, layer, j = (int(x) for x in np.argwhere(bad)[0])
+        raise SampleRefused(f"{what}: routes[{i}, {layer}, {j}] = {routes[i, layer, j]}; expert ids must be in "
+                            f"[-1, {spec.num_experts - 1}] (-1: not recorded)")
 
 
 def check_renewal(worker: Any, group_ids: Any, progress: Any) -> dict:

@@ -73,6 +73,58 @@ def route_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.int8 if num_experts <= 128 else np.int16 if num_experts <= 32768 else np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class RouteSpec:
+    """The routing a mixture-of-experts policy records per generated token (`Sample.routes`): `layers`
+    sparse layers (L_sparse), each choosing `top_k` of `num_experts` experts. A sample's routes are
+    [len(tokens), layers, top_k] of ids in [-1, num_experts - 1]. The trajectory service refuses samples
+    whose routes disagree with its spec (`jaxflow.data.checks.check_routes`); a dense model has no spec
+    (None), and then a sample may carry no routes."""
+
+    layers: int
+    top_k: int
+    num_experts: int
+
+    def __post_init__(self):
+        for name in ("layers", "top_k", "num_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"RouteSpec.{name} must be an int, got {value!r}")
+        if self.layers < 0 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"RouteSpec needs layers >= 0 and 1 <= top_k <= num_experts; got layers="
+                             f"{self.layers}, top_k={self.top_k}, num_experts={self.num_experts}")
+
+    @classmethod
+    def of(cls, cfg: Any) -> RouteSpec | None:
+        """The spec of a `jaxflow.models.config.ModelConfig`'s routing; None for a dense model
+        (num_experts 0)."""
+        if not cfg.num_experts:
+            return None
+        return cls(layers=len(cfg.sparse_layers), top_k=cfg.num_experts_per_tok, num_experts=cfg.num_experts)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype routes are kept in (`route_dtype`)."""
+        return route_dtype(self.num_experts)
+
+    def shape(self, n: int) -> tuple[int, int, int]:
+        """The routes' shape for a sample of `n` tokens."""
+        return (n, self.layers, self.top_k)
+
+
+def fit_routes(routes: np.ndarray | None, n: int) -> np.ndarray | None:
+    """A copy of `routes` with exactly `n` rows, one per token: its first n rows, then rows of -1 (not
+    recorded) for tokens it has none for (an environment's observation, tokens an engine has not labelled
+    yet). None stays None. Always a new array: a copy never aliases the sample it came from."""
+    if routes is None:
+        return None
+    routes = np.asarray(routes)
+    out = np.full((n, *routes.shape[1:]), -1, dtype=routes.dtype)
+    kept = min(n, len(routes))
+    out[:kept] = routes[:kept]
+    return out
+
+
 @dataclasses.dataclass
 class GroupTask:
     """What a rollout worker receives at dispatch: generate `n` samples for `prompt`.

@@ -11,7 +11,9 @@ import dataclasses
 import enum
 from typing import Any
 
-from jaxflow.data.records import GroupTask, Sample
+import numpy as np
+
+from jaxflow.data.records import GroupTask, RouteSpec, Sample
 
 
 class GroupState(str, enum.Enum):  # noqa: UP042 - not StrEnum: str() of a state keeps its class name
@@ -56,9 +58,18 @@ FIELDS = tuple(f.name for f in dataclasses.fields(GroupRecord))
 
 
 def copy_samples(samples: list[Sample]) -> list[Sample]:
-    """Copies down to the lists: a worker extends what it is given while the service keeps its own."""
+    """Copies down to the lists and arrays: a worker extends what it is given while the service keeps its
+    own."""
     return [Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason,
-                   [list(span) for span in s.env_spans], s.reward) for s in samples]
+                   [list(span) for span in s.env_spans], s.reward,
+                   None if s.routes is None else np.array(s.routes, copy=True)) for s in samples]
+
+
+def own_samples(samples: list[Sample], route_spec: RouteSpec | None) -> list[Sample]:
+    """Checked samples as the service keeps them: the same Sample objects, but for those with routes, which
+    are kept as a copy in the spec's dtype (never a view of a worker's array or of a received message)."""
+    return [s if s.routes is None else dataclasses.replace(s, routes=np.array(s.routes, dtype=route_spec.dtype))
+            for s in samples]
 
 
 def group_task(g: GroupRecord) -> GroupTask:

@@ -4,33 +4,98 @@ A snapshot comes back from a checkpoint (JSON), possibly edited or damaged. `par
 field (types, ranges, the group states, samples and rewards, the slots each buffer holds) and returns the
 parsed pieces; it raises ValueError (or TypeError) naming the bad field, prefixed with "snapshot", so a
 bad snapshot leaves the running service exactly as it was.
+
+A sample is saved as a dict of its fields (`snapshot_samples`). Its routes (`Sample.routes`, a mixture-of-
+experts model's) are saved only when it has some, compactly: {"dtype", "shape", "data": base64 of the
+array's C-order little-endian bytes}, restored to the same dtype, shape and values. A sample saved without
+them (a dense model's, or a snapshot from before routes existed) is restored with routes None.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
+import dataclasses
+import math
 from typing import Any
 
+import numpy as np
+
 from jaxflow.data import checks
-from jaxflow.data.records import Sample
+from jaxflow.data.records import RouteSpec, Sample
+from jaxflow.data.service_groups import own_samples
 
 _TOP = ("v_train", "published", "next_id", "counts", "groups", "source")
+_SAMPLE_FIELDS = ("tokens", "logprobs", "versions", "finish_reason")
+_OPTIONAL_SAMPLE_FIELDS = ("env_spans", "reward", "routes")
+# The dtypes saved routes may have: the signed ints `route_dtype` picks (and int64, numpy's default).
+_ROUTE_DTYPES = {np.dtype(t).name: np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64)}
+
+
+def encode_routes(routes: np.ndarray) -> dict[str, Any]:
+    """`routes` as JSON: {"dtype": name, "shape": [...], "data": base64 of its little-endian C-order bytes}."""
+    arr = np.ascontiguousarray(routes, dtype=routes.dtype.newbyteorder("<"))
+    return {"dtype": routes.dtype.name, "shape": list(routes.shape), "data": base64.b64encode(arr.tobytes()).decode()}
+
+
+def decode_routes(d: Any, where: str) -> np.ndarray:
+    """The array `encode_routes` saved (a new, writable one); ValueError naming `where` if `d` is not one."""
+    if not isinstance(d, dict) or set(d) != {"dtype", "shape", "data"}:
+        raise ValueError(f"snapshot {where}: routes must be None or a dict of dtype, shape and data, got {d!r:.200}")
+    dtype = _ROUTE_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+    if dtype is None:
+        raise ValueError(f"snapshot {where}: routes dtype {d['dtype']!r:.80} is not one of {', '.join(_ROUTE_DTYPES)}")
+    shape = d["shape"]
+    if not isinstance(shape, list) or len(shape) != 3 or not all(checks.is_int(x) and x >= 0 for x in shape):
+        raise ValueError(f"snapshot {where}: routes shape {shape!r:.80} must be 3 ints >= 0 (tokens, sparse layers, "
+                         f"top-k)")
+    try:
+        raw = base64.b64decode(d["data"], validate=True) if isinstance(d["data"], str) else None
+    except (binascii.Error, ValueError):
+        raw = None
+    if raw is None:
+        raise ValueError(f"snapshot {where}: routes data must be a base64 str")
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"snapshot {where}: routes data holds {len(raw)} bytes, but shape {shape} of {dtype.name} "
+                         f"needs {math.prod(shape) * dtype.itemsize}")
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+
+
+def snapshot_samples(samples: list[Sample] | None) -> list[dict[str, Any]] | None:
+    """`samples` as JSON-serialisable dicts (copies: the service's own live on), routes `encode_routes`d
+    and left out when None."""
+    if samples is None:
+        return None
+    out = []
+    for s in samples:
+        d = dataclasses.asdict(dataclasses.replace(s, routes=None))
+        del d["routes"]
+        if s.routes is not None:
+            d["routes"] = encode_routes(s.routes)
+        out.append(d)
+    return out
 
 
 def _sample(d: Any, where: str) -> Sample:
     if isinstance(d, Sample):
         return d
-    required = {"tokens", "logprobs", "versions", "finish_reason"}
-    if not isinstance(d, dict) or not required <= set(d) <= required | {"env_spans", "reward"}:
+    required, optional = set(_SAMPLE_FIELDS), set(_OPTIONAL_SAMPLE_FIELDS)
+    if not isinstance(d, dict) or not required <= set(d) <= required | optional:
         raise ValueError(f"snapshot {where}: a sample must be a dict of tokens, logprobs, versions, "
-                         f"finish_reason (and env_spans, reward), got {d!r:.200}")
-    return Sample(**d)  # (snapshots from before multi-turn episodes have no env_spans: [])
+                         f"finish_reason (and env_spans, reward, routes), got {d!r:.200}")
+    # Snapshots from before multi-turn episodes have no env_spans ([]), from before routes no routes (None).
+    if d.get("routes") is not None:
+        d = {**d, "routes": decode_routes(d["routes"], where)}
+    return Sample(**d)
 
 
 def parse_snapshot(snap: Any, *, group_fields: tuple[str, ...], states: dict[str, Any], n: int,
-                   batch_groups: int, reserve_groups: int, eta: int) -> dict[str, Any]:
+                   batch_groups: int, reserve_groups: int, eta: int,
+                   route_spec: RouteSpec | None = None) -> dict[str, Any]:
     """The snapshot's parts, checked: {"v_train", "published", "next_id", "counts", "groups": [field
-    dicts with parsed states and Samples], "source": dict}."""
+    dicts with parsed states and Samples], "source": dict}. route_spec: the routing of the service's model
+    (None: a dense model, whose samples have no routes); routes are returned in its dtype."""
     if not isinstance(snap, dict) or set(snap) != set(_TOP):
         keys = sorted(snap) if isinstance(snap, dict) else type(snap).__name__
         raise ValueError(f"snapshot must be a dict with keys {', '.join(_TOP)}; got {keys}")
@@ -87,6 +152,8 @@ def parse_snapshot(snap: Any, *, group_fields: tuple[str, ...], states: dict[str
         if state == "failed":  # kept for the record: it holds nothing
             if d["reserved"] != -1 or d["step"] is not None:
                 raise ValueError(f"snapshot {where}: a failed group holds no slot (reserved=-1, step=None)")
+            if isinstance(d["samples"], list):  # never dispatched again: read back as they were saved
+                d["samples"] = [_sample(s, f"{where} sample {i}") for i, s in enumerate(d["samples"])]
             groups.append(d)
             continue
         holds = d["reserved"] if state != "occupied" else d["step"]
@@ -102,12 +169,13 @@ def parse_snapshot(snap: Any, *, group_fields: tuple[str, ...], states: dict[str
         if d["samples"] is not None:
             if not isinstance(d["samples"], list):
                 raise ValueError(f"snapshot {where}: samples must be a list or None")
-            d["samples"] = [_sample(s, where) for s in d["samples"]]
+            d["samples"] = [_sample(s, f"{where} sample {i}") for i, s in enumerate(d["samples"])]
             try:
                 checks.check_samples(gid, n, d["samples"], "snapshot", d["v_start"], published,
-                                     finished=state in ("finished", "occupied"))
+                                     finished=state in ("finished", "occupied"), route_spec=route_spec)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"snapshot {e}") from None
+            d["samples"] = own_samples(d["samples"], route_spec)
         elif state in ("finished", "occupied"):
             raise ValueError(f"snapshot {where}: a {state} group needs its samples")
         if state == "occupied":

@@ -35,10 +35,14 @@ Samples the model cannot train on. With `vocab_size` (the model's; every job tha
 `finish` refuses token ids outside [0, vocab_size) (ids >= 2**31 are refused even without it: they do not
 fit the trainer's int32 batch); with `max_sequence_tokens` (the trainer's row, rollout.max_len), a sample
 whose prompt and tokens together are longer; and rewards whose group statistics overflow float32 (a sum of
-episode turns can). A refused `finish` or `reward` raises `SampleRefused` (a ValueError naming the group,
-sample and element) and changes nothing but the counters `refused` and `refused_<reason>` (one per refused
-call, by `REFUSAL_REASONS`): the group stays with its worker, which fails it (the coordinator does,
-so it is counted as failed) or lets its lease run out (it is then dispatched again, up to max_attempts).
+episode turns can). With `route_spec` (a mixture-of-experts model's, `RouteSpec.of(its config)`), a sample's
+recorded routing (`Sample.routes`, replayed by the update) must have its shape and expert ids; without one
+(a dense model) a sample may carry none. A refused `finish` or `reward` raises `SampleRefused` (a ValueError
+naming the group, sample and element) and changes nothing but the counters `refused` and `refused_<reason>`
+(one per refused call, by `REFUSAL_REASONS`): the group stays with its worker, which fails it (the
+coordinator does, so it is counted as failed) or lets its lease run out (it is then dispatched again, up to
+max_attempts). Routes are checked wherever samples come in (`finish`, `abort`, `renew`), kept as copies in
+the spec's dtype (never a view of the caller's array or of a received message), and saved in snapshots.
 
 `consume` is exactly once. It is idempotent for the step just consumed: a trainer whose reply was lost asks
 again for the same step and gets the same batch, counted once; the batch is kept until the next step is
@@ -60,11 +64,11 @@ from typing import Any
 from jaxflow.data import checks
 from jaxflow.data.leases import Leases
 from jaxflow.data.prompt_source import PromptSource
-from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, Sample
+from jaxflow.data.records import ConsumedBatch, FinishedGroup, GroupTask, RouteSpec, Sample
 from jaxflow.data.service_errors import REFUSAL_REASONS, ConsumeSuperseded, SampleRefused
-from jaxflow.data.service_groups import FIELDS, BufferState, GroupState, census, group_task
+from jaxflow.data.service_groups import FIELDS, BufferState, GroupState, census, group_task, own_samples
 from jaxflow.data.service_groups import GroupRecord as _Group
-from jaxflow.data.service_snapshot import parse_snapshot
+from jaxflow.data.service_snapshot import parse_snapshot, snapshot_samples
 
 __all__ = ["BATCH_RULES", "ConsumeSuperseded", "SampleRefused", "TrajectoryService"]
 
@@ -95,13 +99,19 @@ class TrajectoryService:
         known; ids must still be below 2**31).
       max_sequence_tokens: the most tokens of a group's prompt plus one of its samples, the trainer's row
         (rollout.max_len): `finish` refuses longer samples (None: no cap).
+      route_spec: the routing a mixture-of-experts model records per token (`RouteSpec.of(model config)`):
+        samples' routes must have its shape and expert ids. None: a dense model; samples carrying routes
+        are refused.
     """
 
     def __init__(self, source: PromptSource, *, batch_groups: int, group_size: int, eta: int,
                  batch_rule: str = "full", min_fill: float = 1.0, patience_s: float | None = None,
                  max_attempts: int = 3, initial_version: int = 0, reserve_groups: int | None = None,
                  clock=time.monotonic, lease_s: float | None = 60.0, vocab_size: int | None = None,
-                 max_sequence_tokens: int | None = None):
+                 max_sequence_tokens: int | None = None, route_spec: RouteSpec | None = None):
+        if route_spec is not None and not isinstance(route_spec, RouteSpec):
+            raise TypeError(f"route_spec must be None or a RouteSpec, got {route_spec!r:.80}")
+        self.route_spec = route_spec
         for name, value in (("vocab_size", vocab_size), ("max_sequence_tokens", max_sequence_tokens)):
             if value is not None:
                 checks.check_int(name, value, 1)
@@ -213,11 +223,12 @@ class TrajectoryService:
             for g in held:
                 self._leases.grant(g.group_id, self._clock())
                 if g.group_id in progress:
-                    g.samples = list(progress[g.group_id])
+                    g.samples = own_samples(progress[g.group_id], self.route_spec)
             return lost
 
     def _check_samples(self, g: _Group, samples: list[Sample], what: str, finished: bool) -> None:
-        checks.check_samples(g.group_id, g.n, samples, what, g.v_start, self._published, finished)
+        checks.check_samples(g.group_id, g.n, samples, what, g.v_start, self._published, finished,
+                             route_spec=self.route_spec)
 
     def _check_finished(self, g: _Group, samples: list[Sample], rewards: list[float] | None) -> None:
         """`finish`'s checks: the samples against the model too (vocab, row length), and the rewards.
@@ -225,7 +236,7 @@ class TrajectoryService:
         max_tokens = None if self.max_sequence_tokens is None else self.max_sequence_tokens - len(g.prompt)
         try:
             checks.check_samples(g.group_id, g.n, samples, "finish", g.v_start, self._published, True,
-                                 vocab_size=self.vocab_size, max_tokens=max_tokens)
+                                 vocab_size=self.vocab_size, max_tokens=max_tokens, route_spec=self.route_spec)
             if rewards is not None:
                 checks.check_rewards(g.group_id, g.n, rewards)
         except SampleRefused as e:
@@ -298,7 +309,7 @@ class TrajectoryService:
                 return None
             g = self._group(group_id, GroupState.RUNNING, worker)
             self._check_finished(g, samples, rewards)
-            g.samples = list(samples)  # the service now owns these Sample objects
+            g.samples = own_samples(samples, self.route_spec)  # the service now owns these Samples
             self._move(g, GroupState.FINISHED)
             self._counts["finished"] += 1
             return self._occupy(g, rewards) if rewards is not None else None
@@ -412,7 +423,7 @@ class TrajectoryService:
             g = self._group(group_id, GroupState.RUNNING, worker)
             if partial is not None:
                 self._check_samples(g, partial, "abort", finished=False)
-                g.samples = list(partial)
+                g.samples = own_samples(partial, self.route_spec)
             self._counts["aborted"] += 1
             self._requeue(g, reason or "aborted")
 
@@ -606,7 +617,8 @@ class TrajectoryService:
         with self._lock:
             groups = []
             for g in self._groups.values():
-                groups.append({**dataclasses.asdict(g), "state": g.state.value})
+                groups.append({**dataclasses.asdict(dataclasses.replace(g, samples=None)), "state": g.state.value,
+                               "samples": snapshot_samples(g.samples)})
             return {"v_train": self._v_train, "published": self._published, "next_id": self._next_id,
                     "counts": dict(self._counts), "groups": groups, "source": self.source.get_state()}
 
@@ -615,7 +627,8 @@ class TrajectoryService:
         gone) with their reservations and partial samples, so nothing is lost or consumed twice."""
         parsed = parse_snapshot(snap, group_fields=FIELDS,
                                 states={s.value: s for s in GroupState}, n=self.group_size,
-                                batch_groups=self.batch_groups, reserve_groups=self.reserve_groups, eta=self.eta)
+                                batch_groups=self.batch_groups, reserve_groups=self.reserve_groups, eta=self.eta,
+                                route_spec=self.route_spec)
         with self._lock:
             old_source = self.source.get_state()
             self.source.set_state(parsed["source"])

@@ -21,6 +21,7 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxflow.data.records import RouteSpec
 from jaxflow.data.service_snapshot import parse_snapshot
 from jaxflow.data.trajectory_service import FIELDS, GroupState, TrajectoryService
 
@@ -33,19 +34,21 @@ class ExtraCheck:
     """Checks an rl checkpoint's extra against the trajectory service it will be restored into.
 
     group_size, batch_groups, reserve_groups, eta: the service's (a snapshot of another shape cannot be
-    restored into it).
+    restored into it). route_spec: the routing its model records (None: a dense model), which the
+    snapshot's samples' routes must fit.
     """
 
     group_size: int
     batch_groups: int
     reserve_groups: int
     eta: int
+    route_spec: RouteSpec | None = None
 
     @classmethod
     def for_service(cls, service: TrajectoryService) -> ExtraCheck:
         """The check for restoring into `service`."""
         return cls(group_size=service.group_size, batch_groups=service.batch_groups,
-                   reserve_groups=service.reserve_groups, eta=service.eta)
+                   reserve_groups=service.reserve_groups, eta=service.eta, route_spec=service.route_spec)
 
     def __call__(self, step: int, extra: dict[str, Any]) -> None:
         """Raises ValueError naming the piece and what is wrong with it, or returns None: `extra` (of
@@ -61,7 +64,8 @@ class ExtraCheck:
         snap = extra["trajectories"]
         try:
             parse_snapshot(snap, group_fields=FIELDS, states={s.value: s for s in GroupState}, n=self.group_size,
-                           batch_groups=self.batch_groups, reserve_groups=self.reserve_groups, eta=self.eta)
+                           batch_groups=self.batch_groups, reserve_groups=self.reserve_groups, eta=self.eta,
+                           route_spec=self.route_spec)
         except (ValueError, TypeError) as e:
             raise ValueError(f"its {PIECES['trajectories']} ('trajectories') is invalid: {e}") from e
         # The snapshot is taken with the checkpoint of the version the trainer holds, whose buffer comes next.

@@ -56,6 +56,7 @@ from jaxflow.config import ConfigError, check_int, number_problems
 from jaxflow.coordination import Coordination, Coordinator
 from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.param_service import ParameterService
+from jaxflow.data.records import RouteSpec
 from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.envs.config import env_problems
 from jaxflow.jobs import warm_start
@@ -291,13 +292,14 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     # host tensors of a parameter service (see `params` below). Two versions kept, as the parameter
     # service does, so that a driver pulling the version it just saw as latest still finds it.
     device_weights = DeviceParamSource(keep=2)
-    trainer = RLTrainer(hf_io.load_model(base_dir, mesh=mesh, lora=LoRASpec.from_config(config.trainer.get("lora")),
-                                         lora_seed=config.seed,
-                                         param_dtype=config.trainer.param_dtype),
-                        config.trainer, mesh, seq_len=config.rollout.max_len, device_weights=device_weights,
+    model = hf_io.load_model(base_dir, mesh=mesh, lora=LoRASpec.from_config(config.trainer.get("lora")),
+                             lora_seed=config.seed, param_dtype=config.trainer.param_dtype)
+    route_spec = RouteSpec.of(model.config)  # what a mixture-of-experts policy's samples record per token
+    trainer = RLTrainer(model, config.trainer, mesh, seq_len=config.rollout.max_len, device_weights=device_weights,
                         max_sequences=config.trainer.batch_groups * config.rollout.group_size,
                         compute_dtype=compute_dtype(config),
                         exact_logprobs=config.rollout.get("exact_logprobs", False))
+    del model  # the trainer holds the policy now: keep no second reference to the loaded arrays
     print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
           f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
     if trainer.lora is not None:
@@ -311,7 +313,8 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
                                 batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
                                 reserve_groups=strategy.reserve_groups(t.batch_groups),
                                 # What the trainer can train: ids the model embeds, sequences a row holds.
-                                vocab_size=trainer.vocab_size, max_sequence_tokens=config.rollout.max_len)
+                                vocab_size=trainer.vocab_size, max_sequence_tokens=config.rollout.max_len,
+                                route_spec=route_spec)
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=config.checkpoint.max_to_keep)
     start_step, extra = 0, {}
     if ckpt.latest_step() is not None:

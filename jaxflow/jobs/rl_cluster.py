@@ -47,6 +47,7 @@ from jaxflow.cluster import names, ray_actors
 from jaxflow.cluster.trainer_group import TrainerGroup, TrainerGroupFailed
 from jaxflow.cluster.weights import PUBLISHER_METHODS, ManifestSource, RayWeightPublisher
 from jaxflow.coordination import Coordination
+from jaxflow.data.records import RouteSpec
 from jaxflow.data.trajectory_service import TrajectoryService
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked, reward_pool_options
 from jaxflow.jobs.config import compute_dtype
@@ -79,6 +80,10 @@ class _Cluster:
         self.workdir = pathlib.Path(config.workdir)
         self.tag = names.run_tag(self.workdir)
         t = config.trainer
+        config_json = pathlib.Path(base_dir, "config.json")
+        model_config = from_hf_config(read_hf_config(base_dir), source=str(config_json))
+        self.vocab_size = model_config.vocab_size
+        self.route_spec = RouteSpec.of(model_config)  # what a mixture-of-experts policy's samples record
         self.spec = TrainerGroup.spec(
             str(base_dir), t, seq_len=config.rollout.max_len, max_sequences=t.batch_groups * config.rollout.group_size,
             checkpoints=str(self.workdir / "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
@@ -87,10 +92,8 @@ class _Cluster:
             compute_dtype=compute_dtype(config),
             validate_extra=ExtraCheck(group_size=config.rollout.group_size, batch_groups=t.batch_groups, eta=t.eta,
                                       reserve_groups=Coordination.from_config(config.rollout.coordination)
-                                      .reserve_groups(t.batch_groups)))
+                                      .reserve_groups(t.batch_groups), route_spec=self.route_spec))
         self.generation = 0
-        config_json = pathlib.Path(base_dir, "config.json")
-        self.vocab_size = from_hf_config(read_hf_config(base_dir), source=str(config_json)).vocab_size
         ray = ray_actors.require_ray()
         self.host = ray_actors.start_host(name=names.data(self.tag), max_restarts=-1,
                                           resources=_resources(config, "data"))
@@ -106,7 +109,8 @@ class _Cluster:
                                     batch_rule=t.batch_rule, lease_s=config.rollout.get("lease_s", 60.0),
                                     reserve_groups=strategy.reserve_groups(t.batch_groups),
                                     # What the trainers can train: ids the model embeds, sequences a row holds.
-                                    vocab_size=self.vocab_size, max_sequence_tokens=config.rollout.max_len)
+                                    vocab_size=self.vocab_size, max_sequence_tokens=config.rollout.max_len,
+                                    route_spec=self.route_spec)
         if snapshot is not None:
             service.restore(snapshot)
         return service

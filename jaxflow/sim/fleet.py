@@ -276,7 +276,8 @@ class SimEngine(Engine):
             if need > self.spec.kv_capacity:
                 error = f"prompt + sample = {need:.0f} tokens exceeds kv_capacity {self.spec.kv_capacity}"
         if error is not None:
-            sample = Sample(list(prefix.tokens), list(prefix.logprobs), list(prefix.versions), "error")
+            sample = engine_api.copy_prefix(request)  # the prefix as it came (env spans, routes and all)
+            sample.finish_reason = "error"
             self._done.append(Completion(rid, sample, error))
             return
         seq = _Seq(rid, [int(v) for v in prefix.versions], float(done_tokens), target,

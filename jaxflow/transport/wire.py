@@ -125,7 +125,9 @@ def register_wire_type(cls: _T | None = None, *, name: str | None = None):
     return register if cls is None else register(cls)
 
 
-for _cls in (records.Sample, records.GroupTask, records.FinishedGroup, records.ConsumedBatch):
+# A Sample's routes (a mixture-of-experts policy's experts per token, `records.RouteSpec`) are an integer array:
+# they travel as raw bytes like any other, one byte per expert id for up to 128 experts.
+for _cls in (records.Sample, records.GroupTask, records.FinishedGroup, records.ConsumedBatch, records.RouteSpec):
     register_wire_type(_cls)
 
 
