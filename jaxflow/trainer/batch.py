@@ -12,7 +12,7 @@ positions continuing from the prompt's, and `context_ids` h on each of its token
 h and to their own segment, so every log-probability is the one of the sample laid out alone, while the
 prompt's tokens go through the model once instead of once per sample.
 
-Routing replay (a mixture-of-experts policy, `make_batch(route_shape=...)`): `routes` [M, b, T, L_sparse,
+Routing replay (a mixture-of-experts policy, `make_batch(route_spec=...)`): `routes` [M, b, T, L_sparse,
 k] holds, at position t, the experts the rollout engine chose for the input token t, which the trainer's
 forward then uses (`jaxflow.models.moe`). A sample's `routes[i]` (its completion token i's) goes to the
 position before token i; every other position holds -1 and routes itself (the prompt, padding).
@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from jaxflow.data.records import route_dtype
+from jaxflow.data.records import RouteSpec
 from jaxflow.models.transformer import row_splits
 from jaxflow.trainer.advantages import compute_advantages
 
@@ -271,7 +271,7 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
                micro_batches: int = 1, pack: bool = False, advantage_estimator: str = "grpo",
                scale_by_std: bool = True, std_ddof: int = 0, minibatches: int = 1,
                share_prompts: bool = False,
-               route_shape: tuple[int, int, int] | None = None) -> tuple[TrajectoryBatch, dict[str, float]]:
+               route_spec: RouteSpec | None = None) -> tuple[TrajectoryBatch, dict[str, float]]:
     """Lays trajectories out as a [micro_batches, num_rows // micro_batches, seq_len] batch.
 
     Advantages come from the trajectories' rewards and group ids (or their own `advantage`), by
@@ -280,9 +280,9 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
     inside a minibatch they fill its micro-batches in order: rows beyond the trajectories leave whole
     micro-batches empty at the end of each minibatch, which the step skips. A batch padded to a fixed
     shape therefore costs compute for its trajectories only. share_prompts (packed rows only): samples
-    of one group with the same prompt may share one copy of it (module docstring). route_shape: (sparse
-    layers, experts per token, experts) of a mixture-of-experts policy whose recorded routes the batch
-    carries for replay (module docstring); a trajectory without routes routes itself.
+    of one group with the same prompt may share one copy of it (module docstring). route_spec: the routing
+    (`jaxflow.data.records.RouteSpec`) of a mixture-of-experts policy whose recorded routes the batch carries
+    for replay (module docstring); a trajectory without routes routes itself.
     Returns the batch (numpy arrays) and advantage statistics. Raises BatchOverflow when the trajectories
     do not fit num_rows rows, ValueError for other bad arguments.
     """
@@ -310,9 +310,9 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         if len(t.prompt) + n > seq_len:
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
         if t.routes is not None:
-            if route_shape is None:
-                raise ValueError(f"trajectory {i} has routes but the batch replays none (route_shape=None)")
-            layers, top_k, experts = route_shape
+            if route_spec is None:
+                raise ValueError(f"trajectory {i} has routes but the batch replays none (route_spec=None)")
+            layers, top_k, experts = route_spec.layers, route_spec.top_k, route_spec.num_experts
             r = np.asarray(t.routes)
             if r.shape != (n, layers, top_k) or r.dtype.kind not in "iu":
                 raise ValueError(f"trajectory {i}: routes are {r.dtype} {r.shape}, expected integers "
@@ -331,8 +331,8 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         what += f" ({len(items)} packed items)"
     out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in FIELD_DTYPES.items()}
     out["versions"][:] = -1
-    if route_shape is not None:
-        out["routes"] = np.full((num_rows, seq_len, *route_shape[:2]), -1, route_dtype(route_shape[2]))
+    if route_spec is not None:
+        out["routes"] = np.full((num_rows, seq_len, route_spec.layers, route_spec.top_k), -1, route_spec.dtype)
     next_segment = np.ones(num_rows, np.int32)
 
     def write(row: int, start: int, tokens: Sequence[int], first_position: int, context: int) -> int:

@@ -45,7 +45,7 @@ from jaxflow import sharding
 from jaxflow.config import ConfigError, Section, check_bool, check_choice, check_float, check_int
 from jaxflow.data import checks
 from jaxflow.data.device_params import DeviceParamSource
-from jaxflow.data.records import ConsumedBatch, FinishedGroup
+from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec
 from jaxflow.data.trajectory_service import BATCH_RULES
 from jaxflow.models import hf_io, lora, precision
 from jaxflow.trainer import losses
@@ -275,12 +275,10 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     if problems:
         raise ConfigError("bad trainer config: " + "; ".join(problems), problems)
     prox = EXACT_PROX if exact_logprobs else trainer.prox
-    route_shape = None
-    if experts:
-        route_shape = (len(model_config.sparse_layers), model_config.num_experts_per_tok, experts)
+    route_spec = RouteSpec.of(model_config) if experts else None
     return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=prox, remat=trainer.remat,
                       logprob_chunk=chunk, compute_dtype=compute_dtype, routing_replay=moe.routing_replay,
-                      route_shape=route_shape, router_aux_coef=moe.aux_loss_coef, router_z_coef=moe.z_loss_coef)
+                      route_spec=route_spec, router_aux_coef=moe.aux_loss_coef, router_z_coef=moe.z_loss_coef)
 
 
 def exact_logprobs_problems(trainer: ml_collections.ConfigDict, exact_logprobs) -> list[str]:
@@ -320,17 +318,19 @@ def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
     return out
 
 
-def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int,
-                  vocab_size: int | None = None) -> tuple[list[FinishedGroup], list[tuple[int, str]]]:
+def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int, vocab_size: int | None = None,
+                  route_spec: RouteSpec | None = None) -> tuple[list[FinishedGroup], list[tuple[int, str]]]:
     """(the groups the update at `version` can train, [(group id, why not)] for the others, each logged).
     vocab_size: the model's; prompt and sample token ids must lie in [0, vocab_size) (None: below 2**31,
-    what the int32 batch holds). Raises ValueError naming every group and its fault when none is usable."""
+    what the int32 batch holds). route_spec: the model's routing, which recorded routes must match (None:
+    a dense model, whose samples carry none). Raises ValueError naming every group and its fault when none
+    is usable."""
     good, rejected = [], []
     for g in groups:
         try:
             checks.check_token_ids(f"group {g.group_id}", "prompt", list(g.prompt), vocab_size)
             checks.check_samples(g.group_id, len(g.samples), g.samples, "consumed", g.v_start, version,
-                                 finished=False, vocab_size=vocab_size)
+                                 finished=False, vocab_size=vocab_size, route_spec=route_spec)
             checks.check_rewards(g.group_id, len(g.samples), g.rewards)
             longest = max((len(s.tokens) for s in g.samples), default=0)
             if not g.samples or len(g.prompt) + longest > seq_len:
@@ -386,6 +386,7 @@ class RLTrainer:
         self.device_weights = device_weights
         self.graphdef = nnx.graphdef(model)
         self.vocab_size = model.config.vocab_size  # token ids a batch may hold: [0, vocab_size)
+        self.route_spec = RouteSpec.of(model.config)  # what recorded routes must look like (None: dense)
         # With LoRA adapters (`trainer.lora`, added when the model was loaded) the optimizer trains them
         # alone: the base is the frozen rest, an argument of the step, and each version is the adapters.
         self.lora = model.layers.lora
@@ -443,13 +444,13 @@ class RLTrainer:
             return self.hf_tensors()
         return lora.peft_tensors(self.model().layers)
 
-    def _route_shape(self, trajs: list[Trajectory]):
+    def _route_spec(self, trajs: list[Trajectory]):
         """The batch's route layout: the policy's with replay on; else None, the samples' routes dropped."""
         if self.step_config.routing_replay == "off":
             for t in trajs:
                 t.routes = None
             return None
-        return self.step_config.route_shape
+        return self.step_config.route_spec
 
     def train(self, consumed: ConsumedBatch) -> tuple[dict[str, float], dict[int, int]]:
         """One update on buffer `consumed.step` (== this trainer's version). Returns (metrics, staleness
@@ -459,7 +460,7 @@ class RLTrainer:
             raise ValueError(f"buffer {consumed.step} handed to the trainer at version {v}")
         if not consumed.groups:
             raise ValueError(f"buffer {v} holds no groups: the prompt source is exhausted")
-        usable, rejected = screen_groups(consumed.groups, v, self.seq_len, self.vocab_size)
+        usable, rejected = screen_groups(consumed.groups, v, self.seq_len, self.vocab_size, self.route_spec)
         signal = [max(g.rewards) != min(g.rewards) for g in usable]
         groups = usable
         if self.cfg.skip_zero_signal:
@@ -476,7 +477,7 @@ class RLTrainer:
                                               micro_batches=micro,
                                               minibatches=self.minibatches, advantage_estimator=self.cfg.advantage,
                                               scale_by_std=self.cfg.adv_scale_by_std,
-                                              std_ddof=self.cfg.adv_std_ddof, route_shape=self._route_shape(trajs))
+                                              std_ddof=self.cfg.adv_std_ddof, route_spec=self._route_spec(trajs))
                 break
             except BatchOverflow:  # more sequences than the rows hold: a deeper shape, compiled once
                 micro *= 2

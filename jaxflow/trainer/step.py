@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflow import sharding
 from jaxflow.config import ConfigError
-from jaxflow.data.records import route_dtype
+from jaxflow.data.records import RouteSpec
 from jaxflow.models import moe, precision
 from jaxflow.trainer import losses, scoring
 from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
@@ -85,7 +85,7 @@ class StepConfig:
     compute_dtype: what the forward and backward pass compute in ("float32" or "bfloat16"); the
     parameters stay in their own (master) dtype, and so do their gradients.
     Mixture of experts: routing_replay "off" | "rollout" (replay the batch's recorded routes);
-    route_shape: (sparse layers, experts per token, experts) of the policy, which replay needs;
+    route_spec: the policy's routing (`jaxflow.data.records.RouteSpec`), which replay needs;
     router_aux_coef / router_z_coef: weights of the router's load-balancing and z losses.
     """
 
@@ -96,15 +96,15 @@ class StepConfig:
     logprob_chunk: int = LOGPROB_CHUNK
     compute_dtype: str = "float32"
     routing_replay: str = "off"
-    route_shape: tuple[int, int, int] | None = None
+    route_spec: RouteSpec | None = None
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
 
     def __post_init__(self):
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
-        if self.routing_replay == "rollout" and self.route_shape is None:
-            raise ValueError("routing_replay 'rollout' needs route_shape (the policy has no experts?)")
+        if self.routing_replay == "rollout" and self.route_spec is None:
+            raise ValueError("routing_replay 'rollout' needs route_spec (the policy has no experts?)")
         for name in ("router_aux_coef", "router_z_coef"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -470,9 +470,9 @@ class TrainStep:
             name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self.batch_sharding)
             for name, dtype in FIELD_DTYPES.items()})
         if self.cfg.routing_replay == "rollout":
-            layers, top_k, experts = self.cfg.route_shape
+            spec = self.cfg.route_spec
             abstract_batch = abstract_batch.replace(routes=jax.ShapeDtypeStruct(
-                (*shape, layers, top_k), route_dtype(experts), sharding=self.batch_sharding))
+                (*shape, spec.layers, spec.top_k), spec.dtype, sharding=self.batch_sharding))
         abstract_frozen = None if self.frozen is None else jax.tree.map(spec, self.frozen)
         # Traced with the mesh set, so that the model keeps activations split by rows (`rows_sharded`).
         with jax.set_mesh(self.mesh):
@@ -500,11 +500,11 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
         validate_batch(batch, int(state.version))
         if self.cfg.routing_replay == "rollout":
-            layers, top_k, experts = self.cfg.route_shape
-            want = (*np.shape(batch.tokens), layers, top_k)
-            if batch.routes is None or np.shape(batch.routes) != want or batch.routes.dtype != route_dtype(experts):
+            spec = self.cfg.route_spec
+            want = (*np.shape(batch.tokens), spec.layers, spec.top_k)
+            if batch.routes is None or np.shape(batch.routes) != want or batch.routes.dtype != spec.dtype:
                 got = None if batch.routes is None else f"{batch.routes.dtype} {np.shape(batch.routes)}"
-                raise ValueError(f"routing replay needs batch.routes {route_dtype(experts)} {want}, got {got}")
+                raise ValueError(f"routing replay needs batch.routes {spec.dtype} {want}, got {got}")
         else:
             batch = batch.replace(routes=None)
         shape = tuple(np.shape(batch.tokens))

@@ -18,6 +18,7 @@ from tolerances import F32_EPS, forward_terms, sum_atol
 
 from jaxflow import sharding
 from jaxflow.config import ConfigError
+from jaxflow.data.records import RouteSpec
 from jaxflow.models import moe
 from jaxflow.models.config import ModelConfig, from_hf_config, to_hf_config
 from jaxflow.models.hf_io import export_model, load_model
@@ -108,6 +109,7 @@ CFG = ModelConfig("Qwen3MoeForCausalLM", vocab_size=128, hidden_size=32, interme
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=16, mlp_only_layers=(1,), norm_topk_prob=True)
 SEQ_LEN = 24
+SPEC = RouteSpec(layers=2, top_k=2, num_experts=4)
 
 
 def test_replaying_the_routers_own_choice_changes_nothing_and_other_routes_do():
@@ -146,7 +148,7 @@ def test_replay_on_a_dense_model_is_refused():
                                          "remat": False, "moe": {"routing_replay": "rollout"}})
     with pytest.raises(ConfigError, match=r"trainer\.moe\.routing_replay.*dense"):
         step_config(trainer, model_config=dense)
-    assert step_config(trainer, model_config=CFG).route_shape == (2, 2, 4)
+    assert step_config(trainer, model_config=CFG).route_spec == RouteSpec(2, 2, 4)
 
 
 def trajectories(seed=0, n=16, with_routes=True):
@@ -167,7 +169,7 @@ def trajectories(seed=0, n=16, with_routes=True):
 
 def test_make_batch_places_routes_before_their_tokens_and_refuses_bad_ones():
     trajs = trajectories(n=4)
-    batch, _ = make_batch(trajs, num_rows=4, seq_len=SEQ_LEN, route_shape=(2, 2, 4))
+    batch, _ = make_batch(trajs, num_rows=4, seq_len=SEQ_LEN, route_spec=SPEC)
     routes, mask = np.asarray(batch.routes)[0], np.asarray(batch.loss_mask)[0] > 0
     assert routes.dtype == np.int8 and routes.shape == (4, SEQ_LEN, 2, 2)
     for row, t in enumerate(trajs):  # row order of an unpacked batch is the trajectories'
@@ -178,10 +180,10 @@ def test_make_batch_places_routes_before_their_tokens_and_refuses_bad_ones():
     bad[0].routes = bad[0].routes.copy()
     bad[0].routes[0, 0, 0] = 4
     with pytest.raises(ValueError, match=r"trajectory 0: routes span \[.*, 4\], outside \[-1, 3\]"):
-        make_batch(bad, num_rows=4, seq_len=SEQ_LEN, route_shape=(2, 2, 4))
+        make_batch(bad, num_rows=4, seq_len=SEQ_LEN, route_spec=SPEC)
     bad[0].routes = bad[0].routes[:, :1]
     with pytest.raises(ValueError, match=r"trajectory 0: routes are int8 \(\d+, 1, 2\), expected"):
-        make_batch(bad, num_rows=4, seq_len=SEQ_LEN, route_shape=(2, 2, 4))
+        make_batch(bad, num_rows=4, seq_len=SEQ_LEN, route_spec=SPEC)
 
 
 @functools.cache
@@ -191,7 +193,7 @@ def _step_run(mesh_shape, replay: bool):
     data, fsdp, expert, tensor = mesh_shape
     mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:data * fsdp * expert * tensor],
                               expert=expert)
-    cfg = StepConfig(routing_replay="rollout" if replay else "off", route_shape=(2, 2, 4),
+    cfg = StepConfig(routing_replay="rollout" if replay else "off", route_spec=SPEC,
                      router_aux_coef=0.01, router_z_coef=0.001)
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
@@ -200,7 +202,7 @@ def _step_run(mesh_shape, replay: bool):
     state = create_train_state(model, tx, mesh)
     before = jax.tree.map(np.asarray, state.params)
     step = TrainStep(nnx.graphdef(model), tx, cfg, mesh, train_state_shardings(state.params, tx, mesh))
-    batch, _ = make_batch(trajectories(), num_rows=16, seq_len=SEQ_LEN, micro_batches=2, route_shape=(2, 2, 4))
+    batch, _ = make_batch(trajectories(), num_rows=16, seq_len=SEQ_LEN, micro_batches=2, route_spec=SPEC)
     state, metrics = step(state, batch)
     grads = jax.tree.map(lambda a, b: a - np.asarray(b), before, state.params)
     return jax.tree.map(np.asarray, metrics), grads, batch
