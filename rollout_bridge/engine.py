@@ -97,9 +97,11 @@ class EngineLoad:
     version: int
 
 
-def request_error(request: Request, *, vocab_size: int, context: int, context_name: str) -> str | None:
+def request_error(request: Request, *, vocab_size: int, context: int, context_name: str,
+                  route_shape: tuple[int, int] | None = None) -> str | None:
     """Why `request` cannot run on an engine with `context` positions (a per-request error: the engine
-    keeps serving), or None. `context_name` names the engine's setting in the message."""
+    keeps serving), or None. `context_name` names the engine's setting in the message. route_shape:
+    (L_sparse, k) of the routes the engine records (`Sample.routes`), which a prefix's routes must have."""
     p = request.params
     prefix = request.prefix or Sample()
     n = len(request.prompt) + len(prefix.tokens)
@@ -114,6 +116,12 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
     if not len(prefix.logprobs) == len(prefix.versions) == len(prefix.tokens):
         return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
                 f"{len(prefix.versions)} versions")
+    routes = prefix.routes
+    if routes is not None and (np.ndim(routes) != 3 or len(routes) != len(prefix.tokens) or (
+            route_shape is not None and tuple(np.shape(routes)[1:]) != tuple(route_shape))):
+        want = [len(prefix.tokens), *(("L_sparse", "k") if route_shape is None else route_shape)]
+        return (f"prefix routes have shape {list(np.shape(routes))}, not {want} (its tokens, the model's "
+                f"sparse layers, its experts per token)")
     if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
         return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
                 f"max_tokens >= 1")
@@ -125,7 +133,7 @@ def copy_prefix(request: Request) -> Sample:
     episode's prefix keeps the spans its environment wrote."""
     prefix = request.prefix or Sample()
     return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs), versions=list(prefix.versions),
-                  env_spans=[list(span) for span in prefix.env_spans])
+                  env_spans=[list(span) for span in prefix.env_spans], routes=_copy_routes(prefix.routes))
 
 
 def in_flight_copy(sample: Sample, versions: list[int] | None = None) -> Sample:
@@ -133,7 +141,12 @@ def in_flight_copy(sample: Sample, versions: list[int] | None = None) -> Sample:
     in place of its own where the engine labels versions only when a request ends."""
     return Sample(tokens=list(sample.tokens), logprobs=list(sample.logprobs),
                   versions=list(sample.versions if versions is None else versions),
-                  env_spans=[list(span) for span in sample.env_spans])
+                  env_spans=[list(span) for span in sample.env_spans], routes=_copy_routes(sample.routes))
+
+
+def _copy_routes(routes: np.ndarray | None) -> np.ndarray | None:
+    """A copy of a sample's recorded routes (`Sample.routes`), None when it has none."""
+    return None if routes is None else np.array(routes)
 
 
 def resumed_finish(sample: Sample, params: SamplingParams) -> str | None:
