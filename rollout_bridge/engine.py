@@ -98,10 +98,11 @@ class EngineLoad:
 
 
 def request_error(request: Request, *, vocab_size: int, context: int, context_name: str,
-                  route_shape: tuple[int, int] | None = None) -> str | None:
+                  route_shape: tuple[int, int] | None = None, num_experts: int = 0) -> str | None:
     """Why `request` cannot run on an engine with `context` positions (a per-request error: the engine
     keeps serving), or None. `context_name` names the engine's setting in the message. route_shape:
-    (L_sparse, k) of the routes the engine records (`Sample.routes`), which a prefix's routes must have."""
+    (L_sparse, k) of the routes the engine records (`Sample.routes`), which a prefix's routes must have,
+    their entries expert ids below `num_experts` or -1 (not recorded)."""
     p = request.params
     prefix = request.prefix or Sample()
     n = len(request.prompt) + len(prefix.tokens)
@@ -122,6 +123,9 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
         want = [len(prefix.tokens), *(("L_sparse", "k") if route_shape is None else route_shape)]
         return (f"prefix routes have shape {list(np.shape(routes))}, not {want} (its tokens, the model's "
                 f"sparse layers, its experts per token)")
+    if routes is not None and route_shape is not None and np.size(routes) and (
+            np.asarray(routes).dtype.kind not in "iu" or np.min(routes) < -1 or np.max(routes) >= num_experts):
+        return f"prefix routes must be integer expert ids in [0, {num_experts}) or -1 (not recorded)"
     if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
         return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
                 f"max_tokens >= 1")

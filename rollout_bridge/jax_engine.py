@@ -363,7 +363,7 @@ class JaxEngine(Engine):
     def _accept(self, request: Request, sample: Sample) -> None:
         if self._route_shape is not None:  # a prefix keeps its routes; one without any has none recorded
             sample.routes = (np.full((len(sample.tokens), *self._route_shape), -1, self._route_dtype)
-                             if sample.routes is None else sample.routes.astype(self._route_dtype))
+                             if sample.routes is None else np.asarray(sample.routes, self._route_dtype))
         else:
             sample.routes = None
         self._active_ids.add(request.request_id)
@@ -373,7 +373,8 @@ class JaxEngine(Engine):
     def _invalid(self, request: Request) -> str | None:
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
         error = request_error(request, vocab_size=self.config.vocab_size, context=self.max_len,
-                              context_name="max_len", route_shape=self._route_shape)
+                              context_name="max_len", route_shape=self._route_shape,
+                              num_experts=self.config.num_experts)
         if error is not None:
             return error
         p: SamplingParams = request.params

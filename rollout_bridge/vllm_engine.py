@@ -474,7 +474,8 @@ class VllmEngine(Engine):
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
         cfg = self.config
         return request_error(request, vocab_size=cfg.vocab_size, context=self._max_len, context_name="max_len",
-                             route_shape=(len(cfg.sparse_layers), cfg.num_experts_per_tok) if cfg.num_experts else None)
+                             route_shape=(len(cfg.sparse_layers), cfg.num_experts_per_tok) if cfg.num_experts else None,
+                             num_experts=cfg.num_experts)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:

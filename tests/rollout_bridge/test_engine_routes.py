@@ -99,9 +99,10 @@ def test_a_resumed_prefix_keeps_its_routes_and_a_swap_keeps_each_versions(model_
         assert partial.sample.finish_reason == "abort" and n == 16
         check_routes(model, prompt, partial.sample)
         # A prefix whose routes do not fit the model is refused, naming them; the engine serves on.
-        bad = dataclasses.replace(partial.sample, routes=partial.sample.routes[:, :, :1])
-        (refused,) = engine.generate([Request("bad", prompt, params, prefix=bad)], timeout=60)
-        assert refused.sample.finish_reason == "error" and "routes" in refused.error
+        for routes in (partial.sample.routes[:, :, :1], partial.sample.routes[:-1], partial.sample.routes + 4):
+            bad = dataclasses.replace(partial.sample, routes=routes)
+            (refused,) = engine.generate([Request("bad", prompt, params, prefix=bad)], timeout=60)
+            assert refused.sample.finish_reason == "error" and "prefix routes" in refused.error
 
         engine.update_weights(1, tensors)
         (done,) = engine.generate([Request("x", prompt, params, prefix=partial.sample)], timeout=300)
