@@ -101,8 +101,9 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
                   route_shape: tuple[int, int] | None = None, num_experts: int = 0) -> str | None:
     """Why `request` cannot run on an engine with `context` positions (a per-request error: the engine
     keeps serving), or None. `context_name` names the engine's setting in the message. route_shape:
-    (L_sparse, k) of the routes the engine records (`Sample.routes`), which a prefix's routes must have,
-    their entries expert ids below `num_experts` or -1 (not recorded)."""
+    (L_sparse, k) of a mixture-of-experts model's routes (`Sample.routes`), which a prefix's routes must
+    have, their entries expert ids below `num_experts` or -1 (not recorded); None for a dense model, whose
+    prefixes carry no routes."""
     p = request.params
     prefix = request.prefix or Sample()
     n = len(request.prompt) + len(prefix.tokens)
@@ -118,12 +119,12 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
         return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
                 f"{len(prefix.versions)} versions")
     routes = prefix.routes
-    if routes is not None and (np.ndim(routes) != 3 or len(routes) != len(prefix.tokens) or (
-            route_shape is not None and tuple(np.shape(routes)[1:]) != tuple(route_shape))):
-        want = [len(prefix.tokens), *(("L_sparse", "k") if route_shape is None else route_shape)]
-        return (f"prefix routes have shape {list(np.shape(routes))}, not {want} (its tokens, the model's "
-                f"sparse layers, its experts per token)")
-    if routes is not None and route_shape is not None and np.size(routes) and (
+    if routes is not None and route_shape is None:
+        return "prefix has routes (Sample.routes), but the model has no experts to route to"
+    if routes is not None and np.shape(routes) != (len(prefix.tokens), *route_shape):
+        return (f"prefix routes have shape {list(np.shape(routes))}, not {[len(prefix.tokens), *route_shape]} "
+                f"(its tokens, the model's sparse layers, its experts per token)")
+    if routes is not None and np.size(routes) and (
             np.asarray(routes).dtype.kind not in "iu" or np.min(routes) < -1 or np.max(routes) >= num_experts):
         return f"prefix routes must be integer expert ids in [0, {num_experts}) or -1 (not recorded)"
     if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:

@@ -364,8 +364,6 @@ class JaxEngine(Engine):
         if self._route_shape is not None:  # a prefix keeps its routes; one without any has none recorded
             sample.routes = (np.full((len(sample.tokens), *self._route_shape), -1, self._route_dtype)
                              if sample.routes is None else np.asarray(sample.routes, self._route_dtype))
-        else:
-            sample.routes = None
         self._active_ids.add(request.request_id)
         self._waiting.append(_Running(request, sample, exact_from=len(sample.tokens)))
         self._wake.notify()

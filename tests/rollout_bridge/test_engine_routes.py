@@ -190,9 +190,13 @@ def test_a_dense_model_records_no_routes(tmp_path):
     try:
         done = engine.generate([Request(f"d{i}", p, SamplingParams(max_tokens=12, temperature=1.0, seed=i))
                                 for i, p in enumerate(PROMPTS[:2])], timeout=300)
+        # A prefix with routes is some mixture-of-experts model's, not this one's: refused.
+        routed = dataclasses.replace(done[0].sample, routes=np.zeros((12, 2, 2), np.int8))
+        (refused,) = engine.generate([Request("r", PROMPTS[0], SamplingParams(max_tokens=20), prefix=routed)])
     finally:
         engine.close()
     assert all(len(c.sample.tokens) == 12 and c.sample.routes is None for c in done)
+    assert refused.sample.finish_reason == "error" and "no experts" in refused.error
 
 
 def test_the_decode_programs_return_routes_only_for_a_moe_model(model, tmp_path):
