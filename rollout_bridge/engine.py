@@ -98,9 +98,13 @@ class EngineLoad:
     version: int
 
 
-def request_error(request: Request, *, vocab_size: int, context: int, context_name: str) -> str | None:
+def request_error(request: Request, *, vocab_size: int, context: int, context_name: str,
+                  route_shape: tuple[int, int] | None = None, num_experts: int = 0) -> str | None:
     """Why `request` cannot run on an engine with `context` positions (a per-request error: the engine
-    keeps serving), or None. `context_name` names the engine's setting in the message."""
+    keeps serving), or None. `context_name` names the engine's setting in the message. route_shape:
+    (L_sparse, k) of a mixture-of-experts model's routes (`Sample.routes`), which a prefix's routes must
+    have, their entries expert ids below `num_experts` or -1 (not recorded); None for a dense model, whose
+    prefixes carry no routes."""
     p = request.params
     prefix = request.prefix or Sample()
     n = len(request.prompt) + len(prefix.tokens)
@@ -122,6 +126,14 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
                else f"a {type(routes).__name__}")
         return (f"prefix routes must be None or an integer array of [{len(prefix.tokens)} tokens, sparse layers, "
                 f"top-k], got {got}")
+    if routes is not None and route_shape is None:
+        return "prefix has routes (Sample.routes), but the model has no experts to route to"
+    if routes is not None and np.shape(routes) != (len(prefix.tokens), *route_shape):
+        return (f"prefix routes have shape {list(np.shape(routes))}, not {[len(prefix.tokens), *route_shape]} "
+                f"(its tokens, the model's sparse layers, its experts per token)")
+    if routes is not None and np.size(routes) and (
+            np.min(routes) < -1 or np.max(routes) >= num_experts):
+        return f"prefix routes must be integer expert ids in [0, {num_experts}) or -1 (not recorded)"
     if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
         return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
                 f"max_tokens >= 1")

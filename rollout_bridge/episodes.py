@@ -6,8 +6,9 @@ A request is an episode. The inner engine generates a model turn, which ends at 
 (EOS) or at a tool-call marker (`turn_stop_ids`, e.g. the token of `</tool>`); the environment then gets
 the turn as text (`step`, under `step_timeout_s`), and its observation is rendered through the chat
 template (`jaxflow.envs.render`, on a worker thread) and appended to the sample as token ids recorded in
-`env_spans` (log-prob 0, the version of the turn before them: context, never trained); the inner engine
-then continues from prompt + everything so far (`Request(prefix=...)`).
+`env_spans` (log-prob 0, the version of the turn before them: context, never trained; with a
+mixture-of-experts model's routes, -1 until the inner engine's forward that admits the next turn records
+theirs); the inner engine then continues from prompt + everything so far (`Request(prefix=...)`).
 The model's tokens are the inner engine's, untouched: they are never decoded and re-encoded on their
 way to the trainer. The episode ends when the environment says done, after `max_turns` model turns,
 or when the sample reaches `max_tokens` ("length"); its sample carries the sum of the environment's
@@ -371,7 +372,7 @@ class EpisodeEngine(Engine):
             s.tokens += ids
             s.logprobs += [0.0] * len(ids)
             s.versions += [version] * len(ids)
-            s.routes = fit_routes(s.routes, len(s.tokens))  # the environment's tokens: no routes recorded (-1)
+            s.routes = fit_routes(s.routes, len(s.tokens))  # -1 until the forward admitting the next turn records them
             s.finish_reason = None
 
     def _generate(self, ep: _Episode) -> None:

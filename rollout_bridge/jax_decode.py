@@ -10,6 +10,12 @@ A slot's sequence is prompt + generated tokens. The cache holds keys/values of a
 that last token is the slot's pending input, fed by the next decode step, which writes its keys/values
 and samples the following token. So prefill needs no LM head, and sampling lives in one place.
 
+Routing (a mixture-of-experts model, `ModelConfig.num_experts`): each program also returns the experts
+each sparse layer's router chose at the positions it computed (`route_dtype` ints, the layout of
+`jaxflow.data.records.Sample.routes`), so the engine can record them for routing replay: decode
+[B, C, L_sparse, k] (-1 where nothing was generated), prefill and extend [P, T, L_sparse, k]. A dense
+model's programs return None in their place and compute exactly what they did without it.
+
 Shapes: L layers, B slots (in the cache) or rows (of a decode call), S cache positions (max_len, or the
 attention window), G kv heads, R query heads per kv head, K head_dim, D hidden, V vocab, C decode steps
 per call, P sequences per prefill call, T prefill bucket length, N stop ids per slot.
@@ -23,9 +29,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxflow import sharding
+from jaxflow.data.records import route_dtype
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.transformer import (
     MASK_VALUE,
@@ -86,6 +94,14 @@ K_AXES = ("layers", "batch", "kv_heads", "head_dim", "seq")
 V_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
 
 
+def _routes(cfg: ModelConfig, topk_l: jax.Array | None) -> jax.Array | None:
+    """The sparse layers' top-k [L_sparse, ..., k] (int32, from `scan_layers`) as [..., L_sparse, k] in the
+    route dtype; None for a dense model."""
+    if topk_l is None:
+        return None
+    return jnp.moveaxis(topk_l, 0, -2).astype(route_dtype(cfg.num_experts))
+
+
 def cache_sharding(cfg: ModelConfig, num_slots: int, max_len: int, mesh: jax.sharding.Mesh,
                    rules=None) -> KVCache:
     """The keys' and values' shardings: slots over the batch axes (data, fsdp), kv heads over tensor,
@@ -104,14 +120,15 @@ def init_cache(cfg: ModelConfig, num_slots: int, max_len: int, dtype, out_shardi
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "out_sharding"), donate_argnames=("cache",))
 def prefill(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, lengths_p: jax.Array,
-            slots_pr: jax.Array, *, out_sharding) -> KVCache:
+            slots_pr: jax.Array, *, out_sharding) -> tuple[KVCache, jax.Array | None]:
     """Computes keys/values of tokens_pt[p, :lengths_p[p]] once and stores them, positions 0..T-1, in
     each of the slots slots_pr[p, :] (the tail past lengths_p[p] holds junk that decode overwrites before
     it is ever visible). Sequences that share their context (the G samples of a GRPO group share their
     prompt) are computed once and written to all their slots in the same scatter.
 
     tokens_pt: int32, right-padded. slots_pr: int32 [P, R]; a slot >= B marks an unused destination
-    (a padding row has none), which is dropped. Returns the updated cache (the input cache is donated).
+    (a padding row has none), which is dropped. Returns (the updated cache (the input cache is donated),
+    the routes [P, T, L_sparse, k] of a mixture-of-experts model, else None).
     """
     model = nnx.merge(graphdef, params)
     cfg = model.config
@@ -122,23 +139,29 @@ def prefill(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, l
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
 
     def body(x_ptd, p, _, __):
-        x_ptd, kv, _ = decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, mask)
-        return x_ptd, kv
+        x_ptd, kv, stats = decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, mask)
+        if not cfg.num_experts:
+            return x_ptd, kv
+        # Every layer's ys have one structure (all_ys): a dense layer's routes are a placeholder, dropped.
+        k = cfg.num_experts_per_tok
+        return x_ptd, (kv, jnp.zeros((*tokens_pt.shape, k), jnp.int32) if stats is None else stats.topk_btk)
 
     x_ptd = jnp.take(model.embed[...], tokens_pt, axis=0)
-    _, (k_lptgk, v_lptgk) = scan_layers(cfg, model.layers.stacked(), body, x_ptd, all_ys=True)
+    _, ys = scan_layers(cfg, model.layers.stacked(), body, x_ptd, all_ys=True)
+    (k_lptgk, v_lptgk), routes = (ys, None) if not cfg.num_experts else (
+        ys[0], _routes(cfg, ys[1][np.asarray(cfg.sparse_layers)]))
     fanout = slots_pr.shape[1]
     slots_q = slots_pr.reshape(-1)  # destination q = p * R + r takes row p
     k_lqgkt = jnp.repeat(jnp.transpose(k_lptgk, (0, 1, 3, 4, 2)), fanout, axis=1)
     v_lqgtk = jnp.repeat(jnp.swapaxes(v_lptgk, 2, 3), fanout, axis=1)
     k = cache.k_lbgks.at[:, slots_q, :, :, :t].set(k_lqgkt.astype(cache.k_lbgks.dtype), mode="drop")
     v = cache.v_lbgsk.at[:, slots_q, :, :t].set(v_lqgtk.astype(cache.v_lbgsk.dtype), mode="drop")
-    return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
+    return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding), routes
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "out_sharding"), donate_argnames=("cache",))
 def extend(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, starts_p: jax.Array,
-           slots_p: jax.Array, *, out_sharding) -> KVCache:
+           slots_p: jax.Array, *, out_sharding) -> tuple[KVCache, jax.Array | None]:
     """Appends tokens_pt[p] to the sequence whose keys/values slot slots_p[p] already holds at positions
     0..starts_p[p]-1: computes the new tokens' keys/values at positions starts_p[p].. (attending over the
     slot's cached positions and causally among themselves) and stores them there. An episode's next turn
@@ -146,7 +169,8 @@ def extend(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, st
 
     tokens_pt: int32, right-padded (padding tokens write junk past the sequence, which decode overwrites
     before it is ever visible; positions past the cache are dropped). slots_p: int32; a slot >= B marks a
-    padding row, dropped. Returns the updated cache (the input cache is donated).
+    padding row, dropped. Returns (the updated cache (the input cache is donated), the routes
+    [P, T, L_sparse, k] of the new tokens of a mixture-of-experts model, else None).
     """
     model = nnx.merge(graphdef, params)
     cfg = model.config
@@ -170,12 +194,12 @@ def extend(graphdef, params: nnx.State, cache: KVCache, tokens_pt: jax.Array, st
             return attention(q_ptgrk, keys, values, visible_pts[:, None, None]), (k, v)
 
         x_ptd, (k_lbgks, v_lbgsk), stats = decoder_layer(cfg, p, x_ptd, positions_pt, inv_freq, None, attend)
-        return (x_ptd, k_lbgks, v_lbgsk), None
+        return (x_ptd, k_lbgks, v_lbgsk), None if stats is None else stats.topk_btk
 
     x_ptd = jnp.take(model.embed[...], tokens_pt, axis=0)
-    (_, k, v), _ = scan_layers(cfg, model.layers.stacked(), body, (x_ptd, cache.k_lbgks, cache.v_lbgsk),
-                               layer_xs=jnp.arange(cfg.num_layers))
-    return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding)
+    (_, k, v), topk = scan_layers(cfg, model.layers.stacked(), body, (x_ptd, cache.k_lbgks, cache.v_lbgsk),
+                                  layer_xs=jnp.arange(cfg.num_layers))
+    return jax.lax.with_sharding_constraint(KVCache(k, v), out_sharding), _routes(cfg, topk)
 
 
 def _cached_attention(q_bgrk: jax.Array, keys_bgks: jax.Array, values_bgsk: jax.Array,
@@ -199,7 +223,8 @@ def _cached_attention(q_bgrk: jax.Array, keys_bgks: jax.Array, values_bgsk: jax.
 
 def _forward_step(model, cache: KVCache, rows_b: jax.Array | None, tokens_b: jax.Array,
                   lengths_b: jax.Array, windows: tuple[int, ...], window_g: jax.Array):
-    """One token per row at position lengths_b: writes its keys/values, returns (logits_bv, cache).
+    """One token per row at position lengths_b: writes its keys/values, returns (logits_bv, cache,
+    routes [B, L_sparse, k] of a mixture-of-experts model, else None).
 
     rows_b: the cache slot of each row (None: row i is slot i). The rows come in len(window_g) equal
     consecutive groups; group g attends over the first windows[window_g[g]] cache positions, which hold
@@ -243,13 +268,13 @@ def _forward_step(model, cache: KVCache, rows_b: jax.Array | None, tokens_b: jax
             return out_gmgrk.reshape(b, 1, *out_gmgrk.shape[2:]), (k, v)
 
         x_b1d, (k_lbgks, v_lbgsk), stats = decoder_layer(cfg, p, x_b1d, positions_b1, inv_freq, None, attend)
-        return (x_b1d, k_lbgks, v_lbgsk), None
+        return (x_b1d, k_lbgks, v_lbgsk), None if stats is None else stats.topk_btk[:, 0]
 
     x_b1d = jnp.take(model.embed[...], tokens_b[:, None], axis=0)
-    (x_b1d, k, v), _ = scan_layers(cfg, model.layers.stacked(), body, (x_b1d, cache.k_lbgks, cache.v_lbgsk),
-                                   layer_xs=jnp.arange(cfg.num_layers))
+    (x_b1d, k, v), topk = scan_layers(cfg, model.layers.stacked(), body, (x_b1d, cache.k_lbgks, cache.v_lbgsk),
+                                      layer_xs=jnp.arange(cfg.num_layers))
     h_b1d = rms_norm(x_b1d, model.final_norm[...], cfg.rms_norm_eps)
-    return model.logits(h_b1d)[:, 0], KVCache(k, v)
+    return model.logits(h_b1d)[:, 0], KVCache(k, v), _routes(cfg, topk)
 
 
 def _filter_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
@@ -363,16 +388,18 @@ def decode(graphdef, params: nnx.State, cache: KVCache, state: SlotState, rows_b
 
     A row stops after sampling a stop id (FINISH_STOP; the stop token is kept), reaching max_tokens
     generated, or filling the cache (FINISH_LENGTH: prompt + generated = S).
-    Returns (cache, state, tokens_bc int32 with -1 where nothing was generated, logprobs_bc float32).
+    Returns (cache, state, tokens_bc int32 with -1 where nothing was generated, logprobs_bc float32,
+    routes_bclk: a mixture-of-experts model's routes of each generated token (those computed by the step
+    that sampled it), -1 where nothing was generated; None for a dense model).
     """
     model = nnx.merge(graphdef, params)
     max_len = cache.v_lbgsk.shape[3]
     b = state.tokens_b.shape[0]
 
     def step(carry):
-        i, cache, s, tokens_bc, logprobs_bc = carry
-        logits_bv, cache = _forward_step(model, cache, rows_b, s.tokens_b, s.lengths_b, windows,
-                                          window_g)
+        i, cache, s, tokens_bc, logprobs_bc, routes_bclk = carry
+        logits_bv, cache, routes_blk = _forward_step(model, cache, rows_b, s.tokens_b, s.lengths_b, windows,
+                                                     window_g)
         token_b, logprob_b = sample_tokens(logits_bv, s, logprobs_mode)
         active_b = s.active_b
         stop_b = jnp.any(token_b[:, None] == s.stop_ids_bn, axis=-1)
@@ -387,13 +414,18 @@ def decode(graphdef, params: nnx.State, cache: KVCache, state: SlotState, rows_b
             finish_b=jnp.where(done_b, jnp.where(stop_b, FINISH_STOP, FINISH_LENGTH), s.finish_b))
         tokens_bc = tokens_bc.at[:, i].set(jnp.where(active_b, token_b, -1))
         logprobs_bc = logprobs_bc.at[:, i].set(jnp.where(active_b, logprob_b, 0.0))
-        return i + 1, cache, s, tokens_bc, logprobs_bc
+        if routes_blk is not None:
+            routes_bclk = routes_bclk.at[:, i].set(jnp.where(active_b[:, None, None], routes_blk, -1))
+        return i + 1, cache, s, tokens_bc, logprobs_bc, routes_bclk
 
     def more(carry):
         return (carry[0] < num_steps) & jnp.any(carry[2].active_b)
 
+    cfg = model.config
     state = state._replace(finish_b=jnp.zeros_like(state.finish_b))
+    routes_bclk = None if not cfg.num_experts else jnp.full(
+        (b, num_steps, len(cfg.sparse_layers), cfg.num_experts_per_tok), -1, route_dtype(cfg.num_experts))
     init = (jnp.int32(0), cache, state, jnp.full((b, num_steps), -1, jnp.int32),
-            jnp.zeros((b, num_steps), jnp.float32))
-    _, cache, state, tokens_bc, logprobs_bc = jax.lax.while_loop(more, step, init)
-    return jax.lax.with_sharding_constraint(cache, out_sharding), state, tokens_bc, logprobs_bc
+            jnp.zeros((b, num_steps), jnp.float32), routes_bclk)
+    _, cache, state, tokens_bc, logprobs_bc, routes_bclk = jax.lax.while_loop(more, step, init)
+    return jax.lax.with_sharding_constraint(cache, out_sharding), state, tokens_bc, logprobs_bc, routes_bclk

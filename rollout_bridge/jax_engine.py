@@ -39,6 +39,15 @@ changes, swapped in between decode calls, and every in-flight sequence's cache i
 under them (prompt + tokens so far), so the tokens after the swap are exactly what the new weights
 produce from that prefix; each token records the version that produced it. `keep_kv=True` keeps the
 caches instead (PipelineRL's in-flight update): no recompute, later tokens attend to older keys.
+
+Routing (a mixture-of-experts model): every sample records the experts each sparse layer chose for each
+token (`Sample.routes`, for routing replay in the update): a generated token gets those of the decode step
+that sampled it (computed at its input, the token before it), under the weights that sampled it. A
+resumed prefix keeps the routes it brings (a prefix without any gets -1, "not recorded"), and nothing
+recorded is ever recomputed: a weight swap's recompute or a later turn's prefill leaves them as they are.
+An episode's environment tokens (`Sample.env_spans`) get theirs from the forward that processes their
+inputs, the prefill or extend that admits the next turn; until then, and for an episode that ends on
+them, they stay -1 (the trainer routes them itself).
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.data.device_params import DeviceWeights
-from jaxflow.data.records import Sample
+from jaxflow.data.records import Sample, route_dtype
 from jaxflow.models import hf_io, lora, precision
 from jaxflow.models.transformer import Transformer
 from jaxflow.trainer import scoring
@@ -196,6 +205,9 @@ class JaxEngine(Engine):
         self._windows = jax_slots.attention_windows(self._buckets[0], max_len)
         self._slots = jax_slots.SlotTable(max_slots, max_stop_ids, self._windows,
                                           select_rows=not slots_sharded)
+        # (L_sparse, k) of the routes each token records; None for a dense model (no routes).
+        self._route_shape = (len(cfg.sparse_layers), cfg.num_experts_per_tok) if cfg.num_experts else None
+        self._route_dtype = route_dtype(cfg.num_experts)
         self._decode_kw = dict(num_steps=decode_chunk, windows=self._windows, logprobs_mode=logprobs_mode,
                                out_sharding=self._cache_sharding)
         self._running: dict[int, _Running] = {}  # slot -> request; the loop changes it, under _lock
@@ -349,6 +361,9 @@ class JaxEngine(Engine):
         return request_id in self._active_ids
 
     def _accept(self, request: Request, sample: Sample) -> None:
+        if self._route_shape is not None:  # a prefix keeps its routes; one without any has none recorded
+            sample.routes = (np.full((len(sample.tokens), *self._route_shape), -1, self._route_dtype)
+                             if sample.routes is None else np.asarray(sample.routes, self._route_dtype))
         self._active_ids.add(request.request_id)
         self._waiting.append(_Running(request, sample, exact_from=len(sample.tokens)))
         self._wake.notify()
@@ -356,7 +371,8 @@ class JaxEngine(Engine):
     def _invalid(self, request: Request) -> str | None:
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
         error = request_error(request, vocab_size=self.config.vocab_size, context=self.max_len,
-                              context_name="max_len")
+                              context_name="max_len", route_shape=self._route_shape,
+                              num_experts=self.config.num_experts)
         if error is not None:
             return error
         p: SamplingParams = request.params
@@ -483,8 +499,11 @@ class JaxEngine(Engine):
                 tokens_pt[row, :len(context)] = context
                 lengths_p[row] = len(context)
                 slots_pr[row, :len(targets)] = targets
-            self._keep_cache(jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
-                                                lengths_p, slots_pr, out_sharding=self._cache_sharding))
+            cache, routes_ptlk = jax_decode.prefill(self._graphdef, self._params, self._cache, tokens_pt,
+                                                    lengths_p, slots_pr, out_sharding=self._cache_sharding)
+            self._keep_cache(cache)
+            self._env_routes([(slot, row, 0, len(context)) for row, (context, targets) in enumerate(group)
+                              for slot in targets], routes_ptlk)
 
     def _calls(self, by_bucket: dict[int, list]):
         """(bucket length t, rows p, items) per prefill or extend call: up to prefill_batch items of one
@@ -510,8 +529,35 @@ class JaxEngine(Engine):
             for row, (slot, start, new) in enumerate(group):
                 tokens_pt[row, :len(new)] = new
                 starts_p[row], slots_p[row] = start, slot
-            self._keep_cache(jax_decode.extend(self._graphdef, self._params, self._cache, tokens_pt, starts_p,
-                                               slots_p, out_sharding=self._cache_sharding))
+            cache, routes_ptlk = jax_decode.extend(self._graphdef, self._params, self._cache, tokens_pt, starts_p,
+                                                   slots_p, out_sharding=self._cache_sharding)
+            self._keep_cache(cache)
+            self._env_routes([(slot, row, start, len(new)) for row, (slot, start, new) in enumerate(group)],
+                             routes_ptlk)
+
+    def _env_routes(self, computed: list[tuple[int, int, int, int]], routes_ptlk) -> None:
+        """Records the routes of environment tokens that have none from the prefill or extend call that
+        computed their inputs. computed: (slot, row, first, n) per slot written: the call's row `row`
+        holds the routes of that slot's sequence positions first .. first + n - 1. Token i of a sample
+        is produced at position len(prompt) + i - 1. Routes of model tokens, and any already recorded,
+        are left as they are. The routes leave the device only when some token takes them."""
+        if routes_ptlk is None:
+            return
+        fills = []
+        for slot, row, first, n in computed:
+            run = self._running[slot]
+            routes, shift = run.sample.routes, len(run.request.prompt) - 1 - first
+            for a, b in run.sample.env_spans:
+                lo, hi = max(a, -shift), min(b, n - shift, len(routes))
+                if lo < hi:
+                    missing = np.flatnonzero(np.all(routes[lo:hi] < 0, axis=(1, 2))) + lo
+                    fills += [(routes, row, missing, missing + shift)] if len(missing) else []
+        if not fills:
+            return
+        routes_ptlk = np.asarray(jax.device_get(routes_ptlk))
+        with self._lock:  # `progress` reads samples from other threads
+            for routes, row, tokens, positions in fills:
+                routes[tokens] = routes_ptlk[row, positions]
 
     def warmed(self, timeout: float | None = None) -> bool:
         """Waits until the programs `warmup` compiles in the background are compiled; False on timeout."""
@@ -531,7 +577,7 @@ class JaxEngine(Engine):
         for p in rows:
             self._keep_cache(jax_decode.prefill(
                 self._graphdef, self._params, self._cache, np.zeros((p, t), np.int32), np.zeros(p, np.int32),
-                np.full((p, self._prefill_fanout), drop, np.int32), out_sharding=self._cache_sharding))
+                np.full((p, self._prefill_fanout), drop, np.int32), out_sharding=self._cache_sharding)[0])
         jax.block_until_ready(self._cache)
         params, cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                      (self._params, self._cache))
@@ -563,18 +609,18 @@ class JaxEngine(Engine):
 
     def _decode_call(self, plan: jax_slots.DecodePlan):
         """Dispatches one decode call over the plan's rows, replacing the cache (donated); returns the
-        rows' (state, tokens_bc, logprobs_bc), still on device."""
-        cache, state, tokens_bc, logprobs_bc = jax_decode.decode(
+        rows' (state, tokens_bc, logprobs_bc, routes_bclk or None), still on device."""
+        cache, state, tokens_bc, logprobs_bc, routes_bclk = jax_decode.decode(
             self._graphdef, self._params, self._cache, self._slots.state(plan), plan.rows_b, plan.window_g,
             **self._decode_kw)
         self._keep_cache(cache)
-        return state, tokens_bc, logprobs_bc
+        return state, tokens_bc, logprobs_bc, routes_bclk
 
     def _decode(self) -> None:
         """One decode call over the active slots; appends its tokens and completes finished requests."""
         version, start = self._version, time.monotonic()
         plan = self._slots.plan(self.decode_chunk)
-        state, tokens_bc, logprobs_bc = jax.device_get(self._decode_call(plan))
+        state, tokens_bc, logprobs_bc, routes_bclk = jax.device_get(self._decode_call(plan))
         self._slots.update(plan, state)
         generated, finished = 0, []
         with self._lock:  # samples grow under the lock: `progress` reads them from other threads
@@ -586,6 +632,8 @@ class JaxEngine(Engine):
                 sample.tokens.extend(tokens_bc[row, :n].tolist())
                 sample.logprobs.extend(logprobs_bc[row, :n].tolist())
                 sample.versions.extend([version] * n)
+                if routes_bclk is not None:
+                    sample.routes = np.concatenate([sample.routes, routes_bclk[row, :n]])
                 generated += n
                 if not state.active_b[row]:
                     sample.finish_reason = _FINISH_NAMES[int(state.finish_b[row])]

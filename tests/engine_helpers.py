@@ -107,6 +107,29 @@ def lively_tiny_model(directory, architecture="Qwen3ForCausalLM", **kw):
     return export_model(model, directory, overwrite=True)
 
 
+def lively_tiny_moe_model(directory, *, head_dim=16, seed=0):
+    """A tiny Qwen3-MoE (hidden 32, 3 layers of which layer 1 is dense through mlp_only_layers, 4 experts,
+    top-2) with the tiny tokenizer, written to `directory` (returned), with weights lively as
+    `lively_tiny_model`'s, so that both its greedy tokens and its routes vary. head_dim 32 for vLLM."""
+    from jaxflow.models.config import ModelConfig
+    from jaxflow.models.tiny import write_tiny_tokenizer
+    from jaxflow.models.transformer import Transformer
+
+    tokenizer = write_tiny_tokenizer(directory, seed=seed)
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=-(-tokenizer.vocab_size // 64) * 64,
+                      hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2, num_kv_heads=1,
+                      head_dim=head_dim, qk_norm=True, tie_word_embeddings=True, max_position_embeddings=2048,
+                      eos_token_id=tokenizer.eos_id, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=(1,))
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed + 1)
+    tensors = {name: (1 + 0.2 * rng.standard_normal(t.shape) if name.endswith("norm.weight")
+                      else 0.3 * rng.standard_normal(t.shape)).astype(t.dtype)
+               for name, t in iter_hf_tensors(model)}
+    model = nnx.merge(nnx.graphdef(model), params_from_hf(cfg, tensors))
+    return export_model(model, directory, overwrite=True)
+
+
 def check_bad_weights_are_rejected(engine, good, greedy_reference):
     """Weights with a missing, extra, wrong-shape or wrong-dtype tensor are refused, naming it; the engine
     keeps its version and serves exactly what it served before."""

@@ -131,7 +131,8 @@ def test_a_resumed_prefix_keeps_its_routes_and_the_continuation_appends(place):
     assert_same_routes(prefix.routes, partial[0].routes)
     assert again.partial[1].routes is None
     request = Request("r0", list(again.prompt), prefix=prefix)
-    assert request_error(request, vocab_size=64, context=32, context_name="context") is None
+    assert request_error(request, vocab_size=64, context=32, context_name="context",
+                         route_shape=(SPEC.layers, SPEC.top_k), num_experts=SPEC.num_experts) is None
     resumed = copy_prefix(request)
     assert not np.shares_memory(resumed.routes, prefix.routes)
     new = routes(2, 8)  # what the engine records for its two new tokens
