@@ -186,13 +186,20 @@ def plot(runs: dict[str, dict[str, dict]], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line (importable, so tests can parse the documented commands without running them)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def learning_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every learning check takes: --quick, --json, --steps (default 40, quick 6) and
+    --eval-every (default 10, quick 3)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="short warm start, few steps (plumbing only)")
     parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
     parser.add_argument("--steps", type=int, help="train steps per run (default 40, quick 6)")
     parser.add_argument("--eval-every", type=int, help="steps between held-out evals (default 10, quick 3)")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable, so tests can parse the documented commands without running them)."""
+    parser = learning_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {', '.join(TASKS)}")
     parser.add_argument("--corrections", default=",".join(CORRECTIONS),
                         help=f"comma-separated subset of {', '.join(CORRECTIONS)} (the reference always runs)")

@@ -3,19 +3,22 @@
     .venv/bin/python benchmarks/moe_learning.py --json benchmarks/results/moe_learning.json
     .venv/bin/python benchmarks/moe_learning.py --quick
 
-Two `python -m jaxflow.main` runs (`async_vs_sync.run_one`) of configs/arithmetic_tools_tiny.py at eta = 4 for
-the same number of steps, each in a fresh workdir with the same seed:
+`python -m jaxflow.main` runs (`async_vs_sync.run_one`) of configs/arithmetic_tools_tiny.py at eta = 4 for the
+same number of steps, each in a fresh workdir, once per seed of `--seeds` (the run's `seed`: its prompts and
+sampling; the base models are each variant's one warm start):
 
     dense   the demo as it is (its dense tiny model)
     moe     the `:moe` variant: a tiny Qwen3-MoE (4 experts a layer, top-2, each half the dense MLP's width)
             from its own warm start, trained with routing replay (`trainer.moe.routing_replay = "rollout"`)
 
 Reported per run: the held-out accuracy curve (evals every `--eval-every` steps, the base's first), the final
-held-out accuracy and seconds a step; for the MoE run, the router's per-step metrics from metrics.jsonl
+held-out accuracy and seconds a step; for the MoE runs, the router's per-step metrics from metrics.jsonl
 (`route_flip_frac`: tokens whose trainer top-k differs from the engine's recorded one; `expert_load_max`: the
-busiest expert's load over the mean) with their means. The headline: the final accuracies, their gap in
-points, the eval noise of that difference (`precision.difference_noise`) and `same_within_noise` (a gap of at
-most 2 of them). A plot of both curves goes to the workdir (and `--plot PATH`).
+busiest expert's load over the mean) with their means. The headline: each variant's final accuracy (the mean
+over seeds), their gap in points, the noise of that difference and `same_within_noise` (a gap of at most 2 of
+them). The noise is the standard error of the difference of the two means from the seeds' spread (which holds
+the eval's sampling noise and the runs' own), or with one seed the eval's alone
+(`precision.difference_noise`). A plot of the curves goes to the workdir (and `--plot PATH`).
 
 --quick runs a shorter warm start, fewer steps and fewer eval prompts: it checks the plumbing, not the accuracy.
 """
@@ -24,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
+import statistics
 import sys
 
 import results_meta
 from async_vs_sync import QUICK, parse_overrides, run_one
+from mismatch_learning import learning_parser
 from precision import difference_noise, eval_curve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,32 +50,75 @@ def router_curves(workdir: pathlib.Path) -> list[dict]:
     return [{"step": r["step"], **{k: r[k] for k in ROUTER_METRICS if k in r}} for r in records if "loss" in r]
 
 
-def one_run(name: str, steps: int, workdir: pathlib.Path, overrides: dict) -> dict:
-    run_dir = workdir / name
-    run = run_one(ETA, steps, run_dir, overrides, RUNS[name])
+def one_run(name: str, seed: int, steps: int, workdir: pathlib.Path, overrides: dict) -> dict:
+    run_dir = workdir / f"{name}_seed{seed}"
+    run = run_one(ETA, steps, run_dir, {**overrides, "seed": seed}, RUNS[name])
     curves = router_curves(run_dir)
     means = {}
     for key in ROUTER_METRICS:
         values = [c[key] for c in curves if key in c]
         if values:
             means[f"{key}_mean"] = sum(values) / len(values)
-    return {"run": name, "config": RUNS[name], "steps": run["steps"], "train_s": run["train_s"],
+    return {"run": name, "seed": seed, "config": RUNS[name], "steps": run["steps"], "train_s": run["train_s"],
             "step_s": run["train_s"] / max(run["steps"], 1), "base_accuracy": run["base_accuracy"],
             "final_accuracy": run["final_accuracy"], "eval_curve": eval_curve(run_dir), "router_curves": curves,
             **means}
 
 
-def plot(runs: dict[str, dict], path: pathlib.Path) -> None:
+def summarise(runs: list[dict], n: int) -> dict:
+    """The headline figures (module docstring) from every run of both variants; n: held-out prompts an eval."""
+    by = {name: [r for r in runs if r["run"] == name] for name in RUNS}
+    final = {name: statistics.mean(r["final_accuracy"] for r in rs) for name, rs in by.items()}
+    if all(len(rs) > 1 for rs in by.values()):
+        noise = math.sqrt(sum(statistics.variance([r["final_accuracy"] for r in rs]) / len(rs)
+                              for rs in by.values()))
+    else:
+        noise = difference_noise(final["dense"], final["moe"], n)
+    gap = abs(final["moe"] - final["dense"])
+
+    def mean_of(name, key):
+        values = [r[key] for r in by[name] if r.get(key) is not None]
+        return statistics.mean(values) if values else None
+
+    return {"dense_final_accuracy": final["dense"], "moe_final_accuracy": final["moe"],
+            "dense_final_accuracies": [r["final_accuracy"] for r in by["dense"]],
+            "moe_final_accuracies": [r["final_accuracy"] for r in by["moe"]],
+            "gap_points": gap * 100, "noise_points": noise * 100, "same_within_noise": gap <= 2 * noise,
+            "moe_route_flip_frac_mean": mean_of("moe", "route_flip_frac_mean"),
+            "moe_expert_load_max_mean": mean_of("moe", "expert_load_max_mean"),
+            "moe_step_s_vs_dense": mean_of("moe", "step_s") / mean_of("dense", "step_s"),
+            "curves": mean_curves(by)}
+
+
+def mean_curves(by: dict[str, list[dict]]) -> list[dict]:
+    """{"step", and each variant's held-out accuracy at it, the mean over its seeds} per eval step."""
+    steps = sorted({s for rs in by.values() for r in rs for s, _ in r["eval_curve"]})
+    out = []
+    for step in steps:
+        row = {"step": step}
+        for name, rs in by.items():
+            values = [a for r in rs for s, a in r["eval_curve"] if s == step]
+            row[name] = statistics.mean(values) if values else None
+        out.append(row)
+    return out
+
+
+def plot(runs: list[dict], curves: list[dict], path: pathlib.Path) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4))
     acc, flips = fig.subplots(1, 2)
-    for name, run in runs.items():
-        if run["eval_curve"]:
-            acc.plot(*zip(*run["eval_curve"]), marker="o", label=name)
-        points = [(c["step"], c["route_flip_frac"]) for c in run["router_curves"] if "route_flip_frac" in c]
-        if points:
-            flips.plot(*zip(*points), label=name)
+    for i, name in enumerate(RUNS):
+        color = f"C{i}"
+        for run in (r for r in runs if r["run"] == name):
+            if run["eval_curve"]:
+                acc.plot(*zip(*run["eval_curve"]), color=color, alpha=0.3, linewidth=1)
+            points = [(c["step"], c["route_flip_frac"]) for c in run["router_curves"] if "route_flip_frac" in c]
+            if points:
+                flips.plot(*zip(*points), color=color, alpha=0.6, linewidth=1, label=f"seed {run['seed']}")
+        mean = [(c["step"], c[name]) for c in curves if c.get(name) is not None]
+        if mean:
+            acc.plot(*zip(*mean), color=color, marker="o", label=f"{name} (mean over seeds)")
     acc.set(title="tool demo: held-out accuracy", xlabel="step", ylabel="accuracy")
     flips.set(title="moe: tokens whose update top-k differs from the rollout's", xlabel="step", ylabel="fraction")
     for ax in (acc, flips):
@@ -81,11 +130,8 @@ def plot(runs: dict[str, dict], path: pathlib.Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable, so tests can parse the documented commands without running them)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short warm start, few steps (plumbing only)")
-    parser.add_argument("--json", type=pathlib.Path, help="write the figures here")
-    parser.add_argument("--steps", type=int, help="train steps per run (default 40, quick 6)")
-    parser.add_argument("--eval-every", type=int, help="steps between held-out evals (default 10, quick 3)")
+    parser = learning_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (default 0,1,2; quick 0)")
     parser.add_argument("--workdir", type=pathlib.Path, default=ROOT / "runs" / "moe_learning")
     parser.add_argument("--plot", type=pathlib.Path, help="also save the plot here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -106,29 +152,25 @@ def main(argv=None) -> int:
     for config in RUNS.values():  # every config checked before the first run starts
         rl.check_config(load_config(str(ROOT / config), {k: str(v) for k, v in overrides.items()}))
     n = int(load_config(str(ROOT / CONFIG), {k: str(v) for k, v in overrides.items()}).eval.num_prompts)
-    runs = {name: one_run(name, steps, args.workdir, overrides) for name in RUNS}
-    dense, moe = runs["dense"]["final_accuracy"], runs["moe"]["final_accuracy"]
-    noise = difference_noise(dense, moe, n)
-    gap = abs(moe - dense)
-    headline = {"dense_final_accuracy": dense, "moe_final_accuracy": moe, "gap_points": gap * 100,
-                "noise_points": noise * 100, "same_within_noise": gap <= 2 * noise,
-                "moe_route_flip_frac_mean": runs["moe"].get("route_flip_frac_mean"),
-                "moe_expert_load_max_mean": runs["moe"].get("expert_load_max_mean"),
-                "moe_step_s_vs_dense": runs["moe"]["step_s"] / runs["dense"]["step_s"]}
-    print(f"\n{'run':<8}{'base':>8}{'final':>8}{'s/step':>8}   eval curve")
-    for name, run in runs.items():
+    seeds = [int(x) for x in ("0" if args.quick and args.seeds == "0,1,2" else args.seeds).split(",") if x.strip()]
+    runs = [one_run(name, seed, steps, args.workdir, overrides) for seed in seeds for name in RUNS]
+    headline = summarise(runs, n)
+    print(f"\n{'run':<8}{'seed':>5}{'base':>8}{'final':>8}{'s/step':>8}   eval curve")
+    for run in runs:
         curve = " ".join(f"{s}:{a:.2f}" for s, a in run["eval_curve"])
-        print(f"{name:<8}{run['base_accuracy']:>8.1%}{run['final_accuracy']:>8.1%}{run['step_s']:>8.2f}   {curve}")
-    print(f"gap {gap * 100:.1f} points, eval noise {noise * 100:.1f} points: "
-          f"{'within' if headline['same_within_noise'] else 'outside'} 2x noise; "
-          f"route flips {headline['moe_route_flip_frac_mean']}")
-    path = args.workdir / "moe_learning.png"
-    plot(runs, path)
+        print(f"{run['run']:<8}{run['seed']:>5}{run['base_accuracy']:>8.1%}{run['final_accuracy']:>8.1%}"
+              f"{run['step_s']:>8.2f}   {curve}")
+    print(f"final accuracy, mean over seeds {seeds}: dense {headline['dense_final_accuracy']:.1%}, moe "
+          f"{headline['moe_final_accuracy']:.1%}; gap {headline['gap_points']:.1f} points, noise "
+          f"{headline['noise_points']:.1f} points: {'within' if headline['same_within_noise'] else 'outside'} 2x "
+          f"noise; route flips {headline['moe_route_flip_frac_mean']:.2%} a step")
+    plot(runs, headline["curves"], args.workdir / "moe_learning.png")
     if args.plot:
-        plot(runs, args.plot)
+        plot(runs, headline["curves"], args.plot)
     if args.json:
         results_meta.write_json(str(args.json), {**headline, "eta": ETA, "steps": steps, "eval_every": every,
-                                                 "eval_prompts": n, "quick": args.quick, "runs": runs}, started)
+                                                 "eval_prompts": n, "seeds": seeds, "quick": args.quick,
+                                                 "runs": runs}, started)
         print(f"wrote {args.json}")
     return 0
 
