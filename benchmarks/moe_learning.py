@@ -115,7 +115,7 @@ def plot(runs: list[dict], curves: list[dict], path: pathlib.Path) -> None:
                 acc.plot(*zip(*run["eval_curve"]), color=color, alpha=0.3, linewidth=1)
             points = [(c["step"], c["route_flip_frac"]) for c in run["router_curves"] if "route_flip_frac" in c]
             if points:
-                flips.plot(*zip(*points), color=color, alpha=0.6, linewidth=1, label=f"seed {run['seed']}")
+                flips.plot(*zip(*points), color=f"C{2 + run['seed'] % 8}", linewidth=1, label=f"seed {run['seed']}")
         mean = [(c["step"], c[name]) for c in curves if c.get(name) is not None]
         if mean:
             acc.plot(*zip(*mean), color=color, marker="o", label=f"{name} (mean over seeds)")
