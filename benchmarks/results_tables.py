@@ -32,6 +32,16 @@ README = ROOT / "README.md"
 MARKER = re.compile(r"<!-- results:(?P<name>[a-z0-9_]+):begin -->\n(?P<body>.*?)<!-- results:(?P=name):end -->",
                     re.DOTALL)
 GLANCE_ROWS = 8
+# Result files a benchmark writes under another name than its own, by a mode of its command line:
+# {result name: (script name, the arguments that select the mode)}.
+WRITTEN_BY = {"mismatch_moe": ("mismatch", "--moe")}
+
+
+def command_of(name: str) -> str:
+    """The command that writes benchmarks/results/NAME.json (quick)."""
+    script, mode = WRITTEN_BY.get(name, (name, ""))
+    args = f"{mode} --quick" if mode else "--quick"
+    return f".venv/bin/python benchmarks/{script}.py {args} --json benchmarks/results/{name}.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,8 +497,7 @@ def benchmark_block(name: str, result: dict | None) -> str:
     """The generated text between benchmark NAME's markers."""
     anchor = f'<a id="results-{name}"></a>\n\n'
     if result is None:
-        return (f"{anchor}No result file committed (benchmarks/results/{name}.json): run "
-                f"`.venv/bin/python benchmarks/{name}.py --quick --json benchmarks/results/{name}.json`.\n")
+        return f"{anchor}No result file committed (benchmarks/results/{name}.json): run `{command_of(name)}`.\n"
     if name not in HEADLINES:
         raise SystemExit(f"benchmarks/results/{name}.json: results_tables.py's HEADLINES has no entry for {name!r}")
     rows = "".join(f"| {f.label} | {f.text(result)} |\n" for f in HEADLINES[name])
