@@ -299,9 +299,9 @@ def test_loglinear_prox_and_kl_reference_change_the_forward_passes(monkeypatch):
     calls = []
     original = step_module.token_logprobs
 
-    def counting(model, mb, remat=False, *more):
+    def counting(model, mb, remat=False, *more, **options):
         calls.append(remat)
-        return original(model, mb, remat, *more)
+        return original(model, mb, remat, *more, **options)
 
     monkeypatch.setattr(step_module, "token_logprobs", counting)
     # The passes are counted as the step is traced, when the trainer lowers it at construction; compiling

@@ -76,7 +76,7 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_whole_sequence(fsdp, t
 def test_the_lm_head_is_vocab_parallel_only_where_the_vocab_splits_over_fsdp():
     devices = jax.devices()[:8]
     rules = vocab_parallel_rules(sharding.make_mesh(data=2, fsdp=2, tensor=2, devices=devices), 512)
-    assert rules["vocab"] == ("fsdp", "tensor") and rules["batch"] == ("data",)
+    assert rules["vocab"] == ("fsdp", "tensor") and rules["batch"] == ("data", "expert")
     assert vocab_parallel_rules(sharding.make_mesh(fsdp=8, devices=devices), 512)["vocab"] == ("fsdp",)
     assert vocab_parallel_rules(sharding.make_mesh(fsdp=8, devices=devices), 100) is None  # 100 % 8
     assert vocab_parallel_rules(sharding.make_mesh(fsdp=1, tensor=8, devices=devices), 512) is None
