@@ -33,7 +33,9 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from jaxflow.data.records import Sample, fit_routes
+from jaxflow.data import checks
+from jaxflow.data.records import RouteSpec, Sample, fit_routes
+from jaxflow.data.service_errors import SampleRefused
 
 
 class EngineError(RuntimeError):
@@ -119,21 +121,11 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
     if not len(prefix.logprobs) == len(prefix.versions) == len(prefix.tokens):
         return (f"prefix has {len(prefix.tokens)} tokens but {len(prefix.logprobs)} log-probs and "
                 f"{len(prefix.versions)} versions")
-    routes = prefix.routes
-    if routes is not None and (not isinstance(routes, np.ndarray) or routes.dtype.kind not in "iu"
-                               or routes.ndim != 3 or len(routes) != len(prefix.tokens)):
-        got = (f"shape {list(routes.shape)} of {routes.dtype}" if isinstance(routes, np.ndarray)
-               else f"a {type(routes).__name__}")
-        return (f"prefix routes must be None or an integer array of [{len(prefix.tokens)} tokens, sparse layers, "
-                f"top-k], got {got}")
-    if routes is not None and route_shape is None:
-        return "prefix has routes (Sample.routes), but the model has no experts to route to"
-    if routes is not None and np.shape(routes) != (len(prefix.tokens), *route_shape):
-        return (f"prefix routes have shape {list(np.shape(routes))}, not {[len(prefix.tokens), *route_shape]} "
-                f"(its tokens, the model's sparse layers, its experts per token)")
-    if routes is not None and np.size(routes) and (
-            np.min(routes) < -1 or np.max(routes) >= num_experts):
-        return f"prefix routes must be integer expert ids in [0, {num_experts}) or -1 (not recorded)"
+    spec = None if route_shape is None else RouteSpec(*route_shape, num_experts)
+    try:  # the trajectory service's own check of a sample's routes
+        checks.check_routes("prefix routes", prefix.routes, len(prefix.tokens), spec)
+    except SampleRefused as e:
+        return str(e)
     if p.temperature < 0 or p.top_k < 0 or not 0 < p.top_p <= 1 or p.max_tokens < 1:
         return (f"invalid sampling params {p}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
                 f"max_tokens >= 1")

@@ -154,7 +154,9 @@ def test_engine_copies_fit_routes_to_the_tokens():
     s = sample(3, 10, finish=None)
     for bad in (s.routes[:2], s.routes.astype(np.float32), s.routes.tolist()):
         request = Request("r", [1, 2], prefix=dataclasses.replace(s, routes=bad))
-        assert "prefix routes must be" in request_error(request, vocab_size=64, context=32, context_name="context")
+        why = request_error(request, vocab_size=64, context=32, context_name="context",
+                            route_shape=(SPEC.layers, SPEC.top_k), num_experts=SPEC.num_experts)
+        assert why.startswith("prefix routes: routes ")
         assert copy_prefix(request).routes is None or len(copy_prefix(request).routes) == 3  # no crash
     s.tokens.append(9)  # the engine took a token whose routes it has not written yet
     copied = in_flight_copy(s)
