@@ -23,6 +23,7 @@ import ast
 import asyncio
 import fractions
 import re
+import threading
 from typing import Any
 
 from jaxflow.envs.base import Step
@@ -34,6 +35,10 @@ TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"
 
 _ARITHMETIC_TEXT = re.compile(r"[0-9+\-*/().\s]*")
 _NOT_ARITHMETIC = "only integers, + - * / and parentheses are allowed"
+# One parse at a time in this process: CPython 3.11's AST constructor keeps its recursion depth in state the
+# threads share, so parses on two threads (episodes' environments run on threads of their own) can fail with
+# "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905), failing a well-formed call.
+_PARSE_LOCK = threading.Lock()
 _OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
               ast.Div: lambda a, b: a / b}
 
@@ -67,7 +72,8 @@ def evaluate(expression: str, max_chars: int = 200, max_digits: int = 30) -> str
     if not _ARITHMETIC_TEXT.fullmatch(expression):
         raise ValueError(_NOT_ARITHMETIC)
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ValueError("not an arithmetic expression") from None
     limit = 10 ** max_digits

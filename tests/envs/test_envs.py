@@ -357,3 +357,37 @@ def test_the_calculator_parses_its_turns_with_the_one_pass_scanner():
         assert final.done and final.reward == 0.0 and len(degenerate.scans) == 2
 
     run(steps())
+
+
+def test_expressions_are_parsed_one_at_a_time_across_threads(monkeypatch):
+    # CPython 3.11's AST constructor shares its recursion depth between threads (gh-106905): two parses at
+    # once can fail a well-formed call with a SystemError, so the calculator parses under one lock. A slow
+    # stand-in for ast.parse counts how many threads are inside it at once.
+    import ast
+    import threading
+    import time
+
+    from jaxflow.envs import calculator
+
+    inside, most, guard, parse = [0], [0], threading.Lock(), ast.parse
+
+    def slow_parse(*args, **kwargs):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.005)
+        try:
+            return parse(*args, **kwargs)
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    monkeypatch.setattr(calculator.ast, "parse", slow_parse)
+    results = []
+    threads = [threading.Thread(target=lambda i=i: results.append(evaluate(f"{i} * 2 + 1"))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results, key=int) == [str(2 * i + 1) for i in range(8)]
+    assert most[0] == 1
