@@ -7,9 +7,12 @@
 same number of steps, each in a fresh workdir, once per seed of `--seeds` (the run's `seed`: its prompts and
 sampling; the base models are each variant's one warm start):
 
-    dense   the demo as it is (its dense tiny model)
-    moe     the `:moe` variant: a tiny Qwen3-MoE (4 experts a layer, top-2, each half the dense MLP's width)
-            from its own warm start, trained with routing replay (`trainer.moe.routing_replay = "rollout"`)
+    dense           the demo as it is (its dense tiny model)
+    moe             the `:moe` variant: a tiny Qwen3-MoE (4 experts, top-2, each half the dense MLP's width;
+                    its first layer's MLP dense, its second sparse) from its own warm start (with the
+                    routers' load-balancing loss), trained with routing replay
+                    (`trainer.moe.routing_replay = "rollout"`)
+    moe_all_sparse  the same with both layers sparse (`model.mlp_only_layers = ()`, its own warm start)
 
 Reported per run: the held-out accuracy curve (evals every `--eval-every` steps, the base's first), the final
 held-out accuracy and seconds a step; for the MoE runs, the router's per-step metrics from metrics.jsonl
@@ -18,7 +21,8 @@ busiest expert's load over the mean) with their means. The headline: each varian
 over seeds), their gap in points, the noise of that difference and `same_within_noise` (a gap of at most 2 of
 them). The noise is the standard error of the difference of the two means from the seeds' spread (which holds
 the eval's sampling noise and the runs' own), or with one seed the eval's alone
-(`precision.difference_noise`). A plot of the curves goes to the workdir (and `--plot PATH`).
+(`precision.difference_noise`). `moe_all_sparse_final_accuracy` and its gap to the dense model come beside
+them. A plot of the curves goes to the workdir (and `--plot PATH`).
 
 --quick runs a shorter warm start, fewer steps and fewer eval prompts: it checks the plumbing, not the accuracy.
 """
@@ -39,7 +43,10 @@ from precision import difference_noise, eval_curve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/arithmetic_tools_tiny.py"
-RUNS = {"dense": CONFIG, "moe": CONFIG + ":moe"}
+# Each variant: its config file and the overrides that make it (one warm start per variant).
+RUNS = {"dense": (CONFIG, {}), "moe": (CONFIG + ":moe", {}),
+        "moe_all_sparse": (CONFIG + ":moe", {"model.mlp_only_layers": "()",
+                                             "base.dir": "runs/base/arithmetic_tools_tiny_moe_all_sparse"})}
 ETA = 4
 ROUTER_METRICS = ("route_flip_frac", "expert_load_max", "router_aux_loss")
 
@@ -52,26 +59,27 @@ def router_curves(workdir: pathlib.Path) -> list[dict]:
 
 def one_run(name: str, seed: int, steps: int, workdir: pathlib.Path, overrides: dict) -> dict:
     run_dir = workdir / f"{name}_seed{seed}"
-    run = run_one(ETA, steps, run_dir, {**overrides, "seed": seed}, RUNS[name])
+    config, own = RUNS[name]
+    run = run_one(ETA, steps, run_dir, {**overrides, **own, "seed": seed}, config)
     curves = router_curves(run_dir)
     means = {}
     for key in ROUTER_METRICS:
         values = [c[key] for c in curves if key in c]
         if values:
             means[f"{key}_mean"] = sum(values) / len(values)
-    return {"run": name, "seed": seed, "config": RUNS[name], "steps": run["steps"], "train_s": run["train_s"],
-            "step_s": run["train_s"] / max(run["steps"], 1), "base_accuracy": run["base_accuracy"],
-            "final_accuracy": run["final_accuracy"], "eval_curve": eval_curve(run_dir), "router_curves": curves,
-            **means}
+    return {"run": name, "seed": seed, "config": config, "overrides": own, "steps": run["steps"],
+            "train_s": run["train_s"], "step_s": run["train_s"] / max(run["steps"], 1),
+            "base_accuracy": run["base_accuracy"], "final_accuracy": run["final_accuracy"],
+            "eval_curve": eval_curve(run_dir), "router_curves": curves, **means}
 
 
 def summarise(runs: list[dict], n: int) -> dict:
     """The headline figures (module docstring) from every run of both variants; n: held-out prompts an eval."""
     by = {name: [r for r in runs if r["run"] == name] for name in RUNS}
     final = {name: statistics.mean(r["final_accuracy"] for r in rs) for name, rs in by.items()}
-    if all(len(rs) > 1 for rs in by.values()):
-        noise = math.sqrt(sum(statistics.variance([r["final_accuracy"] for r in rs]) / len(rs)
-                              for rs in by.values()))
+    if len(by["dense"]) > 1 and len(by["moe"]) > 1:
+        noise = math.sqrt(sum(statistics.variance([r["final_accuracy"] for r in by[name]]) / len(by[name])
+                              for name in ("dense", "moe")))
     else:
         noise = difference_noise(final["dense"], final["moe"], n)
     gap = abs(final["moe"] - final["dense"])
@@ -83,6 +91,9 @@ def summarise(runs: list[dict], n: int) -> dict:
     return {"dense_final_accuracy": final["dense"], "moe_final_accuracy": final["moe"],
             "dense_final_accuracies": [r["final_accuracy"] for r in by["dense"]],
             "moe_final_accuracies": [r["final_accuracy"] for r in by["moe"]],
+            "moe_all_sparse_final_accuracy": final["moe_all_sparse"],
+            "moe_all_sparse_final_accuracies": [r["final_accuracy"] for r in by["moe_all_sparse"]],
+            "moe_all_sparse_gap_points": abs(final["moe_all_sparse"] - final["dense"]) * 100,
             "gap_points": gap * 100, "noise_points": noise * 100, "same_within_noise": gap <= 2 * noise,
             "moe_route_flip_frac_mean": mean_of("moe", "route_flip_frac_mean"),
             "moe_expert_load_max_mean": mean_of("moe", "expert_load_max_mean"),
@@ -113,7 +124,8 @@ def plot(runs: list[dict], curves: list[dict], path: pathlib.Path) -> None:
         for run in (r for r in runs if r["run"] == name):
             if run["eval_curve"]:
                 acc.plot(*zip(*run["eval_curve"]), color=color, alpha=0.3, linewidth=1)
-            points = [(c["step"], c["route_flip_frac"]) for c in run["router_curves"] if "route_flip_frac" in c]
+            points = [(c["step"], c["route_flip_frac"]) for c in run["router_curves"]
+                      if "route_flip_frac" in c and name == "moe"]
             if points:
                 flips.plot(*zip(*points), color=f"C{2 + run['seed'] % 8}", linewidth=1, label=f"seed {run['seed']}")
         mean = [(c["step"], c[name]) for c in curves if c.get(name) is not None]
@@ -135,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", type=pathlib.Path, default=ROOT / "runs" / "moe_learning")
     parser.add_argument("--plot", type=pathlib.Path, help="also save the plot here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for both runs (repeatable)")
+                        help="a config override for every run (repeatable)")
     return parser
 
 
@@ -149,21 +161,22 @@ def main(argv=None) -> int:
     from jaxflow.config import load_config
     from jaxflow.jobs import rl
 
-    for config in RUNS.values():  # every config checked before the first run starts
-        rl.check_config(load_config(str(ROOT / config), {k: str(v) for k, v in overrides.items()}))
+    for config, own in RUNS.values():  # every config checked before the first run starts
+        rl.check_config(load_config(str(ROOT / config), {k: str(v) for k, v in {**overrides, **own}.items()}))
     n = int(load_config(str(ROOT / CONFIG), {k: str(v) for k, v in overrides.items()}).eval.num_prompts)
     seeds = [int(x) for x in ("0" if args.quick and args.seeds == "0,1,2" else args.seeds).split(",") if x.strip()]
     runs = [one_run(name, seed, steps, args.workdir, overrides) for seed in seeds for name in RUNS]
     headline = summarise(runs, n)
-    print(f"\n{'run':<8}{'seed':>5}{'base':>8}{'final':>8}{'s/step':>8}   eval curve")
+    print(f"\n{'run':<16}{'seed':>5}{'base':>8}{'final':>8}{'s/step':>8}   eval curve")
     for run in runs:
         curve = " ".join(f"{s}:{a:.2f}" for s, a in run["eval_curve"])
-        print(f"{run['run']:<8}{run['seed']:>5}{run['base_accuracy']:>8.1%}{run['final_accuracy']:>8.1%}"
+        print(f"{run['run']:<16}{run['seed']:>5}{run['base_accuracy']:>8.1%}{run['final_accuracy']:>8.1%}"
               f"{run['step_s']:>8.2f}   {curve}")
     print(f"final accuracy, mean over seeds {seeds}: dense {headline['dense_final_accuracy']:.1%}, moe "
           f"{headline['moe_final_accuracy']:.1%}; gap {headline['gap_points']:.1f} points, noise "
           f"{headline['noise_points']:.1f} points: {'within' if headline['same_within_noise'] else 'outside'} 2x "
-          f"noise; route flips {headline['moe_route_flip_frac_mean']:.2%} a step")
+          f"noise; route flips {headline['moe_route_flip_frac_mean']:.2%} a step; both layers sparse "
+          f"{headline['moe_all_sparse_final_accuracy']:.1%}")
     plot(runs, headline["curves"], args.workdir / "moe_learning.png")
     if args.plot:
         plot(runs, headline["curves"], args.plot)

@@ -9,8 +9,12 @@ run the same episodes, greedily.
 
 Everything else is configs/arithmetic_tiny.py's (its variants too: `:sync` for eta = 0). The variant
 `:moe` (combines with the option `small`: `:moe,small`) swaps the dense model for a tiny mixture of experts
-(Qwen3-MoE: 4 experts a layer, top-2, each half the dense MLP's width, so a token computes what it would in
-the dense model) built by its own warm start, and trains it with routing replay (`trainer.moe`).
+(Qwen3-MoE: 4 experts, top-2, each half the dense MLP's width, so a token computes what it would in the
+dense model) built by its own warm start, and trains it with routing replay (`trainer.moe`). Its warm start
+adds the routers' load-balancing loss (`model.router_aux_loss_coef`), as MoE models are pretrained with one;
+its first layer keeps the dense MLP and its second is sparse, as DeepSeek-V3, GLM-4.5 and Kimi K2 keep
+their first layers dense. benchmarks/moe_learning.py measures it against the dense model, and against the
+same mixture with both layers sparse.
 
 Commands:
   .venv/bin/python -m jaxflow.main --config=configs/arithmetic_tools_tiny.py
@@ -38,7 +42,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         config.model.num_experts = 4
         config.model.num_experts_per_tok = 2
         config.model.moe_intermediate_size = config.model.intermediate_size // 2
-        config.model.mlp_only_layers = ()
+        config.model.mlp_only_layers = (0,)
+        config.model.router_aux_loss_coef = 0.01
         config.trainer.moe.routing_replay = "rollout"
     # The fraction of warm-start demonstrations that call the calculator instead of working it out.
     config.task.tool_fraction = 0.25

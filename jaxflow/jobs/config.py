@@ -238,6 +238,8 @@ class ModelSection(Section):
     num_experts_per_tok: experts each token goes through (top-k).
     moe_intermediate_size: width of one expert's SwiGLU hidden layer.
     mlp_only_layers: layers that keep a dense MLP among the sparse ones.
+    router_aux_loss_coef: a mixture of experts: the weight of the routers' load-balancing loss in the warm
+      start (HF's `router_aux_loss_coef`; the RL update's is trainer.moe.aux_loss_coef).
     compute_dtype: what the RL update computes in, and the engines unless rollout.compute_dtype says
       otherwise: "float32" or "bfloat16" (master weights in trainer.param_dtype; log-probs, losses and their
       reductions float32 either way). It applies to any base model, and is not part of the base model's
@@ -260,6 +262,7 @@ class ModelSection(Section):
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 0
     mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
     compute_dtype: str = "float32"
 
     def problems(self) -> list[str]:
@@ -277,6 +280,7 @@ class ModelSection(Section):
                             f"architecture 'Qwen3MoeForCausalLM' and num_experts 0 for any other (got "
                             f"{self.architecture!r} with {self.num_experts} experts of width "
                             f"{self.moe_intermediate_size})")
+        check_float(problems, self.key("router_aux_loss_coef"), self.router_aux_loss_coef, 0.0)
         check_choice(problems, self.key("compute_dtype"), self.compute_dtype, COMPUTE_DTYPES)
         return problems
 

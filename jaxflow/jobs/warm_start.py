@@ -38,7 +38,7 @@ from jaxflow.models.tiny import write_tiny_model
 from jaxflow.tasks import Task, get_task
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.batch import Trajectory, make_batch
-from jaxflow.trainer.step import token_logprobs
+from jaxflow.trainer.step import router_metrics, token_logprobs
 
 INFO_FILE = "base_info.json"
 
@@ -69,18 +69,27 @@ def make_task(config: ml_collections.ConfigDict) -> Task:
     return get_task(options.pop("name"), **options)
 
 
-def _sft_step(graphdef, tx):
+def _sft_step(graphdef, tx, aux_coef: float = 0.0):
+    """The warm start's jit-compiled step: the demonstrations' mean token NLL, plus for a mixture of experts
+    `aux_coef` times the routers' load-balancing loss (the mean over sparse layers), as MoE models are
+    pretrained: without it a warm start leaves some experts busy and others all but idle."""
     @jax.jit
     def step(params, opt_state, batch):
         def loss_fn(p):
             mb = jax.tree.map(lambda x: x[0], batch)  # one micro-batch
-            logp, _ = token_logprobs(nnx.merge(graphdef, p), mb)
+            model = nnx.merge(graphdef, p)
+            logp, _, stats = token_logprobs(model, mb, router=True)
             mask = mb.loss_mask
-            return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+            nll = -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+            if stats is None or not aux_coef:
+                return nll, nll
+            cfg = model.config
+            aux, _, _ = router_metrics(stats, None, cfg.num_experts, cfg.num_experts_per_tok)
+            return nll + aux_coef * aux, nll
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        (_, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, nll
 
     return step
 
@@ -166,7 +175,7 @@ def build_base_model(config: ml_collections.ConfigDict, directory: str | pathlib
                                                                     b.steps, b.lr * 0.1),
                                  weight_decay=0.0))
     opt_state = tx.init(params)
-    step_fn = _sft_step(graphdef, tx)
+    step_fn = _sft_step(graphdef, tx, float(m.get("router_aux_loss_coef", 0.0)) if m.get("num_experts", 0) else 0.0)
     rng = np.random.default_rng(b.seed)
     losses = []
     for step in range(1, b.steps + 1):
