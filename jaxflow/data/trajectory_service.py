@@ -98,7 +98,8 @@ class TrajectoryService:
       vocab_size: the model's vocabulary size: `finish` refuses token ids at or above it (None: no model is
         known; ids must still be below 2**31).
       max_sequence_tokens: the most tokens of a group's prompt plus one of its samples, the trainer's row
-        (rollout.max_len): `finish` refuses longer samples (None: no cap).
+        (rollout.max_len): `finish` refuses longer samples (None: no cap); a sample split into training
+        sequences (`Sample.sequence_starts`), one whose longest sequence with its context is longer.
       route_spec: the routing a mixture-of-experts model records per token (`RouteSpec.of(model config)`):
         samples' routes must have its shape and expert ids. None: a dense model; samples carrying routes
         are refused.
@@ -236,7 +237,8 @@ class TrajectoryService:
         max_tokens = None if self.max_sequence_tokens is None else self.max_sequence_tokens - len(g.prompt)
         try:
             checks.check_samples(g.group_id, g.n, samples, "finish", g.v_start, self._published, True,
-                                 vocab_size=self.vocab_size, max_tokens=max_tokens, route_spec=self.route_spec)
+                                 vocab_size=self.vocab_size, max_tokens=max_tokens, route_spec=self.route_spec,
+                                 prompt_tokens=len(g.prompt))
             if rewards is not None:
                 checks.check_rewards(g.group_id, g.n, rewards)
         except SampleRefused as e:
