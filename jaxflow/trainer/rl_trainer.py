@@ -45,7 +45,7 @@ from jaxflow import sharding
 from jaxflow.config import ConfigError, Section, check_bool, check_choice, check_float, check_int
 from jaxflow.data import checks
 from jaxflow.data.device_params import DeviceParamSource
-from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec
+from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec, Sample
 from jaxflow.data.trajectory_service import BATCH_RULES
 from jaxflow.models import hf_io, lora, precision
 from jaxflow.trainer import losses
@@ -308,14 +308,40 @@ def check_trainer_config(trainer: ml_collections.ConfigDict) -> None:
 
 
 def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
-    """One Trajectory per sample of every group, rewards attached (advantages are computed per group)."""
+    """One Trajectory per training sequence of every sample (`Sample.sequences`; one per sample without
+    `sequence_starts`), each with its sample's reward and member index (advantages are computed per group,
+    each member counted once). The sequence before the first start (if any) follows the group's prompt; a
+    started one is its own context: its prompt is the env span it opens with, its completion the rest of
+    it (env spans, log-probs, versions and routes cut to it; the routes of its prompt dropped, as a prompt's
+    positions route themselves)."""
     out = []
     for g in groups:
-        for sample, reward in zip(g.samples, g.rewards):
-            out.append(Trajectory(g.prompt, sample.tokens, sample.logprobs, sample.versions,
-                                  reward=float(reward), group_id=g.group_id, env_spans=sample.env_spans,
-                                  routes=sample.routes))
+        for member, (sample, reward) in enumerate(zip(g.samples, g.rewards)):
+            if not sample.sequence_starts:
+                out.append(Trajectory(g.prompt, sample.tokens, sample.logprobs, sample.versions,
+                                      reward=float(reward), group_id=g.group_id, env_spans=sample.env_spans,
+                                      routes=sample.routes, member=member))
+                continue
+            starts = set(sample.sequence_starts)
+            for start, end in sample.sequences():
+                if start in starts:  # its context: the env span it opens with
+                    prompt = sample.tokens[start:next(b for a, b in sample.env_spans if a == start)]
+                else:  # the tokens before the first start, after the group's prompt
+                    prompt = g.prompt
+                first = start + len(prompt) if start in starts else start
+                spans = [[a - first, b - first] for a, b in sample.env_spans if first <= a and b <= end]
+                out.append(Trajectory(prompt, sample.tokens[first:end], sample.logprobs[first:end],
+                                      sample.versions[first:end], reward=float(reward), group_id=g.group_id,
+                                      env_spans=spans, member=member,
+                                      routes=None if sample.routes is None else sample.routes[first:end]))
     return out
+
+
+def longest_sequence(prompt: list[int], sample: Sample) -> int:
+    """The tokens of the sample's longest training sequence with its context: the group's prompt for the
+    first one unless it is started, nothing else for a started one (`Sample.sequence_starts`)."""
+    starts = set(sample.sequence_starts)
+    return max(end - start + (0 if start in starts else len(prompt)) for start, end in sample.sequences())
 
 
 def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int, vocab_size: int | None = None,
@@ -332,10 +358,11 @@ def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int, vocab
             checks.check_samples(g.group_id, len(g.samples), g.samples, "consumed", g.v_start, version,
                                  finished=False, vocab_size=vocab_size, route_spec=route_spec)
             checks.check_rewards(g.group_id, len(g.samples), g.rewards)
-            longest = max((len(s.tokens) for s in g.samples), default=0)
-            if not g.samples or len(g.prompt) + longest > seq_len:
-                raise ValueError(f"group {g.group_id}: prompt + longest sample is {len(g.prompt) + longest} "
-                                 f"tokens, more than seq_len={seq_len} (or the group has no samples)")
+            longest = max((longest_sequence(g.prompt, s) for s in g.samples), default=0)
+            if not g.samples or longest > seq_len:
+                raise ValueError(f"group {g.group_id}: the longest training sequence with its context (prompt + "
+                                 f"longest sample, unless split) is {longest} tokens, more than seq_len={seq_len} "
+                                 f"(or the group has no samples)")
         except (TypeError, ValueError) as e:
             rejected.append((g.group_id, str(e)))
             logger.error("dropping group %d from the update at version %d: %s", g.group_id, version, e)
