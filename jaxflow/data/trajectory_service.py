@@ -34,7 +34,8 @@ let it lapse is told so if it calls about it later. `release_worker` does the sa
 Samples the model cannot train on. With `vocab_size` (the model's; every job that has a model passes it),
 `finish` refuses token ids outside [0, vocab_size) (ids >= 2**31 are refused even without it: they do not
 fit the trainer's int32 batch); with `max_sequence_tokens` (the trainer's row, rollout.max_len), a sample
-whose prompt and tokens together are longer; and rewards whose group statistics overflow float32 (a sum of
+whose prompt and tokens together are longer (split into training sequences, `Sample.sequence_starts`: one
+with a sequence that with its context is longer); and rewards whose group statistics overflow float32 (a sum of
 episode turns can). With `route_spec` (a mixture-of-experts model's, `RouteSpec.of(its config)`), a sample's
 recorded routing (`Sample.routes`, replayed by the update) must have its shape and expert ids; without one
 (a dense model) a sample may carry none. A refused `finish` or `reward` raises `SampleRefused` (a ValueError

@@ -9,17 +9,21 @@ contract asks for: `mark_published(v+1)` first, then the weights: to the optiona
 when one is given (HF-named host tensors, for vLLM and other processes; skipped when there is none, so
 an all-in-process run never converts weights to the host).
 
+A sample split into training sequences (`Sample.sequence_starts`: an agent that rewrote its history) trains
+as one trajectory per sequence (`trajectories_of`), each seeing only its own context; they all carry the
+sample's reward and member index, so the group's advantages count the member once.
+
 Metrics per step: the step's own (loss, grad norm, importance-weight stats...), the batch's rewards and
 response lengths, and the staleness histogram {v - token version: tokens} of the trained tokens. With
 `trainer.skip_zero_signal`, groups whose samples all scored the same (advantage 0 on every token) are
 consumed and accounted but left out of the update.
 
 A consumed group that could not be trained (token ids the model cannot embed, NaN or positive log-probs,
-rewards whose float32 statistics are not finite, token versions out of range, longer than a row: the
-trajectory service refuses these at `finish`, so only a service that does not check gets here) is
-dropped from the update by `screen_groups` before the batch is built, logged with its reason and counted in
-the step's `groups_rejected` metric; the job goes on, and the update trains the other groups. Only a buffer
-with no usable group at all raises, naming every group and its fault.
+rewards whose float32 statistics are not finite, token versions out of range, a training sequence with its
+context longer than a row: the trajectory service refuses these at `finish`, so only a service that does
+not check gets here) is dropped from the update by `screen_groups` before the batch is built, logged with
+its reason and counted in the step's `groups_rejected` metric; the job goes on, and the update trains the
+other groups. Only a buffer with no usable group at all raises, naming every group and its fault.
 
 Every option of the update is a key of the run config's trainer section: `step_config` and
 `optimizer_config` read them all and `check_trainer_config` validates them, naming the bad key, before a
