@@ -3,6 +3,8 @@ sequence (a started one its own context), every member's advantage computed once
 number of sequences, the length screen per sequence, and the batch laying each sequence out so that it sees
 its own tokens only (its segment, positions from 0), shared prompts included."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -223,3 +225,32 @@ def test_shared_prompts_join_only_equal_prompts():
     assert np.asarray(batch.context_ids).any()  # some prompt is shared
     adv = member_advantages(batch, samples)
     assert_each_sequence_sees_only_itself(batch, trajs, [adv[t.member][0] for t in trajs])
+
+
+@pytest.mark.slow  # compiles and trains the model
+def test_the_trainer_trains_a_buffer_of_split_samples(tmp_path):
+    """RLTrainer.train on groups whose members are split: every model token of every member is trained
+    once (trained_tokens), in the batch shape compiled for one trajectory per sample while they fit it."""
+    import jax
+
+    from jaxflow import sharding
+    from jaxflow.config import load_config
+    from jaxflow.data.records import ConsumedBatch
+    from jaxflow.models.hf_io import load_model
+    from jaxflow.models.tiny import write_tiny_model
+    from jaxflow.trainer.rl_trainer import RLTrainer
+
+    config = load_config("configs/arithmetic_tiny.py", {})
+    mesh = sharding.make_mesh(fsdp=2, devices=jax.devices()[:2])
+    trainer = RLTrainer(load_model(write_tiny_model(tmp_path / "m"), mesh=mesh), config.trainer, mesh,
+                        seq_len=32, max_sequences=16)
+    groups = []
+    for g in range(2):
+        samples = [dataclasses.replace(s, routes=None, versions=[0] * len(s.tokens)) for s in members()]
+        groups.append(FinishedGroup(g, PROMPT, 0, samples, [1.0, 0.0, 0.5, 0.0] if g else REWARDS))
+    assert len(trajectories_of(groups)) == 12  # fits the 16 sequences compiled for
+    metrics, staleness = trainer.train(ConsumedBatch(0, groups, "full"))
+    model_tokens = sum(int(s.model_mask().sum()) for g in groups for s in g.samples)
+    assert metrics["groups_trained"] == 2 and metrics["trained_tokens"] == model_tokens
+    assert staleness == {0: model_tokens} and np.isfinite(metrics["loss"]) and metrics["updates_skipped"] == 0
+    assert trainer.compiles == 1 and trainer.version == 1
