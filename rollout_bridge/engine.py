@@ -134,13 +134,14 @@ def request_error(request: Request, *, vocab_size: int, context: int, context_na
 
 def copy_prefix(request: Request) -> Sample:
     """A new sample holding the request's prefix (empty without one), to generate into; a multi-turn
-    episode's prefix keeps the spans its environment wrote, a mixture-of-experts one its routes (a copy:
-    the continuation appends its own rows to it)."""
+    episode's prefix keeps the spans its environment wrote and its training sequences' starts, a
+    mixture-of-experts one its routes (a copy: the continuation appends its own rows to it)."""
     prefix = request.prefix or Sample()
     # Malformed routes come only with a request `request_error` refuses, whose "error" completion needs none.
     routes = prefix.routes if isinstance(prefix.routes, np.ndarray) and prefix.routes.ndim == 3 else None
     return Sample(tokens=list(prefix.tokens), logprobs=list(prefix.logprobs), versions=list(prefix.versions),
-                  env_spans=[list(span) for span in prefix.env_spans], routes=fit_routes(routes, len(prefix.tokens)))
+                  env_spans=[list(span) for span in prefix.env_spans], routes=fit_routes(routes, len(prefix.tokens)),
+                  sequence_starts=list(prefix.sequence_starts))
 
 
 def in_flight_copy(sample: Sample, versions: list[int] | None = None) -> Sample:
@@ -150,7 +151,7 @@ def in_flight_copy(sample: Sample, versions: list[int] | None = None) -> Sample:
     return Sample(tokens=list(sample.tokens), logprobs=list(sample.logprobs),
                   versions=list(sample.versions if versions is None else versions),
                   env_spans=[list(span) for span in sample.env_spans],
-                  routes=fit_routes(sample.routes, len(sample.tokens)))
+                  routes=fit_routes(sample.routes, len(sample.tokens)), sequence_starts=list(sample.sequence_starts))
 
 
 def resumed_finish(sample: Sample, params: SamplingParams) -> str | None:

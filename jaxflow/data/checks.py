@@ -55,20 +55,22 @@ def check_str(name: str, value: Any, empty_ok: bool = True) -> str:
 
 
 def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool, *, vocab_size: int | None = None,
-                 max_tokens: int | None = None, route_spec: RouteSpec | None = None) -> None:
+                 max_tokens: int | None = None, route_spec: RouteSpec | None = None, prompt_tokens: int = 0) -> None:
     """Raises SampleRefused naming `what` (e.g. "group 3 sample 1") and the field of the first problem:
     token ids ints in [0, vocab_size) (below TOKEN_ID_LIMIT when vocab_size is None), at most `max_tokens`
-    of them (None: no cap), log-probs finite numbers <= 0, versions ints in [v_start, v_max], the three
-    lists of one length, finish_reason None or one of FINISH_REASONS (done if `finished`), routes as
-    `check_routes` wants them for `route_spec` (the model's; None: a dense model), reward None or
-    finite."""
+    of them (None: no cap; a sample split into training sequences: `check_sequence_lengths`), log-probs
+    finite numbers <= 0, versions ints in [v_start, v_max], the three lists of one length, finish_reason
+    None or one of FINISH_REASONS (done if `finished`), env_spans as `check_env_spans` and routes as
+    `check_routes` want them for `route_spec` (the model's; None: a dense model), sequence_starts as
+    `check_sequence_starts` wants them, reward None or finite."""
     if not isinstance(s, Sample):
         raise SampleRefused(f"{what}: is a {type(s).__name__}, not a Sample")
     for field in ("tokens", "logprobs", "versions"):
         if not isinstance(getattr(s, field), list):
             raise SampleRefused(f"{what}: {field} must be a list, got {type(getattr(s, field)).__name__}")
     n = len(s.tokens)
-    if max_tokens is not None and n > max_tokens:  # before the per-token loops: a huge sample costs nothing
+    split = isinstance(s.sequence_starts, list) and bool(s.sequence_starts)  # capped per sequence, below
+    if max_tokens is not None and n > max_tokens and not split:  # before the per-token loops: costs nothing
         raise SampleRefused(f"{what}: {n} tokens, more than the {max_tokens} a trainer row leaves it", "length")
     if len(s.logprobs) != n or len(s.versions) != n:
         raise SampleRefused(f"{what}: {n} tokens but {len(s.logprobs)} log-probs and {len(s.versions)} versions")
@@ -89,6 +91,9 @@ def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool, *,
         raise SampleRefused(f"{what} is not finished (finish_reason={s.finish_reason!r})")
     check_env_spans(what, s.env_spans, n)
     check_routes(what, s.routes, n, route_spec)
+    check_sequence_starts(what, s)
+    if split and max_tokens is not None:
+        check_sequence_lengths(what, s, max_tokens, prompt_tokens)
     if s.reward is not None and (not is_number(s.reward) or not math.isfinite(s.reward)):
         raise SampleRefused(f"{what}: reward {s.reward!r:.80} must be None or a finite number", "reward")
 
@@ -121,10 +126,59 @@ def check_env_spans(what: str, spans: Any, n: int) -> None:
         previous_end = span[1]
 
 
+def check_sequence_starts(what: str, s: Sample) -> None:
+    """A sample's sequence_starts (`Sample.sequence_starts`), for a sample whose env_spans and routes passed
+    their checks: a list of ints, sorted, unique, in [0, len(tokens)), each the start of an env span (a
+    sequence opens with the context the agent sent); every training sequence holds at least one model
+    token, but the last one of a sample not done (still generating, aborted) may hold only its context so
+    far; at each start s, routes[s] (the experts of the input before token s, which its sequence does not
+    have) are all -1 (not recorded). Else SampleRefused naming `what`, the field and the element."""
+    starts, n = s.sequence_starts, len(s.tokens)
+    if not isinstance(starts, list):
+        raise SampleRefused(f"{what}: sequence_starts must be a list of ints, got {type(starts).__name__}")
+    if not starts:
+        return
+    span_starts = {span[0] for span in s.env_spans}
+    previous = -1
+    for i, start in enumerate(starts):
+        if not is_int(start) or not previous < start < n:
+            raise SampleRefused(f"{what}: sequence_starts[{i}] = {start!r:.80}; starts must be sorted, unique ints "
+                                f"in [0, {n}) (the sample's tokens)")
+        if start not in span_starts:
+            raise SampleRefused(f"{what}: sequence_starts[{i}] = {start} is not the start of an env span; a "
+                                f"training sequence opens with its context (the environment's tokens)")
+        previous = start
+    trained = np.concatenate([[0], np.cumsum(s.model_mask())])  # model tokens before each index
+    sequences = s.sequences()
+    for k, (a, b) in enumerate(sequences):
+        if trained[b] == trained[a] and (k < len(sequences) - 1 or s.done):
+            raise SampleRefused(f"{what}: sequence_starts {starts!r:.200} leave training sequence {k} (tokens "
+                                f"[{a}, {b})) without a model token")
+    if s.routes is not None:
+        for i, start in enumerate(starts):
+            if (s.routes[start] != -1).any():
+                raise SampleRefused(f"{what}: routes[{start}] = {s.routes[start].tolist()!r:.80} at "
+                                    f"sequence_starts[{i}]; a sequence's first token has no input before it "
+                                    f"in its sequence, so its routes must be -1 (not recorded)")
+
+
+def check_sequence_lengths(what: str, s: Sample, max_tokens: int, prompt_tokens: int) -> None:
+    """Each training sequence of a sample whose sequence_starts passed `check_sequence_starts` fits a trainer
+    row: at most `max_tokens` tokens for the one that follows the prompt, max_tokens + prompt_tokens for a
+    started one (its own context, without the prompt's `prompt_tokens`); else SampleRefused ("length")."""
+    starts = set(s.sequence_starts)
+    for k, (a, b) in enumerate(s.sequences()):
+        cap = max_tokens + (prompt_tokens if a in starts else 0)
+        if b - a > cap:
+            raise SampleRefused(f"{what}: training sequence {k} (tokens [{a}, {b})) has {b - a} tokens, more "
+                                f"than the {cap} a trainer row leaves it", "length")
+
+
 def check_samples(group_id: int, n: int, samples: Any, what: str, v_start: int, v_max: int,
                   finished: bool, *, vocab_size: int | None = None, max_tokens: int | None = None,
-                  route_spec: RouteSpec | None = None) -> None:
-    """`n` samples, each passing `check_sample` (with `vocab_size`, `max_tokens` and `route_spec`);
+                  route_spec: RouteSpec | None = None, prompt_tokens: int = 0) -> None:
+    """`n` samples, each passing `check_sample` (with `vocab_size`, `max_tokens`, `route_spec` and
+    `prompt_tokens`);
     TypeError for a non-list, SampleRefused naming the group and sample otherwise."""
     if not isinstance(samples, list):
         raise TypeError(f"group {group_id}: {what} samples must be a list of {n} Samples, "
@@ -133,7 +187,7 @@ def check_samples(group_id: int, n: int, samples: Any, what: str, v_start: int, 
         raise SampleRefused(f"group {group_id}: {what} has {len(samples)} samples, expected {n}")
     for i, s in enumerate(samples):
         check_sample(f"group {group_id} sample {i}", s, v_start, v_max, finished, vocab_size=vocab_size,
-                     max_tokens=max_tokens, route_spec=route_spec)
+                     max_tokens=max_tokens, route_spec=route_spec, prompt_tokens=prompt_tokens)
 
 
 def check_routes(what: str, routes: Any, n: int, spec: RouteSpec | None) -> None:

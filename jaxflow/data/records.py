@@ -31,6 +31,16 @@ class Sample:
     [len(tokens), L_sparse, k] small ints (`route_dtype`), routes[i] the experts each sparse layer chose
     at the input position that produced token i (the token before it: for i = 0 the prompt's last
     token), -1 where not recorded. None when the engine records none (a dense model, replay off).
+    sequence_starts: where the sample splits into separate training sequences, for an agent that rewrote
+    its history (truncated or edited an earlier turn): training on one sequence would train on context the
+    model never saw. [] (the default): one sequence, whose context is the group's prompt. Each start s:
+    tokens[s:] up to the next start form a sequence whose context is its own tokens alone (not the
+    prompt, not the tokens before s). The tokens before the first start, if any, form a sequence with the
+    prompt as context; an agent's episode, every call its own context, starts at 0 (the prompt then is
+    part of no sequence). Sorted, unique, in [0, len(tokens)); each the start of an env span (a sequence
+    opens with the context the agent sent); every sequence holds a model token (the last one of a sample
+    still generating may hold only its context so far); routes[s] is -1 (its sequence has no token
+    before s). `sequences()` lists the sequences.
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -40,6 +50,15 @@ class Sample:
     env_spans: list[list[int]] = dataclasses.field(default_factory=list)
     reward: float | None = None
     routes: np.ndarray | None = None
+    sequence_starts: list[int] = dataclasses.field(default_factory=list)
+
+    def sequences(self) -> list[tuple[int, int]]:
+        """The [start, end) token ranges of the sample's training sequences, in order (see
+        `sequence_starts`): [(0, len(tokens))] for a sample without starts. A sequence whose start is in
+        `sequence_starts` is its own context; one that starts at 0 otherwise follows the group's prompt."""
+        bounds = [0] if not self.sequence_starts or self.sequence_starts[0] > 0 else []
+        bounds += list(self.sequence_starts)
+        return list(zip(bounds, bounds[1:] + [len(self.tokens)]))
 
     def model_mask(self) -> np.ndarray:
         """bool per token: True where the model wrote it (trained), False inside an env span."""

@@ -62,7 +62,8 @@ def copy_samples(samples: list[Sample]) -> list[Sample]:
     own."""
     return [Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason,
                    [list(span) for span in s.env_spans], s.reward,
-                   None if s.routes is None else np.array(s.routes, copy=True)) for s in samples]
+                   None if s.routes is None else np.array(s.routes, copy=True), list(s.sequence_starts))
+            for s in samples]
 
 
 def own_samples(samples: list[Sample], route_spec: RouteSpec | None) -> list[Sample]:

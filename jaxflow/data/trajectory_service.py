@@ -34,7 +34,8 @@ let it lapse is told so if it calls about it later. `release_worker` does the sa
 Samples the model cannot train on. With `vocab_size` (the model's; every job that has a model passes it),
 `finish` refuses token ids outside [0, vocab_size) (ids >= 2**31 are refused even without it: they do not
 fit the trainer's int32 batch); with `max_sequence_tokens` (the trainer's row, rollout.max_len), a sample
-whose prompt and tokens together are longer; and rewards whose group statistics overflow float32 (a sum of
+whose prompt and tokens together are longer (split into training sequences, `Sample.sequence_starts`: one
+with a sequence that with its context is longer); and rewards whose group statistics overflow float32 (a sum of
 episode turns can). With `route_spec` (a mixture-of-experts model's, `RouteSpec.of(its config)`), a sample's
 recorded routing (`Sample.routes`, replayed by the update) must have its shape and expert ids; without one
 (a dense model) a sample may carry none. A refused `finish` or `reward` raises `SampleRefused` (a ValueError
@@ -98,7 +99,8 @@ class TrajectoryService:
       vocab_size: the model's vocabulary size: `finish` refuses token ids at or above it (None: no model is
         known; ids must still be below 2**31).
       max_sequence_tokens: the most tokens of a group's prompt plus one of its samples, the trainer's row
-        (rollout.max_len): `finish` refuses longer samples (None: no cap).
+        (rollout.max_len): `finish` refuses longer samples (None: no cap); a sample split into training
+        sequences (`Sample.sequence_starts`), one whose longest sequence with its context is longer.
       route_spec: the routing a mixture-of-experts model records per token (`RouteSpec.of(model config)`):
         samples' routes must have its shape and expert ids. None: a dense model; samples carrying routes
         are refused.
@@ -236,7 +238,8 @@ class TrajectoryService:
         max_tokens = None if self.max_sequence_tokens is None else self.max_sequence_tokens - len(g.prompt)
         try:
             checks.check_samples(g.group_id, g.n, samples, "finish", g.v_start, self._published, True,
-                                 vocab_size=self.vocab_size, max_tokens=max_tokens, route_spec=self.route_spec)
+                                 vocab_size=self.vocab_size, max_tokens=max_tokens, route_spec=self.route_spec,
+                                 prompt_tokens=len(g.prompt))
             if rewards is not None:
                 checks.check_rewards(g.group_id, g.n, rewards)
         except SampleRefused as e:

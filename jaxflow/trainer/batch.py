@@ -5,12 +5,17 @@ model computes from position t - 1 of the same segment. A row holds one sequence
 (packed: segment ids 1, 2, ... with positions restarting at 0, short sequences kept inside equal parts
 of the row so that attention runs per part); segment id 0 is padding.
 
+A sample split into training sequences (`jaxflow.data.records.Sample.sequence_starts`) comes as one
+trajectory per sequence, a started one with its leading environment tokens as its prompt: laid out like any
+other, it attends to nothing before it, with positions from 0.
+
 Shared prompts (`make_batch(share_prompts=True)`): the samples of one GRPO group have the same prompt,
-so a packed row may hold it once for several of them. The prompt but its last token is a segment of its
-own (h); each sample follows as a segment that starts with the prompt's last token, then its completion,
-positions continuing from the prompt's, and `context_ids` h on each of its tokens: its tokens attend to
-h and to their own segment, so every log-probability is the one of the sample laid out alone, while the
-prompt's tokens go through the model once instead of once per sample.
+so a packed row may hold it once for several of them (only trajectories of one group whose prompts are
+equal token for token share one). The prompt but its last token is a segment of its own (h); each sample
+follows as a segment that starts with the prompt's last token, then its completion, positions continuing
+from the prompt's, and `context_ids` h on each of its tokens: its tokens attend to h and to their own
+segment, so every log-probability is the one of the sample laid out alone, while the prompt's tokens go
+through the model once instead of once per sample.
 
 Routing replay (a mixture-of-experts policy, `make_batch(route_spec=...)`): `routes` [M, b, T, L_sparse,
 k] holds, at position t, the experts the rollout engine chose for the input token t, which the trainer's
@@ -39,13 +44,18 @@ class BatchOverflow(ValueError):
 
 @dataclasses.dataclass
 class Trajectory:
-    """One finished sample: a prompt and the completion an engine generated for it.
+    """One training sequence of a finished sample: a prompt (its context) and the completion an engine
+    generated for it.
 
     behav_logp and versions have one entry per completion token: the engine's log-probability of the
     token and the policy version that produced it. group_id identifies the prompt's group (GRPO/RLOO).
-    advantage, when set, is used as is instead of being computed from rewards. env_spans: [start, end)
-    ranges of completion tokens the environment wrote (a multi-turn episode's observations): context
-    for the tokens after them, never trained (loss mask 0, no behaviour log-prob, version -1).
+    member: the group member (sample) it comes from. A sample split into several training sequences
+    (`jaxflow.data.records.Sample.sequence_starts`) gives one trajectory per sequence, all with its member
+    index and reward: group-relative advantages count each member once and give all its trajectories its
+    advantage. None: a member of its own. advantage, when set, is used as is instead of being computed
+    from rewards. env_spans: [start, end) ranges of completion tokens the environment wrote (a multi-turn
+    episode's observations): context for the tokens after them, never trained (loss mask 0, no behaviour
+    log-prob, version -1).
     """
 
     prompt: Sequence[int]
@@ -57,6 +67,7 @@ class Trajectory:
     advantage: float | None = None
     env_spans: Sequence[Sequence[int]] = ()
     routes: np.ndarray | None = None  # [len(completion), L_sparse, k]: see `jaxflow.data.records.Sample.routes`
+    member: int | None = None
 
 
 @struct.dataclass
@@ -162,8 +173,23 @@ def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std
         return np.asarray([t.advantage for t in trajectories], np.float32), {}
     if any(given):
         raise ValueError("either every trajectory carries an advantage or none does")
-    n = len(trajectories)
-    _, dense = np.unique(np.asarray([t.group_id for t in trajectories]), return_inverse=True)
+    # One entry per group member: the trajectories of a member split into several training sequences share
+    # its reward and count once in its group's statistics.
+    members: dict[tuple, int] = {}
+    member_of = np.zeros(len(trajectories), np.int64)
+    first: list[int] = []  # a trajectory of each member
+    for i, t in enumerate(trajectories):
+        key = (t.group_id, "member", t.member) if t.member is not None else (t.group_id, "trajectory", i)
+        if key not in members:
+            members[key] = len(first)
+            first.append(i)
+        member_of[i] = members[key]
+        j = first[member_of[i]]
+        if t.reward != trajectories[j].reward:
+            raise ValueError(f"trajectories {j} and {i} (group {t.group_id} member {t.member}) carry rewards "
+                             f"{trajectories[j].reward} and {t.reward}; the sequences of one member share its reward")
+    n = len(first)
+    _, dense = np.unique(np.asarray([trajectories[j].group_id for j in first]), return_inverse=True)
     # Padded to one length for every batch of a shape (`size`, at least one entry more than the
     # trajectories), so the computation compiles once per run rather than once per trajectory count (a
     # count seen first cost up to 0.9 s of compiling beside a busy rollout engine). The padding is one
@@ -171,16 +197,16 @@ def _advantages(trajectories: Sequence[Trajectory], estimator: str, scale_by_std
     # the statistics.
     length = max(size, n) + 1
     rewards = np.zeros(length, np.float32)
-    rewards[:n] = [t.reward for t in trajectories]
+    rewards[:n] = [trajectories[j].reward for j in first]
     ids = np.full(length, dense.max(initial=-1) + 1, np.int32)
     ids[:n] = dense
     adv, stats = compute_advantages(rewards, ids, estimator, num_groups=length, scale_by_std=scale_by_std,
                                     std_ddof=std_ddof)
-    adv = np.asarray(adv)[:n]
-    return adv, {"zero_variance_groups": float(stats["zero_variance_groups"]) - 1,
-                 "num_groups": float(stats["num_groups"]) - 1,
-                 "adv_mean": float(adv.mean()),
-                 "adv_abs_max": float(np.abs(adv).max(initial=0.0))}
+    adv = np.asarray(adv)[:n]  # per member
+    return adv[member_of], {"zero_variance_groups": float(stats["zero_variance_groups"]) - 1,
+                            "num_groups": float(stats["num_groups"]) - 1,
+                            "adv_mean": float(adv.mean()),
+                            "adv_abs_max": float(np.abs(adv).max(initial=0.0))}
 
 
 def _place(lengths: list[int], num_rows: int, seq_len: int, pack: bool,
@@ -275,7 +301,8 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
     """Lays trajectories out as a [micro_batches, num_rows // micro_batches, seq_len] batch.
 
     Advantages come from the trajectories' rewards and group ids (or their own `advantage`), by
-    `compute_advantages(estimator, scale_by_std=, std_ddof=)`. Filled rows are dealt to the
+    `compute_advantages(estimator, scale_by_std=, std_ddof=)`, one per group member (`Trajectory.member`).
+    Filled rows are dealt to the
     `minibatches` (row r to minibatch r % K, the step's K consecutive groups of micro-batches), and
     inside a minibatch they fill its micro-batches in order: rows beyond the trajectories leave whole
     micro-batches empty at the end of each minibatch, which the step skips. A batch padded to a fixed

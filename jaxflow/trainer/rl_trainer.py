@@ -9,17 +9,21 @@ contract asks for: `mark_published(v+1)` first, then the weights: to the optiona
 when one is given (HF-named host tensors, for vLLM and other processes; skipped when there is none, so
 an all-in-process run never converts weights to the host).
 
+A sample split into training sequences (`Sample.sequence_starts`: an agent that rewrote its history) trains
+as one trajectory per sequence (`trajectories_of`), each seeing only its own context; they all carry the
+sample's reward and member index, so the group's advantages count the member once.
+
 Metrics per step: the step's own (loss, grad norm, importance-weight stats...), the batch's rewards and
 response lengths, and the staleness histogram {v - token version: tokens} of the trained tokens. With
 `trainer.skip_zero_signal`, groups whose samples all scored the same (advantage 0 on every token) are
 consumed and accounted but left out of the update.
 
 A consumed group that could not be trained (token ids the model cannot embed, NaN or positive log-probs,
-rewards whose float32 statistics are not finite, token versions out of range, longer than a row: the
-trajectory service refuses these at `finish`, so only a service that does not check gets here) is
-dropped from the update by `screen_groups` before the batch is built, logged with its reason and counted in
-the step's `groups_rejected` metric; the job goes on, and the update trains the other groups. Only a buffer
-with no usable group at all raises, naming every group and its fault.
+rewards whose float32 statistics are not finite, token versions out of range, a training sequence with its
+context longer than a row: the trajectory service refuses these at `finish`, so only a service that does
+not check gets here) is dropped from the update by `screen_groups` before the batch is built, logged with
+its reason and counted in the step's `groups_rejected` metric; the job goes on, and the update trains the
+other groups. Only a buffer with no usable group at all raises, naming every group and its fault.
 
 Every option of the update is a key of the run config's trainer section: `step_config` and
 `optimizer_config` read them all and `check_trainer_config` validates them, naming the bad key, before a
@@ -45,7 +49,7 @@ from jaxflow import sharding
 from jaxflow.config import ConfigError, Section, check_bool, check_choice, check_float, check_int
 from jaxflow.data import checks
 from jaxflow.data.device_params import DeviceParamSource
-from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec
+from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec, Sample
 from jaxflow.data.trajectory_service import BATCH_RULES
 from jaxflow.models import hf_io, lora, precision
 from jaxflow.trainer import losses
@@ -308,14 +312,40 @@ def check_trainer_config(trainer: ml_collections.ConfigDict) -> None:
 
 
 def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
-    """One Trajectory per sample of every group, rewards attached (advantages are computed per group)."""
+    """One Trajectory per training sequence of every sample (`Sample.sequences`; one per sample without
+    `sequence_starts`), each with its sample's reward and member index (advantages are computed per group,
+    each member counted once). The sequence before the first start (if any) follows the group's prompt; a
+    started one is its own context: its prompt is the env span it opens with, its completion the rest of
+    it (env spans, log-probs, versions and routes cut to it; the routes of its prompt dropped, as a prompt's
+    positions route themselves)."""
     out = []
     for g in groups:
-        for sample, reward in zip(g.samples, g.rewards):
-            out.append(Trajectory(g.prompt, sample.tokens, sample.logprobs, sample.versions,
-                                  reward=float(reward), group_id=g.group_id, env_spans=sample.env_spans,
-                                  routes=sample.routes))
+        for member, (sample, reward) in enumerate(zip(g.samples, g.rewards)):
+            if not sample.sequence_starts:
+                out.append(Trajectory(g.prompt, sample.tokens, sample.logprobs, sample.versions,
+                                      reward=float(reward), group_id=g.group_id, env_spans=sample.env_spans,
+                                      routes=sample.routes, member=member))
+                continue
+            starts = set(sample.sequence_starts)
+            for start, end in sample.sequences():
+                if start in starts:  # its context: the env span it opens with
+                    prompt = sample.tokens[start:next(b for a, b in sample.env_spans if a == start)]
+                else:  # the tokens before the first start, after the group's prompt
+                    prompt = g.prompt
+                first = start + len(prompt) if start in starts else start
+                spans = [[a - first, b - first] for a, b in sample.env_spans if first <= a and b <= end]
+                out.append(Trajectory(prompt, sample.tokens[first:end], sample.logprobs[first:end],
+                                      sample.versions[first:end], reward=float(reward), group_id=g.group_id,
+                                      env_spans=spans, member=member,
+                                      routes=None if sample.routes is None else sample.routes[first:end]))
     return out
+
+
+def longest_sequence(prompt: list[int], sample: Sample) -> int:
+    """The tokens of the sample's longest training sequence with its context: the group's prompt for the
+    first one unless it is started, nothing else for a started one (`Sample.sequence_starts`)."""
+    starts = set(sample.sequence_starts)
+    return max(end - start + (0 if start in starts else len(prompt)) for start, end in sample.sequences())
 
 
 def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int, vocab_size: int | None = None,
@@ -332,10 +362,11 @@ def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int, vocab
             checks.check_samples(g.group_id, len(g.samples), g.samples, "consumed", g.v_start, version,
                                  finished=False, vocab_size=vocab_size, route_spec=route_spec)
             checks.check_rewards(g.group_id, len(g.samples), g.rewards)
-            longest = max((len(s.tokens) for s in g.samples), default=0)
-            if not g.samples or len(g.prompt) + longest > seq_len:
-                raise ValueError(f"group {g.group_id}: prompt + longest sample is {len(g.prompt) + longest} "
-                                 f"tokens, more than seq_len={seq_len} (or the group has no samples)")
+            longest = max((longest_sequence(g.prompt, s) for s in g.samples), default=0)
+            if not g.samples or longest > seq_len:
+                raise ValueError(f"group {g.group_id}: the longest training sequence with its context (prompt + "
+                                 f"longest sample, unless split) is {longest} tokens, more than seq_len={seq_len} "
+                                 f"(or the group has no samples)")
         except (TypeError, ValueError) as e:
             rejected.append((g.group_id, str(e)))
             logger.error("dropping group %d from the update at version %d: %s", g.group_id, version, e)
