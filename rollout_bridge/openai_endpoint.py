@@ -24,8 +24,8 @@ sampling) -> Reply`) does the work. `SessionBackend` keeps an `AgentSession`
 (`rollout_bridge.agent_session`) per episode and calls an async `generate(episode_id, prompt, prefix,
 params) -> Sample` (an engine's `Request(prompt, params, prefix=...)`) for each turn; an episode's
 requests are answered one at a time, in the order they come. Whoever runs the episodes opens one
-(`open(id)`) before its agent starts and ends it (`end(id)` -> the episode's Sample) when the agent is
-done.
+(`open(id)`) before its agent starts and ends it (`end(id)` -> its session, whose `sample()` and
+`sequence_starts()` are the episode's training data) when the agent is done.
 
 Errors have OpenAI's body {"error": {"message", "type", "param", "code"}} and a header telling the
 `openai` client not to retry: 401 a missing or wrong token ("invalid_api_key"), 404 an unknown episode
@@ -175,10 +175,10 @@ class SessionBackend:
             self._episodes[episode_id] = _Episode(session)
             return session
 
-    def end(self, episode_id: str) -> Sample:
-        """Stops taking requests for `episode_id` (later ones get 409) and returns its Sample
-        (`AgentSession.sample`). A turn still generating is not recorded. Raises KeyError for an episode
-        not open."""
+    def end(self, episode_id: str) -> AgentSession:
+        """Stops taking requests for `episode_id` (later ones get 409) and returns its session, whose record
+        is final: `sample()` and `sequence_starts()` are the episode's training data. A turn still
+        generating is not recorded. Raises KeyError for an episode not open."""
         with self._lock:
             ep = self._episodes.pop(episode_id, None)
             if ep is None:
@@ -186,7 +186,7 @@ class SessionBackend:
             self._ended[episode_id] = None
             while len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
-            return ep.session.sample()
+            return ep.session
 
     def session(self, episode_id: str) -> AgentSession:
         """The open episode's session; UnknownEpisode or EpisodeEnded otherwise."""
