@@ -34,7 +34,14 @@ data without ever re-encoding what the model sampled:
 
 Everything is checked before anything changes: a context longer than `max_context` raises
 `ContextTooLong`, messages the template cannot render `InvalidMessages`, an engine's sample that does not
-continue the turn's prefix `BadGeneration`.
+continue the turn's prefix `BadGeneration`. The record is read and written under a lock, so `sample()`
+may be called from any thread while turns are recorded.
+
+Also here, for the endpoint: `stop_ids_of` (OpenAI `stop` strings as the stop token ids an engine takes)
+and `parse_tool_calls` (a Hermes-style `<tool_call>{json}</tool_call>` reply as OpenAI `tool_calls`).
+The reply's content is never rewritten in the record: tool calls parsed from it are only a view for the
+agent, and an agent that sends them back gets them rendered by the template (which, if it renders them
+differently from the model's text, starts a new sequence).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import dataclasses
 import json
 import math
 import re
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -149,6 +157,7 @@ class AgentSession:
         self.tokenizer, self.max_context, self.template_kwargs = tokenizer, max_context, template_kwargs
         eos = getattr(tokenizer, "eos_id", None)
         self._eos: tuple[int, ...] = () if eos is None else (int(eos),)
+        self._lock = threading.RLock()  # the record is read (sample) from other threads than the one recording
         self._closed: list[_Sequence] = []
         self._current: _Sequence | None = None
         self._records = 0
@@ -168,7 +177,9 @@ class AgentSession:
     def sequence_starts(self) -> list[int]:
         """Where each sequence begins in `sample().tokens`: [0, ...] ([] before the first turn)."""
         starts, offset = [], 0
-        for seq in self._all():
+        with self._lock:
+            sequences = self._all()
+        for seq in sequences:
             starts.append(offset)
             offset += len(seq.tokens)
         return starts
@@ -177,14 +188,15 @@ class AgentSession:
         """The episode so far as one Sample (see the module docstring); finish_reason None, for the caller
         to set. When `Sample` has a `sequence_starts` field, it is filled in too."""
         out = Sample()
-        for seq in self._all():
-            offset = len(out.tokens)
-            out.env_spans += [[offset + a, offset + b] for a, b in seq.env_spans]
-            out.tokens += seq.tokens
-            out.logprobs += seq.logprobs
-            out.versions += seq.versions
-        if "sequence_starts" in {f.name for f in dataclasses.fields(Sample)}:
-            out.sequence_starts = self.sequence_starts()
+        with self._lock:
+            for seq in self._all():
+                offset = len(out.tokens)
+                out.env_spans += [[offset + a, offset + b] for a, b in seq.env_spans]
+                out.tokens += seq.tokens
+                out.logprobs += seq.logprobs
+                out.versions += seq.versions
+            if "sequence_starts" in {f.name for f in dataclasses.fields(Sample)}:
+                out.sequence_starts = self.sequence_starts()
         return out
 
     def _all(self) -> list[_Sequence]:
@@ -214,6 +226,10 @@ class AgentSession:
         ContextTooLong."""
         rendered = self.render(messages, tools)
         stops = tuple(dict.fromkeys((*self._eos, *(int(t) for t in stop_token_ids))))
+        with self._lock:
+            return self._prepare(rendered, stops)
+
+    def _prepare(self, rendered: str, stops: tuple[int, ...]) -> Turn:
         cur = self._current
         delta = self._continuation(cur, rendered)
         if delta is None:  # a new sequence: everything the model is given is context
@@ -258,6 +274,10 @@ class AgentSession:
         reply. Raises StaleTurn if another turn was recorded since `turn` was prepared, BadGeneration if
         `sample` is not a finished ("stop"/"length") continuation of the turn's prefix; nothing changes
         then."""
+        with self._lock:
+            return self._record(turn, sample)
+
+    def _record(self, turn: Turn, sample: Sample) -> Reply:
         if turn.base != self._records:
             raise StaleTurn(f"the turn was prepared after {turn.base} recorded turns, but {self._records} are "
                             f"recorded now; an episode's requests must be answered one at a time")

@@ -216,8 +216,10 @@ class SessionBackend:
             turn = ep.session.prepare(messages, tools, stop_token_ids=stops)
             params = self.params(turn, sampling)
             sample = await self.generate(episode_id, list(turn.prompt), turn.prefix, params)
-            self._still_open(episode_id, ep)
-            return ep.session.record(turn, sample)
+            with self._lock:  # so that once `end` returns, nothing more is recorded
+                if self._episodes.get(episode_id) is not ep:
+                    raise EpisodeEnded(episode_id)
+                return ep.session.record(turn, sample)
 
     def params(self, turn: Turn, sampling: ChatSampling) -> SamplingParams:
         """The engine's SamplingParams for `turn`: the request's options (or the override's), at most the

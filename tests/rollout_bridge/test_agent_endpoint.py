@@ -2,6 +2,7 @@
 it: the episode's Sample holds exactly the tokens the model sampled, a rewritten history splits it, and
 every refused request gets its named HTTP error and leaves the episode's record as it was."""
 
+import asyncio
 import copy
 import itertools
 import json
@@ -15,7 +16,7 @@ from agent_helpers import TOOL_END, ScriptedModel, env_tokens_are_context, model
 
 from jaxflow.data import checks
 from jaxflow.models.tiny import write_tiny_tokenizer
-from rollout_bridge.openai_endpoint import EPISODE_HEADER, OpenAIEndpoint, SessionBackend
+from rollout_bridge.openai_endpoint import EPISODE_HEADER, ChatSampling, OpenAIEndpoint, SessionBackend
 
 MODEL = "tiny-policy"
 MAX_CONTEXT = 256
@@ -261,3 +262,33 @@ def test_close_stops_serving(tok):
     endpoint.close()
     with pytest.raises(OSError):
         urllib.request.urlopen(request, timeout=5)
+
+
+def test_an_episode_ended_during_its_turn_records_nothing(tok, served):
+    episode_id, client = served.episode([answer(tok, "Late.")])
+    session, generate = served.backend.session(episode_id), served.backend.generate
+
+    async def ended_meanwhile(*args):
+        sample = await generate(*args)
+        served.backend.end(episode_id)  # the agent's episode is ended while its turn generates
+        return sample
+
+    served.backend.generate = ended_meanwhile
+    try:
+        expect_error(lambda: chat(client, [{"role": "user", "content": "Hi"}]), 409, "episode_ended")
+    finally:
+        served.backend.generate = generate
+    assert len(served.model.calls) == 1 and session.turns == 0 and session.sample().tokens == []
+
+
+def test_a_run_may_fix_the_sampling_whatever_the_agent_asks(tok):
+    model = ScriptedModel([answer(tok, "Ok.")])
+    backend = SessionBackend(tok, model.generate, max_context=MAX_CONTEXT, override={"temperature": 1.0, "top_p": 1.0})
+    backend.open("e")
+    sampling = ChatSampling(temperature=0.1, top_p=0.5, max_tokens=10_000)
+    reply = asyncio.run(backend.chat("e", [{"role": "user", "content": "Hi"}], None, sampling))
+    (call,) = model.calls
+    assert reply.content == "Ok." and (call.params.temperature, call.params.top_p) == (1.0, 1.0)
+    assert call.params.max_tokens == MAX_CONTEXT - len(call.prompt)  # max_tokens capped at the context's end
+    with pytest.raises(ValueError, match="max_tokens"):
+        SessionBackend(tok, model.generate, max_context=MAX_CONTEXT, override={"max_tokens": 5})
