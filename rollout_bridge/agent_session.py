@@ -46,6 +46,7 @@ differently from the model's text, starts a new sequence).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -58,6 +59,7 @@ from typing import Any
 from jaxflow.data import checks
 from jaxflow.data.records import Sample
 from jaxflow.data.service_errors import SampleRefused
+from rollout_bridge.engine import Request, SamplingParams
 
 __all__ = ["AgentSessionError", "AgentSession", "BadGeneration", "ContextTooLong", "InvalidMessages", "Reply",
            "StaleTurn", "Turn", "parse_tool_calls", "stop_ids_of"]
@@ -115,6 +117,11 @@ class Turn:
     def context_tokens(self) -> int:
         """The tokens the model is given: prompt + prefix."""
         return len(self.prompt) + len(self.prefix.tokens)
+
+    def request(self, request_id: str, params: SamplingParams) -> Request:
+        """The engine request that generates this turn (prompt, a copy of the prefix); `params.max_tokens`
+        counts the prefix, as an engine's does."""
+        return Request(request_id, list(self.prompt), params, prefix=copy.deepcopy(self.prefix))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import dataclasses
 import hmac
 import json
 import logging
 import math
+import re
 import secrets
 import socket
 import threading
@@ -78,6 +80,7 @@ log = logging.getLogger(__name__)
 
 EPISODE_HEADER = "X-Episode-Id"
 MAX_EPISODE_ID_CHARS = 256
+_EPISODE_ID = re.compile(r"[A-Za-z0-9._:~-]+")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 # How many ended episodes' ids are remembered, so that a late request gets 409 rather than 404.
 _ENDED_KEPT = 100_000
@@ -144,8 +147,10 @@ class _Episode:
 
 class SessionBackend:
     """A `ChatBackend` over `AgentSession`s: one per open episode, built with `tokenizer`, `max_context`
-    and `template_kwargs`. generate(episode_id, prompt, prefix, params) -> the engine's Sample (prefix plus
-    the new tokens) for one turn; params.max_tokens counts the prefix, as `SamplingParams` does.
+    (at most the engine's context) and `template_kwargs`. generate(episode_id, prompt, prefix, params) ->
+    the engine's Sample (a copy of the turn's prefix plus the new tokens) for one turn, finished "stop" or
+    "length"; it raises (a 500 for the agent) rather than never returning. params.max_tokens counts the
+    prefix, as `SamplingParams` does; a sequence split shows as a new `prompt`.
     override: sampling options that replace the request's (e.g. {"temperature": 1.0}: the run trains at
     its own temperature, whatever the agent asks). Thread-safe: `open`/`end` may come from any thread,
     `chat` runs on the endpoint's loop."""
@@ -215,7 +220,7 @@ class SessionBackend:
             self._still_open(episode_id, ep)
             turn = ep.session.prepare(messages, tools, stop_token_ids=stops)
             params = self.params(turn, sampling)
-            sample = await self.generate(episode_id, list(turn.prompt), turn.prefix, params)
+            sample = await self.generate(episode_id, list(turn.prompt), copy.deepcopy(turn.prefix), params)
             with self._lock:  # so that once `end` returns, nothing more is recorded
                 if self._episodes.get(episode_id) is not ep:
                     raise EpisodeEnded(episode_id)
@@ -232,9 +237,12 @@ class SessionBackend:
 
 
 def check_episode_id(episode_id: Any) -> str:
-    if not isinstance(episode_id, str) or not episode_id or len(episode_id) > MAX_EPISODE_ID_CHARS:
-        raise ValueError(f"episode id must be a non-empty str of at most {MAX_EPISODE_ID_CHARS} characters, "
-                         f"got {episode_id!r:.300}")
+    """`episode_id` if it is a valid episode id: 1 to MAX_EPISODE_ID_CHARS characters of A-Z a-z 0-9 and
+    "-_.:~" (it goes into a URL's path as it is); else ValueError."""
+    if (not isinstance(episode_id, str) or not 0 < len(episode_id) <= MAX_EPISODE_ID_CHARS
+            or not _EPISODE_ID.fullmatch(episode_id)):
+        raise ValueError(f"episode id must be 1 to {MAX_EPISODE_ID_CHARS} characters of A-Z a-z 0-9 and "
+                         f"'-_.:~', got {episode_id!r:.300}")
     return episode_id
 
 

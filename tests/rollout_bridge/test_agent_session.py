@@ -21,6 +21,7 @@ from rollout_bridge.agent_session import (
     stop_ids_of,
 )
 from rollout_bridge.engine import SamplingParams
+from rollout_bridge.scripted import ScriptedEngine
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +279,23 @@ def test_stop_strings_must_be_one_token(tok):
     assert stop_ids_of(tok, [TOOL_END, "<|im_end|>"]) == (tok.encode(TOOL_END)[0], tok.eos_id)
     with pytest.raises(ValueError, match=r"stop\[1\]"):
         stop_ids_of(tok, [TOOL_END, "Observation:"])
+
+
+def test_turns_run_on_an_engine_as_requests(tok):
+    """A turn is an engine `Request(prompt, prefix=...)`: run on the scripted engine, turn after turn."""
+    replies = iter([answer(tok, "Use <tool>1+1</tool>"), answer(tok, "Two.")])
+    engine = ScriptedEngine(lambda request: next(replies), logprob=-0.75)
+    session = AgentSession(tok, max_context=2048)
+    messages = [{"role": "user", "content": "1+1?"}]
+    for version in (4, 5):
+        engine.version = version
+        turn = session.prepare(messages)
+        params = SamplingParams(max_tokens=len(turn.prefix.tokens) + 50, stop_token_ids=turn.stop_token_ids)
+        (completion,) = engine.generate([turn.request("episode-0", params)])
+        reply = session.record(turn, completion.sample)
+        messages += [{"role": "assistant", "content": reply.content}, {"role": "tool", "content": "2"}]
+    sample = session.sample()
+    assert session.sequences == 1
+    assert [(lp, v) for _, lp, v in model_tokens(sample)] == [(-0.75, 4)] * len(answer(tok, "Use <tool>1+1</tool>")) \
+        + [(-0.75, 5)] * len(answer(tok, "Two."))
+    check_valid(sample)
