@@ -74,7 +74,8 @@ from rollout_bridge.agent_session import (
 )
 from rollout_bridge.engine import SamplingParams
 
-__all__ = ["ChatBackend", "ChatSampling", "EndpointError", "OpenAIEndpoint", "SessionBackend"]
+__all__ = ["EPISODE_HEADER", "ChatBackend", "ChatSampling", "EndpointError", "EpisodeEnded", "OpenAIEndpoint",
+           "SessionBackend", "UnknownEpisode", "check_episode_id"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,10 @@ class SessionBackend:
         bad = sorted(set(override or {}) - set(self._OVERRIDABLE))
         if bad:
             raise ValueError(f"override: {bad} cannot be overridden; only {list(self._OVERRIDABLE)}")
+        try:  # the request body's own checks, so an override cannot set what a request may not
+            _sampling_options(dict(override or {}))
+        except EndpointError as e:
+            raise ValueError(f"override: {e}") from None
         AgentSession(tokenizer, max_context=max_context)  # checks the arguments now, not at the first request
         self.tokenizer, self.generate, self.max_context = tokenizer, generate, max_context
         self.override, self.template_kwargs = dict(override or {}), template_kwargs
@@ -192,6 +197,14 @@ class SessionBackend:
             while len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
             return ep.session
+
+    def forget(self, episode_id: str) -> None:
+        """Lets an ended episode's id be opened again (its late requests then get 404). Unknown ids are
+        ignored; an open episode must be ended first (ValueError)."""
+        with self._lock:
+            if episode_id in self._episodes:
+                raise ValueError(f"episode {episode_id!r} is open; end it before forgetting it")
+            self._ended.pop(episode_id, None)
 
     def session(self, episode_id: str) -> AgentSession:
         """The open episode's session; UnknownEpisode or EpisodeEnded otherwise."""
@@ -280,13 +293,10 @@ def parse_body(raw: bytes, model: str) -> tuple[list[dict], list[dict] | None, C
         raise invalid("logit_bias", "is not supported: the trained policy samples without it")
     if body.get("top_logprobs") not in (None, 0):
         raise invalid("top_logprobs", "is not supported (only 0)")
-    temperature = _number(body, "temperature", 1.0, lambda x: x >= 0, ">= 0")
-    top_p = _number(body, "top_p", 1.0, lambda x: 0 < x <= 1, "in (0, 1]")
-    top_k = _integer(body, "top_k", 0, 0)
+    options = _sampling_options(body)
     max_tokens = _integer(body, "max_completion_tokens", None, 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, 1)
-    seed = _integer(body, "seed", None, None)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -294,8 +304,15 @@ def parse_body(raw: bytes, model: str) -> tuple[list[dict], list[dict] | None, C
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise invalid("logprobs", "must be a boolean")
-    return messages, tools, ChatSampling(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                         stop=tuple(stop), seed=seed, logprobs=bool(logprobs))
+    return messages, tools, ChatSampling(max_tokens=max_tokens, stop=tuple(stop), logprobs=bool(logprobs),
+                                         **options)
+
+
+def _sampling_options(body: dict) -> dict[str, Any]:
+    """temperature, top_p, top_k and seed of a body (defaults where absent); EndpointError naming a bad one."""
+    return {"temperature": _number(body, "temperature", 1.0, lambda x: x >= 0, ">= 0"),
+            "top_p": _number(body, "top_p", 1.0, lambda x: 0 < x <= 1, "in (0, 1]"),
+            "top_k": _integer(body, "top_k", 0, 0), "seed": _integer(body, "seed", None, None)}
 
 
 def _messages(messages: Any) -> list[dict]:
@@ -369,7 +386,8 @@ class OpenAIEndpoint:
     `self.token`). tokenizer: decodes tokens for `logprobs` responses (default: the backend's)."""
 
     def __init__(self, backend: ChatBackend, *, model: str, token: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tokenizer: Any = None):
+                 port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tokenizer: Any = None,
+                 shutdown_timeout_s: float = 5.0):
         if token is not None and (not isinstance(token, str) or not token):
             raise ValueError("token must be a non-empty string or None")
         if not isinstance(model, str) or not model:
@@ -377,7 +395,7 @@ class OpenAIEndpoint:
         self.backend, self.model, self.host, self.port = backend, model, host, port
         self.token = token if token is not None else secrets.token_urlsafe(32)
         self._token = self.token.encode()
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.shutdown_timeout_s = max_body_bytes, shutdown_timeout_s
         self.tokenizer = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
         self._server = None
         self._thread: threading.Thread | None = None
@@ -398,7 +416,8 @@ class OpenAIEndpoint:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
-        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=self.shutdown_timeout_s)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="openai-endpoint", daemon=True)
@@ -415,12 +434,12 @@ class OpenAIEndpoint:
         self.url = f"http://{host}:{port}"
         return self.url
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stops serving (requests in flight get up to `timeout` s to finish)."""
+    def close(self) -> None:
+        """Stops serving; requests in flight get `shutdown_timeout_s` to finish, then are cancelled."""
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(self.shutdown_timeout_s + 10)
         self._server, self._thread, self.url = None, None, None
 
     def __enter__(self) -> OpenAIEndpoint:

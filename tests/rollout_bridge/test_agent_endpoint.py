@@ -16,7 +16,14 @@ from agent_helpers import TOOL_END, ScriptedModel, env_tokens_are_context, model
 
 from jaxflow.data import checks
 from jaxflow.models.tiny import write_tiny_tokenizer
-from rollout_bridge.openai_endpoint import EPISODE_HEADER, ChatSampling, OpenAIEndpoint, SessionBackend
+from rollout_bridge.openai_endpoint import (
+    EPISODE_HEADER,
+    ChatSampling,
+    EpisodeEnded,
+    OpenAIEndpoint,
+    SessionBackend,
+    UnknownEpisode,
+)
 
 MODEL = "tiny-policy"
 MAX_CONTEXT = 256
@@ -290,5 +297,28 @@ def test_a_run_may_fix_the_sampling_whatever_the_agent_asks(tok):
     (call,) = model.calls
     assert reply.content == "Ok." and (call.params.temperature, call.params.top_p) == (1.0, 1.0)
     assert call.params.max_tokens == MAX_CONTEXT - len(call.prompt)  # max_tokens capped at the context's end
-    with pytest.raises(ValueError, match="max_tokens"):
-        SessionBackend(tok, model.generate, max_context=MAX_CONTEXT, override={"max_tokens": 5})
+    for bad, field in (({"max_tokens": 5}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+                       ({"top_k": 0.5}, "top_k")):
+        with pytest.raises(ValueError, match=field):
+            SessionBackend(tok, model.generate, max_context=MAX_CONTEXT, override=bad)
+
+
+def test_episode_ids_open_end_and_forget(tok):
+    backend = SessionBackend(tok, ScriptedModel().generate, max_context=MAX_CONTEXT)
+    for bad in ("", "a/b", "x" * 257, 7):
+        with pytest.raises(ValueError, match="episode id"):
+            backend.open(bad)
+    backend.open("g:1:0")
+    with pytest.raises(ValueError, match="already open"):
+        backend.open("g:1:0")
+    with pytest.raises(ValueError, match="is open"):
+        backend.forget("g:1:0")
+    backend.end("g:1:0")
+    with pytest.raises(KeyError):
+        backend.end("g:1:0")
+    with pytest.raises(EpisodeEnded):
+        backend.session("g:1:0")
+    backend.forget("g:1:0")
+    with pytest.raises(UnknownEpisode):
+        backend.session("g:1:0")
+    assert backend.open("g:1:0").turns == 0
