@@ -5,8 +5,15 @@
 
 - `GET /v1/models`: the served model.
 - `POST /v1/chat/completions`: OpenAI's chat completion body (messages, tools, temperature, top_p,
-  max_tokens or max_completion_tokens, stop, seed, n = 1, logprobs; `stream` true is refused) answered
-  with OpenAI's response schema, so the official `openai` client parses it.
+  max_tokens or max_completion_tokens, stop, seed, n = 1, logprobs, stream) answered with OpenAI's
+  response schema, so the official `openai` client parses it. A streamed answer (`stream: true`) comes
+  as server-sent events once the whole turn is generated: the message in one chunk, then the finish
+  reason (and the usage, with `stream_options: {"include_usage": true}`), then `[DONE]`.
+  Options the engines do not sample with (presence and frequency penalties, logit_bias, top_logprobs,
+  n > 1, a stop string of more than one token) are refused, never ignored; fields that do not change
+  the sampling (tool_choice, user, metadata, ...) are ignored. With `tools`, a reply holding Hermes-style
+  `<tool_call>{json}</tool_call>` blocks comes back as OpenAI `tool_calls` (finish_reason "tool_calls").
+Needs the `agents` extra (fastapi, uvicorn).
 
 Each request names its episode, in the URL or in a header:
 
@@ -57,7 +64,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxflow.data.records import Sample
@@ -264,8 +271,20 @@ def check_episode_id(episode_id: Any) -> str:
 _UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
 
 
-def parse_body(raw: bytes, model: str) -> tuple[list[dict], list[dict] | None, ChatSampling]:
-    """The messages, tools and sampling of a chat completion body; EndpointError naming the bad field."""
+@dataclasses.dataclass(frozen=True)
+class ChatBody:
+    """A parsed chat completion body. stream: answer as server-sent events; include_usage: with a last
+    chunk holding the usage (stream_options)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    sampling: ChatSampling
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_body(raw: bytes, model: str) -> ChatBody:
+    """A chat completion body's fields; EndpointError naming the bad field."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -281,9 +300,13 @@ def parse_body(raw: bytes, model: str) -> tuple[list[dict], list[dict] | None, C
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise invalid("tools", "must be a list of objects")
-    if body.get("stream") not in (None, False):
-        raise EndpointError(400, "stream_unsupported", "stream: streamed responses are not supported; send "
-                            "stream=false", param="stream")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise invalid("stream", "must be a boolean")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and (not isinstance(stream_options, dict)
+                                       or not isinstance(stream_options.get("include_usage", False), bool)):
+        raise invalid("stream_options", "must be an object whose include_usage is a boolean")
     if body.get("n") not in (None, 1):
         raise invalid("n", f"only n = 1 is supported, got {body['n']!r:.80}")
     for name in _UNSUPPORTED_NONZERO:
@@ -304,8 +327,9 @@ def parse_body(raw: bytes, model: str) -> tuple[list[dict], list[dict] | None, C
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise invalid("logprobs", "must be a boolean")
-    return messages, tools, ChatSampling(max_tokens=max_tokens, stop=tuple(stop), logprobs=bool(logprobs),
-                                         **options)
+    sampling = ChatSampling(max_tokens=max_tokens, stop=tuple(stop), logprobs=bool(logprobs), **options)
+    return ChatBody(messages, tools, sampling, stream=bool(stream),
+                    include_usage=bool((stream_options or {}).get("include_usage", False)))
 
 
 def _sampling_options(body: dict) -> dict[str, Any]:
@@ -376,6 +400,26 @@ def _response(reply: Reply, model: str, tools: list[dict] | None, sampling: Chat
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
             "usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
                       "total_tokens": reply.prompt_tokens + reply.completion_tokens}}
+
+
+def _chunks(response: dict, include_usage: bool) -> list[dict]:
+    """A whole response as the chunks of a stream (`stream=true`): the message in one delta, then the
+    finish reason, then (include_usage) the usage; the turn is generated whole before the first is sent."""
+    choice = response["choices"][0]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message["content"] or ""}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    head = {k: response[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    usage = {"usage": None} if include_usage else {}
+    chunks = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                    "logprobs": choice["logprobs"]}], **usage},
+              {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"],
+                                    "logprobs": None}], **usage}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return chunks
 
 
 # ----- the server -----
@@ -500,9 +544,13 @@ class OpenAIEndpoint:
                 authorize(request)
                 episode = episode_of(request, episode_id)
                 raw = await self._body(request)
-                messages, tools, sampling = parse_body(raw, self.model)
-                reply = await self.backend.chat(episode, messages, tools, sampling)
-                return _response(reply, self.model, tools, sampling, self.tokenizer)
+                body = parse_body(raw, self.model)
+                reply = await self.backend.chat(episode, body.messages, body.tools, body.sampling)
+                response = _response(reply, self.model, body.tools, body.sampling, self.tokenizer)
+                if not body.stream:
+                    return response
+                events = [f"data: {json.dumps(c)}\n\n" for c in _chunks(response, body.include_usage)]
+                return StreamingResponse(iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
             except EndpointError as e:
                 return error(e)
             except ContextTooLong as e:

@@ -148,6 +148,24 @@ def test_logprobs_are_the_sampled_ones(tok, served):
     assert "".join(x.token for x in response.choices[0].logprobs.content) == "Yes."
 
 
+def test_a_streamed_answer_is_the_same_turn(tok, served):
+    text = 'Adding. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    episode_id, client = served.episode([answer(tok, "Streamed reply."), answer(tok, text)])
+    messages = [{"role": "user", "content": "Stream it"}]
+    chunks = list(chat(client, messages, stream=True, stream_options={"include_usage": True}))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "Streamed reply." and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(served.model.calls[0].new)
+    messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "Now a tool"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    chunks = list(chat(client, messages, tools=tools, stream=True))
+    (call,) = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert call.index == 0 and call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    session = served.backend.end(episode_id)
+    assert session.sequence_starts() == [0] and model_tokens(session.sample()) == served.model.sampled()
+
+
 def test_a_stop_string_of_one_token_ends_the_turn(tok, served):
     episode_id, client = served.episode([tok.encode("Compute <tool>1+1") + tok.encode(TOOL_END) + tok.encode("junk"),
                                          answer(tok, "2.")])
@@ -195,7 +213,7 @@ def test_bad_requests_get_named_errors_and_leave_the_episode_as_it_was(tok, serv
     refused(400, "invalid_request", "n", n=2)
     refused(400, "invalid_request", "stop", stop=["two tokens at least"])
     refused(400, "invalid_request", "presence_penalty", presence_penalty=0.5)
-    refused(400, "stream_unsupported", "stream", stream=True)
+    refused(400, "invalid_request", "stream", stream="yes")
     refused(400, "invalid_messages", "messages", messages=[{"role": "user", "content": None}])
     long = [{"role": "user", "content": "word " * MAX_CONTEXT}]
     refused(400, "context_length_exceeded", "messages", messages=long)
