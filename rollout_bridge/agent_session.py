@@ -33,8 +33,9 @@ data without ever re-encoding what the model sampled:
   sequence's first model token, so every version lies in the model turns' range.
 
 Everything is checked before anything changes: a context longer than `max_context` raises
-`ContextTooLong`, messages the template cannot render `InvalidMessages`, an engine's sample that does not
-continue the turn's prefix `BadGeneration`. The record is read and written under a lock, so `sample()`
+`ContextTooLong` (an episode that would outgrow `max_episode_tokens`, `EpisodeTooLong`), messages the
+template cannot render `InvalidMessages`, an engine's sample that does not continue the turn's prefix
+`BadGeneration`. The record is read and written under a lock, so `sample()`
 may be called from any thread while turns are recorded.
 
 Also here, for the endpoint: `stop_ids_of` (OpenAI `stop` strings as the stop token ids an engine takes)
@@ -61,7 +62,8 @@ from jaxflow.data.records import Sample
 from jaxflow.data.service_errors import SampleRefused
 from rollout_bridge.engine import Request, SamplingParams
 
-__all__ = ["AgentSessionError", "AgentSession", "BadGeneration", "ContextTooLong", "InvalidMessages", "Reply",
+__all__ = ["AgentSessionError", "AgentSession", "BadGeneration", "ContextTooLong", "EpisodeTooLong", "InvalidMessages",
+           "Reply",
            "StaleTurn", "Turn", "parse_tool_calls", "stop_ids_of"]
 
 
@@ -72,10 +74,20 @@ class AgentSessionError(ValueError):
 class ContextTooLong(AgentSessionError):
     """The request's context (`tokens`) leaves no room for a generated token within `max_context`."""
 
-    def __init__(self, tokens: int, max_context: int):
+    def __init__(self, tokens: int, max_context: int, message: str | None = None):
         self.tokens, self.max_context = tokens, max_context
-        super().__init__(f"the conversation is {tokens} tokens; with at least one generated token that is more "
-                         f"than the context of {max_context} tokens")
+        super().__init__(message or f"the conversation is {tokens} tokens; with at least one generated token that "
+                         f"is more than the context of {max_context} tokens")
+
+
+class EpisodeTooLong(ContextTooLong):
+    """The turn would take the episode (all its sequences: `tokens` with the request's context) past
+    `max_episode_tokens` (the most a trainer row holds)."""
+
+    def __init__(self, tokens: int, max_episode_tokens: int):
+        super().__init__(tokens, max_episode_tokens, f"the episode would hold {tokens} tokens with this request's "
+                         f"context; with at least one generated token that is more than its limit of "
+                         f"{max_episode_tokens} tokens")
 
 
 class InvalidMessages(AgentSessionError):
@@ -99,8 +111,9 @@ class Turn:
     prompt + prefix.tokens. new_sequence: whether this turn starts a sequence (the first request, or the
     agent rewrote its history). sequence_index: which sequence of the episode the turn belongs to (0, 1,
     ...; a caller whose engine keeps a request's cache between turns may key it on this). room: the most
-    tokens the turn may generate within max_context. stop_token_ids: the tokens that end the turn (the
-    tokenizer's end of sequence and the request's own), for the engine's SamplingParams.
+    tokens the turn may generate within max_context (and max_episode_tokens). stop_token_ids: the tokens
+    that end the turn (the tokenizer's end of sequence and the request's own), for the engine's
+    SamplingParams.
     """
 
     prompt: list[int]
@@ -156,12 +169,18 @@ class _Sequence:
 class AgentSession:
     """See the module docstring. tokenizer: a `jaxflow.tokenizer.Tokenizer` (or one with the same
     `apply_chat_template`, `encode`, `decode` and `eos_id`). max_context: the most tokens one sequence
-    may hold, its context and the tokens generated into it. template_kwargs: further chat template
+    may hold, its context and the tokens generated into it. max_episode_tokens: the most tokens the whole
+    episode (`sample()`, every sequence) may hold, None for no limit: a trainer row's length, so that the
+    agent is refused a turn rather than the trainer the episode. template_kwargs: further chat template
     variables (e.g. `enable_thinking=False`)."""
 
-    def __init__(self, tokenizer: Any, *, max_context: int, **template_kwargs: Any):
+    def __init__(self, tokenizer: Any, *, max_context: int, max_episode_tokens: int | None = None,
+                 **template_kwargs: Any):
         checks.check_int("max_context", max_context, lo=2)
+        if max_episode_tokens is not None:
+            checks.check_int("max_episode_tokens", max_episode_tokens, lo=2)
         self.tokenizer, self.max_context, self.template_kwargs = tokenizer, max_context, template_kwargs
+        self.max_episode_tokens = max_episode_tokens
         eos = getattr(tokenizer, "eos_id", None)
         self._eos: tuple[int, ...] = () if eos is None else (int(eos),)
         self._lock = threading.RLock()  # the record is read (sample) from other threads than the one recording
@@ -272,8 +291,14 @@ class AgentSession:
         context = len(prompt) + len(prefix.tokens)
         if context + 1 > self.max_context:
             raise ContextTooLong(context, self.max_context)
+        room = self.max_context - context
+        if self.max_episode_tokens is not None:
+            total = sum(len(seq.tokens) for seq in self._all()) + len(env_ids)
+            if total + 1 > self.max_episode_tokens:
+                raise EpisodeTooLong(total, self.max_episode_tokens)
+            room = min(room, self.max_episode_tokens - total)
         return Turn(prompt=list(prompt), prefix=prefix, new_sequence=new, sequence_index=index,
-                    room=self.max_context - context, stop_token_ids=stops, rendered=rendered,
+                    room=room, stop_token_ids=stops, rendered=rendered,
                     env_ids=list(env_ids), base=self._records)
 
     def record(self, turn: Turn, sample: Sample) -> Reply:

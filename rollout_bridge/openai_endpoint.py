@@ -155,17 +155,17 @@ class _Episode:
 
 class SessionBackend:
     """A `ChatBackend` over `AgentSession`s: one per open episode, built with `tokenizer`, `max_context`
-    (at most the engine's context) and `template_kwargs`. generate(episode_id, prompt, prefix, params) ->
-    the engine's Sample (a copy of the turn's prefix plus the new tokens) for one turn, finished "stop" or
-    "length"; it raises (a 500 for the agent) rather than never returning. params.max_tokens counts the
-    prefix, as `SamplingParams` does; a sequence split shows as a new `prompt`.
-    override: sampling options that replace the request's (e.g. {"temperature": 1.0}: the run trains at
-    its own temperature, whatever the agent asks). Thread-safe: `open`/`end` may come from any thread,
-    `chat` runs on the endpoint's loop."""
+    (at most the engine's context), `max_episode_tokens` (at most a trainer row) and `template_kwargs`.
+    generate(episode_id, prompt, prefix, params) -> the engine's Sample (a copy of the turn's prefix plus
+    the new tokens) for one turn, finished "stop" or "length"; it raises (a 500 for the agent) rather than
+    never returning. params.max_tokens counts the prefix, as `SamplingParams` does; a sequence split shows
+    as a new `prompt`. override: sampling options that replace the request's (e.g. {"temperature": 1.0}:
+    the run trains at its own temperature, whatever the agent asks). Thread-safe: `open`/`end` may come
+    from any thread, `chat` runs on the endpoint's loop."""
 
     _OVERRIDABLE = ("temperature", "top_p", "top_k", "seed")
 
-    def __init__(self, tokenizer: Any, generate: Generate, *, max_context: int,
+    def __init__(self, tokenizer: Any, generate: Generate, *, max_context: int, max_episode_tokens: int | None = None,
                  override: dict[str, Any] | None = None, **template_kwargs: Any):
         bad = sorted(set(override or {}) - set(self._OVERRIDABLE))
         if bad:
@@ -174,8 +174,10 @@ class SessionBackend:
             _sampling_options(dict(override or {}))
         except EndpointError as e:
             raise ValueError(f"override: {e}") from None
-        AgentSession(tokenizer, max_context=max_context)  # checks the arguments now, not at the first request
+        # Checks the arguments now, not at the first request.
+        AgentSession(tokenizer, max_context=max_context, max_episode_tokens=max_episode_tokens)
         self.tokenizer, self.generate, self.max_context = tokenizer, generate, max_context
+        self.max_episode_tokens = max_episode_tokens
         self.override, self.template_kwargs = dict(override or {}), template_kwargs
         self._lock = threading.Lock()
         self._episodes: dict[str, _Episode] = {}
@@ -188,7 +190,8 @@ class SessionBackend:
             if episode_id in self._episodes or episode_id in self._ended:
                 state = "open" if episode_id in self._episodes else "ended"
                 raise ValueError(f"episode {episode_id!r} is already {state}")
-            session = AgentSession(self.tokenizer, max_context=self.max_context, **self.template_kwargs)
+            session = AgentSession(self.tokenizer, max_context=self.max_context,
+                                   max_episode_tokens=self.max_episode_tokens, **self.template_kwargs)
             self._episodes[episode_id] = _Episode(session)
             return session
 

@@ -15,6 +15,7 @@ from rollout_bridge.agent_session import (
     AgentSession,
     BadGeneration,
     ContextTooLong,
+    EpisodeTooLong,
     InvalidMessages,
     StaleTurn,
     parse_tool_calls,
@@ -299,3 +300,25 @@ def test_turns_run_on_an_engine_as_requests(tok):
     assert [(lp, v) for _, lp, v in model_tokens(sample)] == [(-0.75, 4)] * len(answer(tok, "Use <tool>1+1</tool>")) \
         + [(-0.75, 5)] * len(answer(tok, "Two."))
     check_valid(sample)
+
+
+def test_an_episode_over_its_token_limit_is_refused_a_turn_before_anything_changes(tok):
+    """max_episode_tokens bounds every sequence together: a split's whole new context counts, a
+    continuation only its new tokens."""
+    messages = [{"role": "user", "content": "Count the words of this sentence, slowly and carefully, please."}]
+    more = [*messages, {"role": "assistant", "content": "Ten."}, {"role": "user", "content": "Go"}]
+    probe = AgentSession(tok, max_context=2048)
+    run_turn(probe, ScriptedModel([answer(tok, "Ten.")]), messages)
+    total, n, env = len(probe.sample().tokens), len(probe.prepare(messages).prompt), len(probe.prepare(more).env_ids)
+    assert n > env + 2  # so the limit below admits the continuation but not a split
+    limit = total + env + 3
+    session = AgentSession(tok, max_context=2048, max_episode_tokens=limit)
+    first, _ = run_turn(session, ScriptedModel([answer(tok, "Ten.")]), messages)
+    assert first.room == limit - n  # the episode's limit, tighter than the context's
+    before = copy.deepcopy(state(session))
+    with pytest.raises(EpisodeTooLong) as e:  # the same request again: a new sequence of n more tokens
+        session.prepare(messages)
+    assert isinstance(e.value, ContextTooLong) and e.value.tokens == total + n
+    assert state(session) == before
+    turn = session.prepare(more)
+    assert not turn.new_sequence and turn.room == 3
