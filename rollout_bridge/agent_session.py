@@ -249,7 +249,7 @@ class AgentSession:
                 stop_token_ids: Iterable[int] = ()) -> Turn:
         """The turn that answers a request (see the module docstring); changes nothing. stop_token_ids:
         tokens that end the turn besides the tokenizer's end of sequence. Raises InvalidMessages,
-        ContextTooLong."""
+        ContextTooLong (EpisodeTooLong)."""
         rendered = self.render(messages, tools)
         stops = tuple(dict.fromkeys((*self._eos, *(int(t) for t in stop_token_ids))))
         with self._lock:
