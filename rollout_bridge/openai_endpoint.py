@@ -108,16 +108,21 @@ class EndpointError(Exception):
 
 
 def invalid(param: str, message: str) -> EndpointError:
+    """A 400 for a malformed body field (or header) `param`."""
     return EndpointError(400, "invalid_request", f"{param}: {message}", param=param)
 
 
 class UnknownEpisode(EndpointError):
+    """404: a request for an episode that is not open (nor recently ended)."""
+
     def __init__(self, episode_id: str):
         super().__init__(404, "episode_not_found", f"episode {episode_id!r:.300} is not open on this endpoint",
                          type="not_found_error")
 
 
 class EpisodeEnded(EndpointError):
+    """409: a request for an episode that has ended (`SessionBackend.end`)."""
+
     def __init__(self, episode_id: str):
         super().__init__(409, "episode_ended", f"episode {episode_id!r:.300} has ended; it takes no more requests",
                          type="conflict_error")
@@ -182,6 +187,7 @@ class SessionBackend:
         self._lock = threading.Lock()
         self._episodes: dict[str, _Episode] = {}
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._tools_checked = False
 
     def open(self, episode_id: str) -> AgentSession:
         """Starts taking requests for `episode_id`; its session. Raises ValueError for an id open or ended."""
@@ -242,12 +248,22 @@ class SessionBackend:
         async with ep.lock:  # one turn at a time: each is prepared from the one before
             self._still_open(episode_id, ep)
             turn = ep.session.prepare(messages, tools, stop_token_ids=stops)
+            if tools and not self._tools_checked:
+                self._check_tools_render(ep.session, messages, tools, turn.rendered)
             params = self.params(turn, sampling)
             sample = await self.generate(episode_id, list(turn.prompt), copy.deepcopy(turn.prefix), params)
             with self._lock:  # so that once `end` returns, nothing more is recorded
                 if self._episodes.get(episode_id) is not ep:
                     raise EpisodeEnded(episode_id)
                 return ep.session.record(turn, sample)
+
+    def _check_tools_render(self, session: AgentSession, messages: list[dict], tools: list[dict],
+                            rendered: str) -> None:
+        """Warns (once) when the chat template leaves a request's tools out: the model does not see them."""
+        self._tools_checked = True
+        if session.render(messages) == rendered:
+            log.warning("the chat template does not render the `tools` of requests: the model does not see "
+                        "them (the agent must describe its tools in its messages)")
 
     def params(self, turn: Turn, sampling: ChatSampling) -> SamplingParams:
         """The engine's SamplingParams for `turn`: the request's options (or the override's), at most the
@@ -460,11 +476,15 @@ class OpenAIEndpoint:
 
         if self._thread is not None:
             raise RuntimeError("the endpoint is already started")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
         config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=self.shutdown_timeout_s)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # bound here: the port is known before serving
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="openai-endpoint", daemon=True)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflow.data.records import Sample
+from jaxflow.models.tiny import CHATML_TEMPLATE
 from rollout_bridge.engine import SamplingParams
 
 TOOL_END = "</tool>"  # one token of the test tokenizer (extra_tokens), a turn's stop besides end of sequence
+# The tiny tokenizer's ChatML template, with the request's tools in a system turn first.
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+                  + CHATML_TEMPLATE)
 
 
 @dataclasses.dataclass

@@ -12,10 +12,11 @@ import urllib.request
 import httpx
 import openai
 import pytest
-from agent_helpers import TOOL_END, ScriptedModel, env_tokens_are_context, model_tokens
+from agent_helpers import TOOL_END, TOOLS_TEMPLATE, ScriptedModel, env_tokens_are_context, model_tokens
 
 from jaxflow.data import checks
 from jaxflow.models.tiny import write_tiny_tokenizer
+from jaxflow.tokenizer import Tokenizer
 from rollout_bridge.openai_endpoint import (
     EPISODE_HEADER,
     ChatSampling,
@@ -340,3 +341,16 @@ def test_episode_ids_open_end_and_forget(tok):
     with pytest.raises(UnknownEpisode):
         backend.session("g:1:0")
     assert backend.open("g:1:0").turns == 0
+
+
+def test_a_template_that_leaves_tools_out_is_reported_once(tok, caplog):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with_tools = Tokenizer(tok.backend, tok.special_tokens, {"default": TOOLS_TEMPLATE})
+    for tokenizer, warnings in ((tok, 1), (with_tools, 0)):
+        caplog.clear()
+        model = ScriptedModel([answer(tok, "a"), answer(tok, "b")])
+        backend = SessionBackend(tokenizer, model.generate, max_context=MAX_CONTEXT)
+        backend.open("e")
+        for text in ("x", "y"):
+            asyncio.run(backend.chat("e", [{"role": "user", "content": text}], tools, ChatSampling()))
+        assert sum("does not render the `tools`" in r.getMessage() for r in caplog.records) == warnings

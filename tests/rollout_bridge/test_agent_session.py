@@ -5,11 +5,11 @@ import copy
 import json
 
 import pytest
-from agent_helpers import TOOL_END, ScriptedModel, env_tokens_are_context, model_tokens
+from agent_helpers import TOOL_END, TOOLS_TEMPLATE, ScriptedModel, env_tokens_are_context, model_tokens
 
 from jaxflow.data import checks
 from jaxflow.data.records import Sample
-from jaxflow.models.tiny import CHATML_TEMPLATE, write_tiny_tokenizer
+from jaxflow.models.tiny import write_tiny_tokenizer
 from jaxflow.tokenizer import Tokenizer
 from rollout_bridge.agent_session import (
     AgentSession,
@@ -248,10 +248,6 @@ def test_messages_the_template_cannot_render_are_refused(tok):
         session.prepare([{"role": "user"}])  # no content: the template cannot add it to a string
     with pytest.raises(ValueError, match="max_context"):
         AgentSession(tok, max_context=1)
-
-
-TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
-                  + CHATML_TEMPLATE)
 
 
 def test_tools_reach_a_template_that_renders_them(tok):
