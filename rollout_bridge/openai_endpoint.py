@@ -88,6 +88,7 @@ log = logging.getLogger(__name__)
 
 EPISODE_HEADER = "X-Episode-Id"
 MAX_EPISODE_ID_CHARS = 256
+MAX_STOP = 4  # stop strings a request may give, as OpenAI's API allows (an engine takes only so many stop ids)
 _EPISODE_ID = re.compile(r"[A-Za-z0-9._:~-]+")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 # How many ended episodes' ids are remembered, so that a late request gets 409 rather than 404.
@@ -341,8 +342,8 @@ def parse_body(raw: bytes, model: str) -> ChatBody:
         max_tokens = _integer(body, "max_tokens", None, 1)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise invalid("stop", "must be a non-empty string or a list of them")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise invalid("stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them")
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise invalid("logprobs", "must be a boolean")

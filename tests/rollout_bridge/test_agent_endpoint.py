@@ -213,6 +213,7 @@ def test_bad_requests_get_named_errors_and_leave_the_episode_as_it_was(tok, serv
     refused(400, "invalid_request", "max_tokens", max_tokens=0)
     refused(400, "invalid_request", "n", n=2)
     refused(400, "invalid_request", "stop", stop=["two tokens at least"])
+    refused(400, "invalid_request", "stop", stop=[TOOL_END] * 5)
     refused(400, "invalid_request", "presence_penalty", presence_penalty=0.5)
     refused(400, "invalid_request", "stream", stream="yes")
     refused(400, "invalid_messages", "messages", messages=[{"role": "user", "content": None}])
