@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxflow.config import ConfigError
-from jaxflow.envs.config import env_problems, environment_factory, turn_stop_ids
+from jaxflow.envs.config import agent_runner, env_problems, environment_factory, runs_agents, turn_stop_ids
 from jaxflow.models import precision
 
 __all__ = ["make_engine", "runs_episodes", "with_episodes"]
@@ -69,7 +69,7 @@ def make_engine(kind: str, model, max_len: int, max_slots: int, *, seed: int = 0
 
 def runs_episodes(env) -> bool:
     """Whether the `rollout.env` section `env` (a ConfigDict, its dict, or None) names an environment."""
-    return env is not None and env.get("ref") is not None
+    return env is not None and (env.get("ref") is not None or runs_agents(env))
 
 
 def with_episodes(env, tokenizer):
@@ -83,6 +83,11 @@ def with_episodes(env, tokenizer):
     problems = env_problems(env, tokenizer)
     if problems:
         raise ConfigError("bad config: " + "; ".join(problems))
+    if runs_agents(env):
+        from rollout_bridge.agent_engine import AgentEngine
+        agent = agent_runner(env)
+        return lambda engine: AgentEngine(engine, agent, tokenizer, max_context=engine.max_len,
+                                          timeout_s=env.agent_timeout_s)
     from rollout_bridge.episodes import EpisodeEngine
     make_env, stops = environment_factory(env), turn_stop_ids(env, tokenizer)
     return lambda engine: EpisodeEngine(engine, make_env, tokenizer, turn_stop_ids=stops,
