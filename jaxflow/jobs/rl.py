@@ -58,7 +58,7 @@ from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.param_service import ParameterService
 from jaxflow.data.records import RouteSpec
 from jaxflow.data.trajectory_service import TrajectoryService
-from jaxflow.envs.config import env_problems
+from jaxflow.envs.config import env_problems, runs_agents
 from jaxflow.jobs import warm_start
 from jaxflow.jobs.bookkeeping import Ledger, RewardErrors, RewardNeverWorked, reward_pool_options
 from jaxflow.jobs.config import (
@@ -118,6 +118,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         problems.append("rollout.exact_logprobs needs the engines in the job's process (cluster.rollout_actors "
                         "is set)")
     problems += [p for p in replay_problems(config) if p not in problems]
+    problems += [p for p in agent_problems(config) if p not in problems]
     if not problems:  # the transport against the engine kind and the deployment, once those are sound
         try:
             weight_transport(config)
@@ -151,6 +152,28 @@ def replay_problems(config: ml_collections.ConfigDict) -> list[str]:
             and not _given_model(config):
         problems.append(f"trainer.moe.routing_replay = 'rollout' needs a mixture-of-experts policy; model.architecture "
                         f"{architecture!r} is dense")
+    return problems
+
+
+def agent_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """Why agent episodes (rollout.env.kind "agent" or "command", `rollout_bridge.agent_engine`) cannot run
+    with this config: an agent's episode cannot be moved to another engine (its agent talks to this one's
+    endpoint and its state cannot be brought back), and the endpoint records no routes for replay."""
+    env = config.rollout.get("env")
+    if not runs_agents(env):
+        return []
+    problems, coordination = [], config.rollout.get("coordination", {})
+    if config.rollout.get("num_engines", 1) > 1:
+        if coordination.get("migrate", True):
+            problems.append("rollout.coordination.migrate moves requests between engines; agent episodes "
+                            f"(rollout.env.kind {env.kind!r}) cannot move: set it False")
+        if coordination.get("stuck", "retry") == "retry":
+            problems.append("rollout.coordination.stuck 'retry' moves stragglers to another engine; agent "
+                            f"episodes (rollout.env.kind {env.kind!r}) cannot move: use 'release' or 'wait'")
+    moe = config.trainer.get("moe")
+    if moe is not None and moe.get("routing_replay", "off") != "off":
+        problems.append(f"trainer.moe.routing_replay {moe.routing_replay!r}: agent episodes (rollout.env.kind "
+                        f"{env.kind!r}) record no routes; set it 'off'")
     return problems
 
 

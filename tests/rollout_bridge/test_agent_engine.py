@@ -302,3 +302,20 @@ def _poll(engine, n=1, timeout=60.0):
             return out
     raise AssertionError(f"got {len(out)} of {n} completions")
 
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"rollout.num_engines": "2", "rollout.coordination.stuck": "wait"}, "rollout.coordination.migrate moves"),
+    ({"rollout.num_engines": "2", "rollout.coordination.migrate": "False"}, "stuck 'retry' moves stragglers"),
+    ({"trainer.moe.routing_replay": "rollout"}, "agent episodes .* record no routes"),
+])
+def test_what_agents_cannot_do_is_refused_before_the_run(overrides, match):
+    import pathlib
+
+    from jaxflow.config import ConfigError, load_config
+    from jaxflow.jobs import rl
+
+    path = pathlib.Path(__file__).parents[2] / "configs" / "arithmetic_agent_tiny.py"
+    rl.check_config(load_config(str(path)))
+    with pytest.raises(ConfigError, match=match):
+        rl.check_config(load_config(str(path), overrides))
