@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxflow.config import ConfigError
-from jaxflow.envs.config import agent_runner, env_problems, environment_factory, runs_agents, turn_stop_ids
+from jaxflow.envs.config import env_problems, environment_factory, runs_agents, turn_stop_ids
 from jaxflow.models import precision
 
 __all__ = ["make_engine", "runs_episodes", "with_episodes"]
@@ -72,10 +72,23 @@ def runs_episodes(env) -> bool:
     return env is not None and (env.get("ref") is not None or runs_agents(env))
 
 
+def agent_runner(env: ml_collections.ConfigDict):
+    """The agent a checked `rollout.env` section of kind "agent" or "command" names:
+    `rollout_bridge.agent_engine.FunctionAgent` or `CommandAgent`."""
+    from jaxflow import refs
+    from rollout_bridge.agent_engine import CommandAgent, FunctionAgent
+
+    if env.kind == "command":
+        return CommandAgent(list(env.command))
+    options = env.options.to_dict() if isinstance(env.options, ml_collections.ConfigDict) else env.options
+    return FunctionAgent(refs.resolve(env.ref, what="agent reference", expect="function"), options, ref=env.ref)
+
+
 def with_episodes(env, tokenizer):
     """engine -> the engine itself, or (the `rollout.env` section `env` names an environment: a ConfigDict
-    or its dict) an EpisodeEngine running that environment's episodes on it. ConfigError when the section
-    is bad (its turn_stop not one token of `tokenizer`, ...)."""
+    or its dict) an EpisodeEngine running that environment's episodes on it, or (kind "agent"/"command")
+    an AgentEngine running the agent's episodes on it through its own endpoint. ConfigError when the
+    section is bad (its turn_stop not one token of `tokenizer`, ...)."""
     if not runs_episodes(env):
         return lambda engine: engine
     if isinstance(env, dict):

@@ -19,7 +19,7 @@ from jaxflow import refs
 from jaxflow.config import Section, check_bool, check_choice, check_float, check_int
 
 __all__ = ["ENV_KINDS", "EnvConfig", "env_problems", "env_section", "environment_factory", "runs_agents",
-           "agent_runner", "turn_stop_ids"]
+           "turn_stop_ids"]
 
 ENV_KINDS = ("env", "agent", "command")
 """What drives an episode (`rollout.env.kind`): jaxflow's environment protocol, an agent function, or an agent
@@ -147,17 +147,6 @@ def runs_agents(section) -> bool:
     """Whether the `rollout.env` section (a ConfigDict, its dict, or None) runs agents (kind "agent" or
     "command") rather than jaxflow's environments."""
     return section is not None and section.get("kind", "env") in ("agent", "command")
-
-
-def agent_runner(section: ml_collections.ConfigDict):
-    """The agent of a checked section: `rollout_bridge.agent_engine.FunctionAgent` or `CommandAgent`."""
-    from rollout_bridge.agent_engine import CommandAgent, FunctionAgent
-
-    if section.kind == "command":
-        return CommandAgent(list(section.command))
-    options = section.options.to_dict() if isinstance(section.options, ml_collections.ConfigDict) else section.options
-    return FunctionAgent(refs.resolve(section.ref, what="agent reference", expect="function"), options,
-                         ref=section.ref)
 
 
 def environment_factory(section: ml_collections.ConfigDict) -> Callable[[dict], Any]:
