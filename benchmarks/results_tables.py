@@ -349,6 +349,8 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("final held-out accuracy, dense model (mean over seeds)", "dense_final_accuracy", "{:.1%}"),
         Figure("final held-out accuracy, mixture of experts with routing replay (mean over seeds)",
                "moe_final_accuracy", "{:.1%}"),
+        Figure("final held-out accuracy, the same with both layers sparse (mean over seeds)",
+               "moe_all_sparse_final_accuracy", "{:.1%}", optional=True),
         Figure("gap, points", "gap_points", "{:.1f}"),
         Figure("standard error of that gap (seed to seed), points", "noise_points", "{:.1f}"),
         Figure("gap within 2 standard errors", "same_within_noise", "{}"),
@@ -423,6 +425,8 @@ TABLES: dict[str, Table] = {
         Figure("step", "step", "{}"),
         Figure("held-out accuracy, dense (mean over seeds)", "dense", "{:.1%}"),
         Figure("held-out accuracy, mixture of experts (mean over seeds)", "moe", "{:.1%}"),
+        Figure("held-out accuracy, both layers sparse (mean over seeds)", "moe_all_sparse", "{:.1%}",
+               optional=True),
     )),
     "mismatch_learning": Table("summary", (
         Figure("task", "task", "{}"),

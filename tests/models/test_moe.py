@@ -266,3 +266,33 @@ def test_lora_goes_on_attention_only():
     tokens = jnp.arange(12)[None] % 128
     before = Transformer(CFG, rngs=nnx.Rngs(0)).hidden_states(tokens)
     np.testing.assert_array_equal(model.hidden_states(tokens), before)  # B = 0: the base model's output
+
+
+def test_the_warm_start_adds_the_load_balancing_loss_to_a_mixture_of_experts(tmp_path):
+    """warm_start._sft_step: with aux_coef the routers' gradient gets the load-balancing term (the reported
+    loss stays the demonstrations' NLL); without it, or on a dense model, the step is the NLL's alone."""
+    from engine_helpers import lively_tiny_model, lively_tiny_moe_model
+
+    from jaxflow.jobs.warm_start import _sft_step
+
+    def one_step(directory, aux_coef):
+        model = load_model(directory, mesh=sharding.make_mesh(devices=jax.devices()[:1]))
+        graphdef, params = nnx.split(model, nnx.Param)
+        tx = optax.sgd(1.0)
+        trajs = [Trajectory([5, 6, 7], [8, 9, 10, 11], [0.0] * 4, [0] * 4, advantage=1.0)]
+        batch = make_batch(trajs, num_rows=1, seq_len=16)[0]
+        new, _, nll = _sft_step(graphdef, tx, aux_coef)(params, tx.init(params), batch)
+        return params, new, float(nll)
+
+    moe_dir = lively_tiny_moe_model(tmp_path / "moe")
+    _, plain, nll = one_step(moe_dir, 0.0)
+    _, balanced, nll_balanced = one_step(moe_dir, 1.0)
+    assert nll_balanced == nll
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(plain)]
+    router = [i for i, path in enumerate(paths) if "router" in path]
+    plain_leaves, balanced_leaves = jax.tree.leaves(plain), jax.tree.leaves(balanced)
+    assert router and all(float(jnp.max(jnp.abs(plain_leaves[i] - balanced_leaves[i]))) > 0 for i in router)
+    dense_dir = lively_tiny_model(tmp_path / "dense")
+    _, dense_plain, _ = one_step(dense_dir, 0.0)
+    _, dense_coef, _ = one_step(dense_dir, 1.0)
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(dense_plain), jax.tree.leaves(dense_coef)))
