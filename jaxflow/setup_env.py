@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[setup] vLLM CPU wheels need Linux x86_64/aarch64; skipping vLLM on "
               f"{sys.platform}/{platform.machine()}")
         with_vllm = False
-    extras = ["test", "cluster", "envs"] + (["rollout-cpu"] if with_vllm else [])
+    extras = ["test", "cluster", "envs", "agents"] + (["rollout-cpu"] if with_vllm else [])
     fingerprint = _fingerprint(extras)
     if STAMP.exists() and STAMP.read_text() == fingerprint and _python().exists():
         return 0
