@@ -36,14 +36,11 @@ import logging
 import math
 import numbers
 import os
-import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 from jaxflow.data.records import Sample
-from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams
+from rollout_bridge.engine import Completion, Engine, Request, SamplingParams, WrappingEngine
 from rollout_bridge.openai_endpoint import EpisodeEnded, OpenAIEndpoint, SessionBackend
 
 log = logging.getLogger(__name__)
@@ -135,7 +132,7 @@ class _Episode:
     turns: int = 0
 
 
-class AgentEngine(Engine):
+class AgentEngine(WrappingEngine):
     """See the module docstring.
 
     inner: the engine generating the model's turns. agent: a `FunctionAgent` or `CommandAgent`.
@@ -155,7 +152,7 @@ class AgentEngine(Engine):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         self._init_admission()
-        self.inner, self.agent, self.tokenizer, self.timeout_s = inner, agent, tokenizer, float(timeout_s)
+        self.agent, self.tokenizer, self.timeout_s = agent, tokenizer, float(timeout_s)
         self.agent_name = agent_name or getattr(agent, "ref", "agent")
         self.counts: collections.Counter = collections.Counter()
         self._episodes: dict[str, _Episode] = {}
@@ -163,21 +160,9 @@ class AgentEngine(Engine):
         self.backend = SessionBackend(tokenizer, self._generate, max_context=max_context)
         self.endpoint = OpenAIEndpoint(self.backend, model=model, token=token, tokenizer=tokenizer)
         self.endpoint.start()
-        self._loop = asyncio.new_event_loop()  # the agents' (function agents run here; commands are waited on)
-        self._threads = [threading.Thread(target=self._loop.run_forever, name="agents-loop", daemon=True),
-                         threading.Thread(target=self._pump, name="agents-pump", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._start_wrapping(inner, "agents")  # its loop runs the function agents and waits on the commands
 
-    # ----- the Engine interface -----
-
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @property
-    def paused(self) -> bool:
-        return self.inner.paused
+    # ----- the Engine interface (the weights, pausing and load are the inner engine's) -----
 
     def submit(self, request: Request) -> None:
         with self._lock:
@@ -236,9 +221,6 @@ class AgentEngine(Engine):
                 continue
         return out
 
-    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray], *, keep_kv: bool = False) -> None:
-        self.inner.update_weights(version, tensors, keep_kv=keep_kv)
-
     def pause(self, mode: str = "keep") -> list[Completion]:
         """Pauses the inner engine. "abort" aborts the turns generating there and keeps them here, to go on
         from their tokens at `resume`: an agent's episode is never handed back for a weight update."""
@@ -261,23 +243,13 @@ class AgentEngine(Engine):
                 self.inner.submit(Request(r.request_id, r.prompt, r.params, prefix=prefix))
         self.inner.resume()
 
-    def load(self) -> EngineLoad:
-        return self.inner.load()
-
     def close(self) -> None:
-        with self._lock:
-            self._closing = True
-            episodes, self._episodes = list(self._episodes.values()), {}
-            self._finished.notify_all()
-        for ep in episodes:
+        for ep in self._take_all():
             ep.run.cancel()
             if ep.turn is not None:
                 ep.turn.loop.call_soon_threadsafe(_fail, ep.turn.future, EpisodeEnded(ep.request.request_id))
         self.endpoint.close()
-        self.inner.close()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        for t in self._threads:
-            t.join(timeout=10)
+        self._stop_wrapping()
 
     # ----- turns -----
 
@@ -306,26 +278,13 @@ class AgentEngine(Engine):
             raise RuntimeError(f"the engine refused the turn: {completion.error}")
         return completion.sample
 
-    def _pump(self) -> None:
-        """Moves the inner engine's finished turns to the requests waiting for them."""
-        while True:
-            with self._lock:
-                if self._closing:
-                    return
-            try:
-                done = self.inner.poll(timeout=0.05)
-            except Exception as e:  # noqa: BLE001 - the inner engine is down: so is this one
-                with self._lock:
-                    if not self._closing:
-                        self._error = e
-                        self._finished.notify_all()
-                return
-            for c in done:
-                with self._lock:
-                    ep = self._episodes.get(c.request_id)
-                    turn = ep.turn if ep is not None else None
-                if turn is not None and turn.held is None:
-                    turn.loop.call_soon_threadsafe(_resolve, turn.future, c)
+    def _inner_done(self, c: Completion) -> None:
+        """A finished turn goes to the chat request waiting for it."""
+        with self._lock:
+            ep = self._episodes.get(c.request_id)
+            turn = ep.turn if ep is not None else None
+        if turn is not None and turn.held is None:
+            turn.loop.call_soon_threadsafe(_resolve, turn.future, c)
 
     # ----- episodes -----
 

@@ -320,3 +320,88 @@ class Engine(abc.ABC):
             for c in self.poll(timeout=min(left, 1.0)):
                 done[c.request_id] = c
         return [done[r.request_id] for r in requests]
+
+
+class WrappingEngine(Engine):
+    """An engine whose requests run their model turns on an inner engine (jaxflow's episodes, agents): the
+    weights, pausing and load are the inner engine's, and a pump thread hands each of the inner engine's
+    completions to `_inner_done` while an event loop of the wrapper's own runs what its requests wait on
+    (environments, agents). A subclass keeps its requests' states in `self._episodes` (id -> state), calls
+    `_start_wrapping(inner, name)` after `_init_admission()`, implements `_inner_done`, and closes with
+    `_take_all()` (then stopping what it took) and `_stop_wrapping()`."""
+
+    def _start_wrapping(self, inner: Engine, name: str) -> None:
+        import asyncio
+
+        self.inner = inner
+        self._loop = asyncio.new_event_loop()
+        self._threads = [threading.Thread(target=self._loop.run_forever, name=f"{name}-loop", daemon=True),
+                         threading.Thread(target=self._pump, name=f"{name}-pump", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @property
+    def paused(self) -> bool:
+        return self.inner.paused
+
+    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray], *, keep_kv: bool = False) -> None:
+        self.inner.update_weights(version, tensors, keep_kv=keep_kv)
+
+    def load(self) -> EngineLoad:
+        return self.inner.load()
+
+    def _take_all(self) -> list:
+        """Starts closing: marks the engine closed (pollers wake up) and takes every request's state
+        (`self._episodes`, id -> state) for the caller to stop."""
+        with self._lock:
+            self._closing = True
+            taken, self._episodes = list(self._episodes.values()), {}
+            self._finished.notify_all()
+        return taken
+
+    def _stop_wrapping(self, drain_s: float = 0.0) -> None:
+        """Ends closing: closes the inner engine, lets what is left on the loop finish (up to `drain_s`
+        seconds), then stops the loop and joins the threads."""
+        import asyncio
+
+        self.inner.close()
+
+        async def drain():
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if pending:
+                await asyncio.wait(pending, timeout=drain_s)
+
+        if drain_s:
+            try:
+                asyncio.run_coroutine_threadsafe(drain(), self._loop).result(timeout=drain_s + 5)
+            except Exception:  # noqa: BLE001 - a stuck close: stop anyway
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    @abc.abstractmethod
+    def _inner_done(self, completion: Completion) -> None:
+        """A turn the inner engine finished (on the pump thread; never block here)."""
+
+    def _pump(self) -> None:
+        """Moves the inner engine's finished turns to `_inner_done`; an inner engine that fails takes this
+        one down with it."""
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+            try:
+                done = self.inner.poll(timeout=0.05)
+            except Exception as e:  # noqa: BLE001 - the inner engine is down: so is this one
+                with self._lock:
+                    if not self._closing:
+                        self._error = e
+                        self._finished.notify_all()
+                return
+            for c in done:
+                self._inner_done(c)

@@ -42,17 +42,22 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
-
-import numpy as np
 
 from jaxflow.data.records import Sample, fit_routes
 from jaxflow.envs import base
 from jaxflow.envs.render import ObservationRenderer
 from jaxflow.envs.threaded import ThreadedEnv
-from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams, copy_prefix, in_flight_copy
+from rollout_bridge.engine import (
+    Completion,
+    Engine,
+    Request,
+    SamplingParams,
+    WrappingEngine,
+    copy_prefix,
+    in_flight_copy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +91,7 @@ def model_turns(sample: Sample) -> list[tuple[int, int]]:
     return out
 
 
-class EpisodeEngine(Engine):
+class EpisodeEngine(WrappingEngine):
     """See the module docstring.
 
     inner: the engine generating the model's turns. make_env(meta) -> a new environment (jaxflow's
@@ -109,7 +114,7 @@ class EpisodeEngine(Engine):
             raise ValueError(f"max_observation_tokens must be None or an int >= 1, got {max_observation_tokens!r}")
         self.max_observation_tokens = max_observation_tokens
         self._init_admission()
-        self.inner, self.make_env, self.tokenizer = inner, make_env, tokenizer
+        self.make_env, self.tokenizer = make_env, tokenizer
         self.turn_stop_ids = tuple(int(t) for t in turn_stop_ids)
         self.step_timeout_s, self.max_turns, self.env_name, self.default_role = \
             step_timeout_s, max_turns, env_name, default_role
@@ -124,21 +129,9 @@ class EpisodeEngine(Engine):
         self._claims: dict[str, Completion | None] = {}
         self._stale_turns: collections.Counter = collections.Counter()
         self._closing_envs: set[asyncio.Task] = set()
-        self._loop = asyncio.new_event_loop()
-        self._threads = [threading.Thread(target=self._loop.run_forever, name="episodes-loop", daemon=True),
-                         threading.Thread(target=self._pump, name="episodes-pump", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._start_wrapping(inner, "episodes")
 
-    # ----- the Engine interface -----
-
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @property
-    def paused(self) -> bool:
-        return self.inner.paused
+    # ----- the Engine interface (the weights, pausing and load are the inner engine's) -----
 
     def submit(self, request: Request) -> None:
         with self._lock:
@@ -205,9 +198,6 @@ class EpisodeEngine(Engine):
                     out[ep.request.request_id] = in_flight_copy(ep.sample)
         return [Completion(rid, sample) for rid, sample in out.items()]
 
-    def update_weights(self, version: int, tensors: Mapping[str, np.ndarray], *, keep_kv: bool = False) -> None:
-        self.inner.update_weights(version, tensors, keep_kv=keep_kv)
-
     def pause(self, mode: str = "keep") -> list[Completion]:
         aborted = self.inner.pause(mode)
         if mode != "abort":
@@ -220,64 +210,32 @@ class EpisodeEngine(Engine):
     def resume(self) -> None:
         self.inner.resume()
 
-    def load(self) -> EngineLoad:
-        return self.inner.load()
-
     def close(self) -> None:
-        with self._lock:
-            self._closing = True
-            episodes, self._episodes = list(self._episodes.values()), {}
-            self._finished.notify_all()
-        for ep in episodes:
+        for ep in self._take_all():
             if ep.task is not None:
                 ep.task.cancel()
             self._close_env(ep)
-        self.inner.close()
-
-        async def drain():  # what is left on the loop (environments closing) finishes before it stops
-            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            if pending:
-                await asyncio.wait(pending, timeout=(self.step_timeout_s or 30.0) + 1)
-
-        try:
-            asyncio.run_coroutine_threadsafe(drain(), self._loop).result(timeout=(self.step_timeout_s or 30.0) + 5)
-        except Exception:  # noqa: BLE001 - a stuck close: stop anyway
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        for t in self._threads:
-            t.join(timeout=10)
+        # What is left on the loop (environments closing) finishes before it stops.
+        self._stop_wrapping(drain_s=(self.step_timeout_s or 30.0) + 1)
 
     # ----- episodes -----
 
-    def _pump(self) -> None:
-        """Moves the inner engine's finished turns to the event loop."""
-        while True:
-            with self._lock:
-                if self._closing:
-                    return
-            try:
-                done = self.inner.poll(timeout=0.05)
-            except Exception as e:  # noqa: BLE001 - the inner engine is down: so is this one
-                with self._lock:
-                    if not self._closing:
-                        self._error = e
-                        self._finished.notify_all()
+    def _inner_done(self, c: Completion) -> None:
+        """A finished turn goes to its episode's coroutine on the event loop."""
+        with self._lock:
+            if self._stale_turns[c.request_id]:  # the turn of an episode handed back (older ones first)
+                self._stale_turns[c.request_id] -= 1
                 return
-            for c in done:
-                with self._lock:
-                    if self._stale_turns[c.request_id]:  # the turn of an episode handed back (older ones first)
-                        self._stale_turns[c.request_id] -= 1
-                        continue
-                    if c.request_id in self._claims:  # the turn of an episode being handed back
-                        self._claims[c.request_id] = c
-                        self._finished.notify_all()
-                        continue
-                    ep = self._episodes.get(c.request_id)
-                    if ep is None or not ep.in_inner:
-                        continue
-                    # The episode holds the turn from here on: `progress` and `abort` see it at once.
-                    ep.in_inner, ep.sample = False, c.sample
-                    ep.task = asyncio.run_coroutine_threadsafe(self._turn_done(ep, c), self._loop)
+            if c.request_id in self._claims:  # the turn of an episode being handed back
+                self._claims[c.request_id] = c
+                self._finished.notify_all()
+                return
+            ep = self._episodes.get(c.request_id)
+            if ep is None or not ep.in_inner:
+                return
+            # The episode holds the turn from here on: `progress` and `abort` see it at once.
+            ep.in_inner, ep.sample = False, c.sample
+            ep.task = asyncio.run_coroutine_threadsafe(self._turn_done(ep, c), self._loop)
 
     async def _start(self, ep: _Episode) -> None:
         meta = dict(ep.request.meta or {})
