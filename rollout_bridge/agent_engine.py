@@ -148,7 +148,6 @@ class AgentEngine(WrappingEngine):
 
     def __init__(self, inner: Engine, agent, tokenizer: Any, *, max_context: int, timeout_s: float = 300.0,
                  model: str = "policy", token: str | None = None, agent_name: str | None = None):
-
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         self._init_admission()
@@ -192,14 +191,11 @@ class AgentEngine(WrappingEngine):
         for rid in dict.fromkeys(request_ids):
             with self._lock:
                 ep = self._episodes.pop(rid, None)
-                turn, ep_turn = None, None
-                if ep is not None:
-                    ep_turn, ep.turn = ep.turn, None
-                    turn = ep_turn
-                    if turn is not None and turn in self._held:
-                        self._held.remove(turn)
-            if ep is None:
-                continue
+                if ep is None:
+                    continue
+                turn, ep.turn = ep.turn, None
+                if turn is not None and turn in self._held:
+                    self._held.remove(turn)
             if turn is not None:
                 self.inner.abort([rid])
                 turn.loop.call_soon_threadsafe(_fail, turn.future, EpisodeEnded(rid))
