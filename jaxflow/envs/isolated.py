@@ -207,8 +207,11 @@ class _Process:
             if self.dead:
                 raise EnvironmentProcessDied(self._why())
             call_id = next(self.ids)
+            try:
+                self.conn.send((call_id, episode, method, args))
+            except (OSError, ValueError):  # the child is gone and the reader has not seen its pipe close yet
+                raise EnvironmentProcessDied(self._why()) from None
             self.pending[call_id] = (loop, future)
-            self.conn.send((call_id, episode, method, args))
         try:
             return await future
         except asyncio.CancelledError:  # timed out or aborted: stop it there, and see that the process lives

@@ -246,6 +246,29 @@ def test_an_environment_process_that_dies_fails_its_episodes_and_is_replaced(mon
     assert later.info["pid"] != __import__("os").getpid()
 
 
+def test_a_call_whose_pipe_broke_before_the_process_was_seen_dead_is_named(monkeypatch):
+    # The child died and its pipe is closed, but the reader thread has not marked the process dead yet: a
+    # call sent then fails on the pipe, and must say the process exited, as the calls already waiting do.
+    import pathlib
+
+    from jaxflow.envs.isolated import EnvironmentProcessDied, isolated
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    make_env = isolated("crashing_env:CrashOn", {"crash_q": 99})
+    env = make_env({"q": 0})
+    run(base.call(env, "reset", {"q": 0}, timeout_s=60, env_name="crash", episode=0))
+
+    class BrokenPipe:
+        def send(self, message):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(env.process, "conn", BrokenPipe())
+    with pytest.raises(EnvironmentFailed, match="environment process exited") as failed:
+        run(base.call(env, "step", "x", timeout_s=60, env_name="crash", episode=0))
+    assert failed.value.kind == "error" and isinstance(failed.value.__cause__, EnvironmentProcessDied)
+    assert not env.process.pending  # nothing left waiting on an answer that cannot come
+
+
 def test_an_isolated_environment_answers_like_an_in_process_one():
     from jaxflow.envs.isolated import isolated
 
