@@ -138,10 +138,10 @@ class AgentEngine(WrappingEngine):
     inner: the engine generating the model's turns. agent: a `FunctionAgent` or `CommandAgent`.
     tokenizer: renders the agents' conversations (its chat template) and decodes replies. max_context:
     the most tokens one training sequence may hold (the inner engine's context). timeout_s: seconds an
-    agent may run. model: the name the endpoint serves (requests must name it). override: sampling options
-    the run imposes whatever an agent asks (`SessionBackend`; by default the episode request's own
-    temperature, top_p and top_k: the behaviour policy is the run's, and an eval's greedy decoding is
-    greedy). token: the endpoint's bearer token (None: a random one).
+    agent may run. model: the name the endpoint serves (requests must name it). token: the endpoint's
+    bearer token (None: a random one). agent_name: names the agent in logs and errors (default its ref).
+    Every turn samples with the episode request's temperature, top_p, top_k and seed, whatever the agent
+    asks: the behaviour policy is the run's, and an eval's greedy decoding stays greedy.
     """
 
     _failure_subject = "the agent engine"
