@@ -17,6 +17,7 @@ environment's (`jaxflow.envs.calculator.CalculatorEnv`), written as an agent wou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 
 from jaxflow.envs.calculator import TOOL_CLOSE, TOOL_OPEN, evaluate, tool_calls
@@ -35,7 +36,11 @@ async def agent(base_url: str, task: dict, episode: str, *, api_key: str = "none
     from jaxflow.rewards import resolve
 
     score = resolve(reward_ref)
-    client = _client().with_options(base_url=base_url, api_key=api_key)
+    async with _client(base_url, api_key) as client:
+        return await _episode(client, task, score, model, latency_s, max_calls)
+
+
+async def _episode(client, task: dict, score, model: str, latency_s: float, max_calls: int) -> float:
     messages = [{"role": "user", "content": task["question"]}]
     calls = 0
     while True:
@@ -60,19 +65,42 @@ async def agent(base_url: str, task: dict, episode: str, *, api_key: str = "none
                      {"role": "tool", "content": f"<result>{answer}</result>"}]
 
 
-_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its client
+class _Shared:
+    def __init__(self, client):
+        self.client, self.users = client, 0
 
 
-def _client():
-    """One client per event loop, its connections shared by the episodes on that loop (each episode a copy
-    with its own base URL and key, `with_options`): as an agent program keeps one client, not one a call."""
+_shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> the client its episodes share
+
+
+@contextlib.asynccontextmanager
+async def _client(base_url: str, api_key: str):
+    """A client for one episode: a copy (its own base URL and key, `with_options`) of one client that the
+    episodes running on this event loop share, as an agent program keeps one client, not one a call (a
+    client is costly to make). The shared client is closed when its last episode ends.
+
+    Its HTTP transport is aiohttp's (`openai.DefaultAioHttpClient`, the `openai[aiohttp]` extra) where it is
+    installed: with hundreds of episodes' connections in one pool, httpx's default pool spends more CPU per
+    request than the whole endpoint serving it (it scans every connection on each request)."""
     import openai
 
     loop = asyncio.get_running_loop()
-    client = _clients.get(loop)
-    if client is None:
+    shared = _shared.get(loop)
+    if shared is None:
+        try:
+            http = openai.DefaultAioHttpClient(timeout=600.0)
+        except RuntimeError:  # the aiohttp extra is absent: httpx's default pool
+            http = None
         # No retries: a refused request is the episode's answer. The timeout covers a turn that waits for a
         # weight update on a busy machine.
-        client = _clients[loop] = openai.AsyncOpenAI(base_url="http://127.0.0.1", api_key="none", max_retries=0,
-                                                      timeout=600.0)
-    return client
+        shared = _shared[loop] = _Shared(openai.AsyncOpenAI(base_url="http://127.0.0.1", api_key="none",
+                                                             max_retries=0, timeout=600.0, http_client=http))
+    shared.users += 1
+    try:
+        yield shared.client.with_options(base_url=base_url, api_key=api_key)
+    finally:
+        shared.users -= 1
+        if shared.users == 0:
+            if _shared.get(loop) is shared:
+                del _shared[loop]
+            await shared.client.close()
