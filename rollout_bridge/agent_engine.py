@@ -5,8 +5,9 @@ jaxflow's own episodes, so the coordinator drives agents as it drives everything
 A request is an episode. Its agent is started with the base URL of the endpoint for that episode
 (`rollout_bridge.openai_endpoint`: `.../episodes/<id>/v1`), the task's meta and the episode's id, and
 returns the episode's reward: an `async def agent(base_url, task, episode, api_key=..., **options)`
-(`FunctionAgent`), or a command run as a subprocess with the URL, key, episode and task in its environment
-(`CommandAgent`). Each chat request of the agent becomes a model turn on the inner engine (JAX or vLLM):
+(`FunctionAgent`; `IsolatedAgent` runs it in a process of its own), or a command run as a subprocess with
+the URL, key, episode and task in its environment (`CommandAgent`). Each chat request of the agent becomes
+a model turn on the inner engine (JAX or vLLM):
 the endpoint's session (`rollout_bridge.agent_session`) renders the messages, keeps the tokens the model
 sampled as they were, and appends what the agent put in between as environment tokens (or starts a new
 training sequence when the agent rewrote its history); the turn then continues the episode's sequence as
@@ -45,7 +46,7 @@ from rollout_bridge.openai_endpoint import EpisodeEnded, OpenAIEndpoint, Session
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentEngine", "AgentFailed", "CommandAgent", "FunctionAgent"]
+__all__ = ["AgentEngine", "AgentFailed", "CommandAgent", "FunctionAgent", "IsolatedAgent"]
 
 
 class AgentFailed(RuntimeError):
@@ -68,6 +69,27 @@ class FunctionAgent:
 
     async def __call__(self, base_url: str, task: dict, episode: str, api_key: str) -> Any:
         return await self.fn(base_url, task, episode, api_key=api_key, **self.options)
+
+
+class IsolatedAgent:
+    """A `FunctionAgent` whose episodes run in a process of its own (`rollout.env.isolate`;
+    `jaxflow.envs.isolated`): one child process hosts every episode's agent on its event loop, so the
+    agents' work (an HTTP client's, a tool's) does not hold this interpreter's lock while the engine and the
+    trainer need it, and an agent that crashes or hangs its process fails its episodes, not the run (the
+    process is replaced). The task and the reward cross the process boundary by pickle, over a pipe this
+    process made for its child."""
+
+    def __init__(self, agent: FunctionAgent):
+        from jaxflow.envs.isolated import isolated
+
+        self.ref, self.options = agent.ref, agent.options
+        self._episodes = isolated("jaxflow.envs.isolated:AgentEpisode", {"ref": agent.ref, "options": agent.options})
+
+    async def __call__(self, base_url: str, task: dict, episode: str, api_key: str) -> Any:
+        one = self._episodes(None)
+        reward = await one.reset({"base_url": base_url, "task": task, "episode": episode, "api_key": api_key})
+        await one.close()
+        return reward
 
 
 class CommandAgent:

@@ -74,14 +74,15 @@ def runs_episodes(env) -> bool:
 
 def agent_runner(env: ml_collections.ConfigDict):
     """The agent a checked `rollout.env` section of kind "agent" or "command" names:
-    `rollout_bridge.agent_engine.FunctionAgent` or `CommandAgent`."""
+    `rollout_bridge.agent_engine.FunctionAgent` (`IsolatedAgent` with `isolate`) or `CommandAgent`."""
     from jaxflow import refs
-    from rollout_bridge.agent_engine import CommandAgent, FunctionAgent
+    from rollout_bridge.agent_engine import CommandAgent, FunctionAgent, IsolatedAgent
 
     if env.kind == "command":
         return CommandAgent(list(env.command))
     options = env.options.to_dict() if isinstance(env.options, ml_collections.ConfigDict) else env.options
-    return FunctionAgent(refs.resolve(env.ref, what="agent reference", expect="function"), options, ref=env.ref)
+    agent = FunctionAgent(refs.resolve(env.ref, what="agent reference", expect="function"), options, ref=env.ref)
+    return IsolatedAgent(agent) if env.get("isolate", False) else agent
 
 
 def with_episodes(env, tokenizer):

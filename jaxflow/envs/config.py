@@ -47,7 +47,8 @@ class EnvConfig(Section):
       holds even for an environment that blocks its thread (each runs on a thread of its own).
     max_turns: model turns per episode at most.
     isolate: run the environments in a process of their own (`jaxflow.envs.isolated`): a tool that crashes
-      or hangs its process fails its episodes, not the run, and the process is replaced.
+      or hangs its process fails its episodes, not the run, and the process is replaced. With kind "agent",
+      the agent functions run there (their HTTP client's work off the engine's and trainer's interpreter).
     max_observation_tokens: the most tokens one environment answer may add to an episode (None: the
       episode's max_tokens); a longer answer fails its episode (counted as env_oversized).
     """
@@ -81,6 +82,9 @@ class EnvConfig(Section):
                             f"(got {self.ref!r})")
         check_int(problems, self.key("max_turns"), self.max_turns, 1)
         check_bool(problems, self.key("isolate"), self.isolate)
+        if self.kind == "command" and self.isolate is True:
+            problems.append("rollout.env.isolate applies to environments and agent functions; kind 'command' "
+                            "already runs each agent in a process of its own (unset isolate)")
         check_int(problems, self.key("max_observation_tokens"), self.max_observation_tokens, 1, optional=True)
         if not isinstance(self.options, dict):
             problems.append(f"rollout.env.options must be a dict of the factory's keyword arguments, "

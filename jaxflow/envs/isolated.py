@@ -17,6 +17,11 @@ process still importing its environment); if it does not, it is killed, so it di
 replaced. An episode that starts meanwhile waits for that verdict before it resets; a call that is merely
 slow (its loop still answers) keeps the process. The environment's options and answers cross the process
 boundary by pickle, over a pipe this process created for its own child (nothing from the network).
+
+Agent functions run there too (`rollout.env.isolate` with kind "agent"): each episode is an `AgentEpisode`
+whose `reset` runs the agent on the child's event loop and returns its reward. The agent's own work (its
+HTTP client, its tools) then runs outside the interpreter of the engine and trainer, so it neither takes
+their interpreter lock nor crashes them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 from jaxflow import refs
 
-__all__ = ["EnvironmentProcessDied", "PING_TIMEOUT_S", "isolated"]
+__all__ = ["AgentEpisode", "EnvironmentProcessDied", "PING_TIMEOUT_S", "isolated"]
 
 PING_TIMEOUT_S = 5.0
 """Seconds the environment process's event loop has to answer a ping after a call was cancelled, before
@@ -287,6 +292,23 @@ class _Isolated:
 
     def __call__(self, meta: dict) -> _IsolatedEnv:
         return _IsolatedEnv(self, next(self.episodes))
+
+
+class AgentEpisode:
+    """One agent episode in the environment process: `reset(call)` awaits the agent function `ref`
+    (`async def agent(base_url, task, episode, *, api_key, **options)`) with `options` and the call's
+    {"base_url", "task", "episode", "api_key"}, and returns what it returns (the parent checks the reward)."""
+
+    def __init__(self, ref: str, options: dict):
+        self.fn = refs.resolve(ref, what="agent reference", expect="function")
+        self.options = options
+
+    async def reset(self, call: dict) -> Any:
+        return await self.fn(call["base_url"], call["task"], call["episode"], api_key=call["api_key"],
+                             **self.options)
+
+    async def close(self) -> None:
+        return None
 
 
 def isolated(ref: str, options: dict | None = None) -> _Isolated:

@@ -13,7 +13,7 @@ from jaxflow.data import checks
 from jaxflow.data.records import Sample
 from jaxflow.envs import calculator_agent
 from jaxflow.models.tiny import write_tiny_tokenizer
-from rollout_bridge.agent_engine import AgentEngine, CommandAgent, FunctionAgent
+from rollout_bridge.agent_engine import AgentEngine, CommandAgent, FunctionAgent, IsolatedAgent
 from rollout_bridge.engine import Completion, Engine, EngineLoad, Request, SamplingParams
 
 TOOL_END = "</tool>"
@@ -268,6 +268,36 @@ def test_a_command_agent_gets_the_endpoint_in_its_environment(tok, tmp_path, mon
     assert bad.info["env_failure"] == "error" and "exited with code 3: no tool here" in bad.info["env_error"]
 
 
+def test_an_isolated_agent_runs_in_a_process_of_its_own_whose_crash_fails_its_episode_alone(tok, tmp_path,
+                                                                                            monkeypatch):
+    (tmp_path / "crashing_agent.py").write_text(
+        "import os\n"
+        "from jaxflow.envs.calculator_agent import agent as calculator\n\n"
+        "async def agent(base_url, task, episode, *, api_key, crash_on='crash'):\n"
+        "    if task.get(crash_on):\n"
+        "        os._exit(7)  # takes its whole process down: only the agents' process may go\n"
+        "    return await calculator(base_url, task, episode, api_key=api_key)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the child process imports the agent from the parent's path
+    import crashing_agent
+
+    agent = IsolatedAgent(FunctionAgent(crashing_agent.agent, {"crash_on": "crash"}, ref="crashing_agent:agent"))
+    crash = request(tok, "e2")
+    crash.meta["crash"] = True
+    inner, engine = make(tok, {rid: calculator_turns(tok) for rid in ("e1", "e3")}, agent=agent)
+    try:
+        [first] = engine.generate([request(tok, "e1")], timeout=120)
+        [crashed] = engine.generate([crash], timeout=120)
+        [after] = engine.generate([request(tok, "e3")], timeout=120)  # on a new agents' process
+    finally:
+        engine.close()
+    sampled = calculator_turns(tok)
+    for c in (first, after):
+        assert c.info.get("env_failure") is None and c.sample.reward == 1.0
+        assert [t for t, _, _ in model_tokens(c.sample)] == sampled[0] + sampled[1]
+    assert crashed.info["env_failure"] == "error" and "exited (code 7)" in crashed.info["env_error"]
+    assert crashed.sample.reward == 0.0
+
+
 def test_agent_sections_are_checked(tmp_path, monkeypatch):
     from jaxflow.envs.config import EnvConfig, env_problems, env_section
 
@@ -283,6 +313,8 @@ def test_agent_sections_are_checked(tmp_path, monkeypatch):
     assert "is not found" in env_problems(env_section(kind="command", command=["no-such-agent-program"]))[0]
     assert "needs rollout.env.command" in EnvConfig.config_problems({"kind": "command"})[0]
     assert "rollout.env.kind" in EnvConfig.config_problems({"kind": "robot"})[0]
+    assert "already runs each agent in a process" in EnvConfig.config_problems(
+        {"kind": "command", "command": ["agent"], "isolate": True})[0]
 
 
 def _wait(predicate, timeout=30.0):
