@@ -10,13 +10,13 @@ time the loop spent on held-out evals, which every eta pays alike and which is n
 to a reward target (the first step where the train reward, averaged over the last `--window` steps,
 reaches it: the first batches of an async run lean to the short problems that finish first, so a
 short window fires early), final held-out accuracy, the idle fractions of trainer and rollout, the
-cores the job's process kept busy (its CPU time over the loop, evals excluded, per second of the loop),
+cores the job kept busy (its CPU time over the loop, evals excluded, per second of the loop),
 and the staleness histogram of trained tokens. It prints one table, writes one plot (reward vs time per
 eta, and the staleness histograms) and, with --json, the figures including
 `throughput_ratio_eta4_vs_eta0`, `final_accuracy_gap_points` and `throughput_ratio_cpu_bound_eta4_vs_eta0`:
 eta = 4's trained tokens over its CPU time spread on every core, against eta = 0's throughput, i.e. the
-most that overlapping eta = 4's work better could give on this machine. CPU time is this process's only
-(embedded JAX engines and trainer; a vLLM server's or a reward worker's is not in it).
+most that overlapping eta = 4's work better could give on this machine. CPU time is the job process's and
+its children's (embedded JAX engines and trainer, isolated environments and agents, reward workers).
 
 --quick uses a shorter warm start, fewer steps and fewer eval prompts (under 5 minutes here); its
 accuracies are not meaningful, its throughput ratio is. --config picks any config file (default

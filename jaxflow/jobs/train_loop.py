@@ -116,15 +116,37 @@ class LoopParts:
 
 def phase_line(result: dict[str, Any]) -> str:
     """One line: the train loop's wall time split by phase (`result["phases_s"]`), how busy the rollout
-    engines were meanwhile, and how many cores this process kept busy (`result["cpu_s"]` per second)."""
+    engines were meanwhile, and how many cores the run's processes kept busy (`result["cpu_s"]` per second)."""
     phases, wall = result.get("phases_s"), result.get("wall_s")
     if not phases or not wall:
         return ""
     parts = ", ".join(f"{k.replace('_', ' ')} {x:.1f}s ({x / wall:.0%})" for k, x in phases.items())
     idle = result.get("rollout_idle_frac")
     busy = "" if idle is None else f"; rollout engines busy {1.0 - idle:.0%} of it"
-    cpu = f"; this process used {result['cpu_s'] / wall:.2f} of {result['cores']} cores"
+    cpu = f"; this process and its children used {result['cpu_s'] / wall:.2f} of {result['cores']} cores"
     return f"jaxflow: train loop {wall:.1f}s: {parts}{busy}{cpu}\n"
+
+
+def cpu_time() -> float:
+    """CPU seconds (user and system) of this process and of its child processes so far: the live ones
+    (psutil, all generations) and those already waited for."""
+    import resource
+
+    import psutil
+
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = time.process_time() + reaped.ru_utime + reaped.ru_stime
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        children = []
+    for child in children:
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # exited meanwhile
+            continue
+        total += times.user + times.system
+    return total
 
 
 def usable_cores() -> int:
@@ -164,9 +186,10 @@ def train_loop(config: ml_collections.ConfigDict, parts: LoopParts, *, start_ste
     coordinator.start()
     out: dict[str, Any] = {}
     loop_start, trained_tokens, consumed_tokens = time.monotonic(), 0.0, 0.0
-    # CPU time of every thread of this process (the trainer, embedded JAX engines, XLA's thread pools);
-    # other processes (the reward pool's workers, vLLM servers, Ray actors) are not in it.
-    cpu_start, eval_cpu = time.process_time(), 0.0
+    # CPU time of every thread of this process (the trainer, embedded JAX engines, XLA's thread pools) and
+    # of its child processes (isolated environments and agents, the reward pool's workers, a vLLM server it
+    # started); Ray actors elsewhere are not in it.
+    cpu_start, eval_cpu = cpu_time(), 0.0
     # The train loop's wall time by what it was doing (the rollout runs beside it): `phase_line` prints it.
     phases = dict.fromkeys(PHASES, 0.0)
     accuracy = rollout_idle = None
@@ -222,12 +245,12 @@ def train_loop(config: ml_collections.ConfigDict, parts: LoopParts, *, start_ste
             # A time limit ends the run like its last step: a held-out eval, a checkpoint, the export.
             done = step + 1 == t.steps or 0 < t.time_limit_s <= elapsed
             if (step + 1) % config.eval.every == 0 or done:
-                eval_from, eval_cpu_from = time.monotonic(), time.process_time()
+                eval_from, eval_cpu_from = time.monotonic(), cpu_time()
                 accuracy = parts.evaluator()
                 metrics["eval_accuracy"] = accuracy
                 metrics.update(parts.evaluator.extra())
                 metrics["eval_s"] = time.monotonic() - eval_from
-                eval_cpu += time.process_time() - eval_cpu_from
+                eval_cpu += cpu_time() - eval_cpu_from
                 phases["eval"] += metrics["eval_s"]
             parts.run_log.log_step(step, metrics, staleness=staleness)
             if step_done is not None:  # the cluster driver times its recoveries by it
@@ -242,7 +265,7 @@ def train_loop(config: ml_collections.ConfigDict, parts: LoopParts, *, start_ste
     out["final_accuracy"] = accuracy
     out["wall_s"] = time.monotonic() - loop_start
     out["eval_s"] = phases["eval"]
-    out["cpu_s"], out["eval_cpu_s"] = time.process_time() - cpu_start, eval_cpu
+    out["cpu_s"], out["eval_cpu_s"] = cpu_time() - cpu_start, eval_cpu
     out["cores"] = usable_cores()
     phases["other"] = max(out["wall_s"] - sum(phases.values()), 0.0)  # metrics, logging, the ledger
     out["phases_s"] = {k: round(x, 3) for k, x in phases.items()}

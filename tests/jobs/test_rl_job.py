@@ -235,12 +235,12 @@ def test_async_run_outputs_and_accounting_and_the_run_reads_every_config_key(tmp
     assert min(phases[k] for k in ("batch", "update", "publish", "checkpoint")) > 0
     assert sum(phases.values()) == pytest.approx(result["wall_s"], abs=1e-2)
     assert 0 <= result["rollout_idle_frac"] <= 1
-    # The process's CPU time over the loop (all its threads): more than its evals' share, at most every
+    # The CPU time of the process and its children over the loop: more than its evals' share, at most every
     # usable core for the whole loop.
     assert result["cores"] == len(os.sched_getaffinity(0))
     assert 0 < result["eval_cpu_s"] < result["cpu_s"] <= result["wall_s"] * result["cores"] * 1.01
     assert re.search(r"train loop [\d.]+s: wait rollout [\d.]+s \(\d+%\), batch .* rollout engines busy \d+% of it"
-                     r"; this process used [\d.]+ of \d+ cores", out)
+                     r"; this process and its children used [\d.]+ of \d+ cores", out)
     assert load_model(workdir / "export").config.num_layers == 2
     assert (workdir / "plots" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert list((workdir / "tensorboard").iterdir())
