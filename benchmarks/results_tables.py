@@ -34,7 +34,8 @@ MARKER = re.compile(r"<!-- results:(?P<name>[a-z0-9_]+):begin -->\n(?P<body>.*?)
 GLANCE_ROWS = 8
 # Result files a benchmark writes under another name than its own, by a mode of its command line:
 # {result name: (script name, the arguments that select the mode)}.
-WRITTEN_BY = {"mismatch_moe": ("mismatch", "--moe")}
+WRITTEN_BY = {"mismatch_moe": ("mismatch", "--moe"),
+              "async_vs_sync_agent": ("async_vs_sync", "--config configs/arithmetic_agent_tiny.py")}
 
 
 def command_of(name: str) -> str:
@@ -121,6 +122,18 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("eta = 4: time to the reward target, s", "runs.eta=4.time_to_target_s", "{:.0f}", none="not reached"),
         Figure("eta = 0: cores busy", "runs.eta=0.cores_busy", "{:.2f}"),
         Figure("eta = 4: cores busy", "runs.eta=4.cores_busy", "{:.2f}"),
+    ],
+    "async_vs_sync_agent": [
+        Figure("trained tokens/s, eta = 4 over eta = 0", "throughput_ratio_eta4_vs_eta0", "{:.2f}x"),
+        Figure("eta = 0: trained tokens/s", "runs.eta=0.trained_tokens_per_s", "{:,.0f}"),
+        Figure("eta = 4: trained tokens/s", "runs.eta=4.trained_tokens_per_s", "{:,.0f}"),
+        Figure("eta = 4's CPU-bound ceiling over eta = 0", "throughput_ratio_cpu_bound_eta4_vs_eta0", "{:.2f}x"),
+        Figure("eta = 0: trainer idle", "runs.eta=0.trainer_idle_frac", "{:.0%}"),
+        Figure("eta = 4: trainer idle", "runs.eta=4.trainer_idle_frac", "{:.0%}"),
+        Figure("eta = 0: final held-out accuracy", "runs.eta=0.final_accuracy", "{:.1%}"),
+        Figure("eta = 4: final held-out accuracy", "runs.eta=4.final_accuracy", "{:.1%}"),
+        Figure("eta = 0: cores busy (this process)", "runs.eta=0.cores_busy", "{:.2f}"),
+        Figure("eta = 4: cores busy (this process)", "runs.eta=4.cores_busy", "{:.2f}"),
     ],
     "engines": [
         Figure("JAX engine over vLLM, tokens/s, long-tail workload", "jax_vs_vllm_by_workload.long_tail", "{:.2f}x",
@@ -359,6 +372,18 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("busiest expert's load over the mean (mean a step)", "moe_expert_load_max_mean", "{:.2f}"),
         Figure("s a step, mixture of experts over dense", "moe_step_s_vs_dense", "{:.2f}x"),
     ],
+    "agent_learning": [
+        Figure("steps a run", "steps", "{}"),
+        Figure("held-out prompts an eval", "eval_prompts", "{}"),
+        Figure("seeds a config", "seeds", "{}"),
+        Figure("final held-out accuracy, native environment (mean over seeds)", "native_final_accuracy", "{:.1%}"),
+        Figure("final held-out accuracy, agent program through the endpoint (mean over seeds)",
+               "agent_final_accuracy", "{:.1%}"),
+        Figure("gap, points", "gap_points", "{:.1f}"),
+        Figure("standard error of that gap (seed to seed), points", "noise_points", "{:.1f}"),
+        Figure("gap within 2 standard errors", "same_within_noise", "{}"),
+        Figure("s a step, agent over native", "agent_step_s_vs_native", "{:.2f}x"),
+    ],
     "mismatch_learning": [
         Figure("steps a run", "steps", "{}"),
         *[fig for task, what in (("tools", "tool demo"), ("single_turn", "single-turn task")) for fig in (
@@ -427,6 +452,11 @@ TABLES: dict[str, Table] = {
         Figure("held-out accuracy, mixture of experts (mean over seeds)", "moe", "{:.1%}"),
         Figure("held-out accuracy, both layers sparse (mean over seeds)", "moe_all_sparse", "{:.1%}",
                optional=True),
+    )),
+    "agent_learning": Table("curves", (
+        Figure("step", "step", "{}"),
+        Figure("held-out accuracy, native environment (mean over seeds)", "native", "{:.1%}"),
+        Figure("held-out accuracy, agent program (mean over seeds)", "agent", "{:.1%}"),
     )),
     "mismatch_learning": Table("summary", (
         Figure("task", "task", "{}"),

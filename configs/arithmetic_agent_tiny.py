@@ -26,6 +26,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     variant = (arg or "async").split(",")[0]
     config.workdir = f"runs/arithmetic_agent_tiny_{variant}"
     # The agent function and its options (its keyword arguments besides base_url, task, episode, api_key).
+    # The agents run in a process of their own (isolate): their HTTP client's work stays off the engine's
+    # and trainer's interpreter lock.
     config.rollout.env = env_section(kind="agent", ref="jaxflow.envs.calculator_agent:agent",
-                                     options={"latency_s": 0.0, "max_calls": 2}, agent_timeout_s=120.0)
+                                     options={"latency_s": 0.0, "max_calls": 2}, agent_timeout_s=120.0,
+                                     isolate=True)
     return config
