@@ -113,7 +113,7 @@ class _Counter:
 
     def _total(self):
         a, b = (e.prefill_stats() for e in self.engines)
-        return a.__class__(*(x + y for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
+        return a + b
 
     def mark(self) -> None:
         self._last = self._total()

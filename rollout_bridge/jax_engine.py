@@ -106,8 +106,9 @@ class PrefillStats:
 
     admitted: requests admitted into slots. context_tokens: the positions of their contexts.
     reused_tokens: positions the request's own kept turn already held (`reuse_turns`): not computed again.
-    computed_tokens: positions prefill and extend calls ran through the model for them; a context several
-    requests share (a GRPO group's prompt) is computed once, so context = reused + computed + shared.
+    computed_tokens: positions prefill and extend calls ran through the model for them (their padding to a
+    prefill bucket not counted); a context several requests share (a GRPO group's prompt) is computed once,
+    so context = reused + computed + shared.
     recomputed_tokens: positions of in-flight sequences computed again under new weights (a weight swap
     without keep_kv); not part of the others.
     """
@@ -121,6 +122,10 @@ class PrefillStats:
     def __sub__(self, other: PrefillStats) -> PrefillStats:
         """The counts between two readings (later - earlier)."""
         return PrefillStats(*(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    def __add__(self, other: PrefillStats) -> PrefillStats:
+        """The counts of two engines together."""
+        return PrefillStats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
 
 @dataclasses.dataclass
