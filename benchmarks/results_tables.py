@@ -419,10 +419,30 @@ HEADLINES: dict[str, list[Figure]] = {
                "logprob_chunking.rows_per_device=4.logprob_temp_ratio", "{:.3f}", optional=True),
         Figure("train step compile time on the planning CPU, s", "compile_s", "{:.0f}"),
     ],
+    "prefix_reuse": [
+        Figure("prefilled tokens, affinity against round robin", "prefill_reduction_affinity_vs_round_robin",
+               "{:.1%} fewer"),
+        Figure("prefix hit, session affinity", "prefix_hit_frac_affinity", "{:.1%}"),
+        Figure("prefix hit, round robin over two engines", "prefix_hit_frac_round_robin", "{:.1%}"),
+        Figure("prefilled tokens, session affinity", "prefill_tokens_affinity", "{:,}"),
+        Figure("prefilled tokens, round robin over two engines", "prefill_tokens_round_robin", "{:,}"),
+        Figure("prefilled tokens, no reuse (reuse_turns off)", "prefill_tokens_no_reuse", "{:,}", optional=True),
+        Figure("episodes a routing (4 turns each)", "episodes", "{}"),
+    ],
 }
 
 # Tables of one row per case, for the benchmarks whose result file holds a sweep.
 TABLES: dict[str, Table] = {
+    "prefix_reuse": Table("turns", (
+        Figure("routing", "mode", "{}"),
+        Figure("turn", "turn", "{}"),
+        Figure("turns run", "turns", "{}"),
+        Figure("prompt positions", "context_tokens", "{:,}"),
+        Figure("reused from a kept row", "reused_tokens", "{:,}"),
+        Figure("prefilled", "prefill_tokens", "{:,}"),
+        Figure("prefix hit", "prefix_hit_frac", "{:.1%}"),
+        Figure("turns cut at max_tokens", "length_turns", "{}"),
+    )),
     "precision": Table("curves", (
         Figure("step", "step", "{}"),
         Figure("held-out accuracy, float32 compute", "float32", "{:.1%}"),

@@ -22,6 +22,10 @@ Shapes never depend on the requests: the cache is [layers, max_slots, kv_heads, 
 windows are traced indices into a static list, and prefill lengths are rounded up to `prefill_buckets`,
 so the engine compiles one decode program per slot bucket (see `warmup`) and a few prefill ones.
 
+`prefill_stats()` counts what admission computed: the context positions of the requests admitted, those a
+kept turn already held (reused, not computed), and those prefill and extend calls ran through the model
+(`PrefillStats`); benchmarks/prefix_reuse.py reads it per turn of an agent's episodes.
+
 Log-probabilities: by default each token's log-probability under the model's unmodified distribution
 (temperature 1, no top-k/top-p) — the quantity the trainer recomputes for the behaviour policy, so
 importance weights compare like with like. `logprobs_mode="processed"` reports the log-probability
@@ -92,6 +96,36 @@ log = logging.getLogger(__name__)
 # Window of recent decode calls that `load().tokens_per_s` averages over.
 _RATE_WINDOW_S = 5.0
 _FINISH_NAMES = {jax_decode.FINISH_STOP: "stop", jax_decode.FINISH_LENGTH: "length"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillStats:
+    """What a JaxEngine's admissions computed, counted since it started (`JaxEngine.prefill_stats`), in
+    cache positions. A request's context is its prompt and resumed prefix less the last token, which the
+    first decode step feeds (so `context_tokens` counts one less per request than prompt + prefix).
+
+    admitted: requests admitted into slots. context_tokens: the positions of their contexts.
+    reused_tokens: positions the request's own kept turn already held (`reuse_turns`): not computed again.
+    computed_tokens: positions prefill and extend calls ran through the model for them (their padding to a
+    prefill bucket not counted); a context several requests share (a GRPO group's prompt) is computed once,
+    so context = reused + computed + shared.
+    recomputed_tokens: positions of in-flight sequences computed again under new weights (a weight swap
+    without keep_kv); not part of the others.
+    """
+
+    admitted: int = 0
+    context_tokens: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    recomputed_tokens: int = 0
+
+    def __sub__(self, other: PrefillStats) -> PrefillStats:
+        """The counts between two readings (later - earlier)."""
+        return PrefillStats(*(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    def __add__(self, other: PrefillStats) -> PrefillStats:
+        """The counts of two engines together."""
+        return PrefillStats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
 
 @dataclasses.dataclass
@@ -213,6 +247,7 @@ class JaxEngine(Engine):
         self._running: dict[int, _Running] = {}  # slot -> request; the loop changes it, under _lock
         self._reuse_turns = reuse_turns
         self._kept = jax_slots.KeptTurns()  # finished turns kept for their next one; the loop's alone
+        self._prefill_stats = PrefillStats()  # replaced whole by the loop, under _lock
         self._rates: collections.deque[tuple[float, float, int]] = collections.deque()
         # Shared with the API threads, under _lock.
         self._init_admission()
@@ -261,6 +296,13 @@ class JaxEngine(Engine):
         with self._lock:
             runs = [r for r in (*self._waiting, *self._running.values()) if r.request.request_id in ids]
             return [Completion(r.request.request_id, in_flight_copy(r.sample)) for r in runs]
+
+    def prefill_stats(self) -> PrefillStats:
+        """The context positions admitted since the engine started, and how many of them a kept turn
+        already held and how many prefill and extend calls computed (`PrefillStats`). Two readings'
+        difference counts what was admitted between them."""
+        with self._lock:
+            return self._prefill_stats
 
     @property
     def param_shardings(self):
@@ -451,8 +493,17 @@ class JaxEngine(Engine):
                     admitted.append(slot)
         for slot in admitted + [slot for slot, _ in extended]:
             self._fill_slot(slot)
-        self._prefill(admitted)
-        self._extend(extended)
+        computed = self._prefill(admitted) + self._extend(extended)
+        if admitted or extended:
+            context = sum(len(self._running[slot].sequence) - 1 for slot in admitted + [s for s, _ in extended])
+            self._count(admitted=len(admitted) + len(extended), context_tokens=context,
+                        reused_tokens=sum(start for _, start in extended), computed_tokens=computed)
+
+    def _count(self, **more: int) -> None:
+        """Adds `more` to the prefill counters (`prefill_stats`)."""
+        with self._lock:
+            s = self._prefill_stats
+            self._prefill_stats = dataclasses.replace(s, **{k: getattr(s, k) + v for k, v in more.items()})
 
     def _take_slot(self, run: _Running) -> tuple[int, int]:
         """(A free slot for `run`, how many of its positions already hold its sequence): its own finished
@@ -474,8 +525,9 @@ class JaxEngine(Engine):
         self._slots.free(slot)
         return self._running.pop(slot)
 
-    def _prefill(self, slots: list[int]) -> None:
-        """(Re)computes the cache rows of `slots` from their sequences under the current weights.
+    def _prefill(self, slots: list[int]) -> int:
+        """(Re)computes the cache rows of `slots` from their sequences under the current weights; returns
+        the positions it computed.
 
         Sequences with the same context (a GRPO group's samples of one prompt, episodes that made the
         same tool call) are computed once, in one prefill row written to up to prefill_fanout slots;
@@ -491,7 +543,9 @@ class JaxEngine(Engine):
         for context, targets in shared.items():
             bucket = next(b for b in self._buckets if b >= len(context))
             by_bucket[bucket] += [(context, targets[i:i + r]) for i in range(0, len(targets), r)]
+        computed = 0
         for t, p, group in self._calls(by_bucket):
+            computed += sum(len(context) for context, _ in group)
             tokens_pt = np.zeros((p, t), np.int32)
             lengths_p = np.zeros(p, np.int32)
             slots_pr = np.full((p, r), self.max_slots, np.int32)  # out of range: dropped
@@ -504,6 +558,7 @@ class JaxEngine(Engine):
             self._keep_cache(cache)
             self._env_routes([(slot, row, 0, len(context)) for row, (context, targets) in enumerate(group)
                               for slot in targets], routes_ptlk)
+        return computed
 
     def _calls(self, by_bucket: dict[int, list]):
         """(bucket length t, rows p, items) per prefill or extend call: up to prefill_batch items of one
@@ -513,16 +568,18 @@ class JaxEngine(Engine):
                 group = items[first:first + self._prefill_batch]
                 yield t, 1 << (len(group) - 1).bit_length(), group
 
-    def _extend(self, extended: list[tuple[int, int]]) -> None:
+    def _extend(self, extended: list[tuple[int, int]]) -> int:
         """Computes the new tokens of requests admitted into their own finished turn's slot, (slot, start):
         positions start.. of the context (the pending last token excluded), grouped by bucket as
-        `_prefill` does."""
+        `_prefill` does; returns the positions it computed."""
         by_bucket: dict[int, list[tuple[int, int, list[int]]]] = collections.defaultdict(list)
         for slot, start in extended:
             new = self._running[slot].sequence[start:-1]
             if new:
                 by_bucket[next(b for b in self._buckets if b >= len(new))].append((slot, start, new))
+        computed = 0
         for t, p, group in self._calls(by_bucket):
+            computed += sum(len(new) for _, _, new in group)
             tokens_pt = np.zeros((p, t), np.int32)
             starts_p = np.zeros(p, np.int32)
             slots_p = np.full(p, self.max_slots, np.int32)  # out of range: padding rows are dropped
@@ -534,6 +591,7 @@ class JaxEngine(Engine):
             self._keep_cache(cache)
             self._env_routes([(slot, row, start, len(new)) for row, (slot, start, new) in enumerate(group)],
                              routes_ptlk)
+        return computed
 
     def _env_routes(self, computed: list[tuple[int, int, int, int]], routes_ptlk) -> None:
         """Records the routes of environment tokens that have none from the prefill or extend call that
@@ -688,7 +746,7 @@ class JaxEngine(Engine):
         self._params, self._version = params, version
         if not keep_kv:
             self._kept.clear()  # computed under the old weights
-            self._prefill(list(self._running))
+            self._count(recomputed_tokens=self._prefill(list(self._running)))
 
     def _rescore(self, runs: list[_Running]) -> None:
         """Exact mode: replaces the decode log-probs of the runs' tokens not yet rescored with those of

@@ -18,7 +18,7 @@ from jaxflow import sharding
 from jaxflow.models.hf_io import iter_hf_tensors
 from rollout_bridge import jax_decode
 from rollout_bridge.engine import EngineError, Request, SamplingParams
-from rollout_bridge.jax_engine import JaxEngine
+from rollout_bridge.jax_engine import JaxEngine, PrefillStats
 
 pytestmark = pytest.mark.slow  # rollout engines compiled and run end to end
 
@@ -184,6 +184,32 @@ def test_a_next_turn_computes_only_its_new_tokens(engine, greedy_reference, qwen
     (kept,) = engine.generate([Request("ep4", p + turn + answer, params)])
     assert calls["prefill"] == 7 and calls["extend"][1:] == [len(p) + len(turn) - 1]
     assert kept.sample.tokens == fresh.sample.tokens
+
+
+def test_prefill_stats_count_what_a_next_turn_reuses(engine, greedy_reference):
+    """prefill_stats: an episode's next turn (same request id, extending the turn the engine kept) computes
+    only its new tokens and counts the rest as reused; the same context under another id, or after the
+    request was released, computes all of it; a context four requests share is computed once."""
+    p, reference = prompts()[1], greedy_reference[1]
+    stop = reference[5]
+    turn = reference[:reference.index(stop) + 1]
+    answer = [7, 8, 9, 10, 11]  # the environment's tokens
+    first, params = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,)), GREEDY
+
+    def counted(requests):
+        before = engine.prefill_stats()
+        engine.generate(requests)
+        return engine.prefill_stats() - before
+
+    assert counted([Request("stats", p, first)]) == PrefillStats(1, len(p) - 1, 0, len(p) - 1)
+    context, kept = len(p) + len(turn) + len(answer) - 1, len(p) + len(turn) - 1  # the stop token is not cached
+    assert counted([Request("stats", p + turn + answer, params)]) == PrefillStats(1, context, kept, len(answer))
+    assert counted([Request("stats-other", p + turn + answer, params)]) == PrefillStats(1, context, 0, context)
+    engine.generate([Request("stats-released", p, first)])
+    engine.release(["stats-released"])
+    assert counted([Request("stats-released", p + turn + answer, params)]) == PrefillStats(1, context, 0, context)
+    shared = counted([Request(f"stats-g{i}", p + answer, params) for i in range(4)])
+    assert shared == PrefillStats(4, 4 * (len(p) + len(answer) - 1), 0, len(p) + len(answer) - 1)
 
 
 def test_abort_and_resume_equals_uninterrupted(engine, greedy_reference, monkeypatch):

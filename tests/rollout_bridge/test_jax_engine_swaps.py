@@ -62,6 +62,9 @@ def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
     # By default the swap recomputes every in-flight cache under the new weights.
     done, swap_rows = _run_with_a_swap(monkeypatch, eng, reqs, 1, new)
     assert swap_rows[0] > 0
+    # prefill_stats counts it apart from admissions: each sequence's context at the swap, computed again.
+    recomputed = eng.prefill_stats().recomputed_tokens
+    assert recomputed == sum(len(r.prompt) + done[r.request_id].versions.index(1) - 1 for r in reqs)
     for r in reqs:
         s = done[r.request_id]
         swap = _swap_index(s, 0, 1)
@@ -76,7 +79,7 @@ def test_weight_update_mid_generation(qwen3_dir, qwen3_model, monkeypatch):
     # keep_kv: no recompute. Swapped to the weights it already serves, the run is the uninterrupted one.
     reqs = [dataclasses.replace(r, request_id=f"k{i}") for i, r in enumerate(reqs)]
     done, swap_rows = _run_with_a_swap(monkeypatch, eng, reqs, 2, new, keep_kv=True)
-    assert swap_rows == [0]
+    assert swap_rows == [0] and eng.prefill_stats().recomputed_tokens == recomputed
     for r in reqs:
         s = done[r.request_id]
         new_lp, new_argmax = teacher_forced(new_model, r.prompt, s.tokens)
