@@ -64,10 +64,96 @@ def test_a_single_turn_env_scores_its_reply(tok):
 
 
 def test_a_multi_turn_env_answers_its_tool_calls(tok):
-    out = run(tok, MULTI, {"e1": ["<tool>7 + 5 * 3" + TOOL_END, "<answer>22</answer>"]},
-              {"e1": meta("Compute 7 + 5 * 3.", 22)})
+    turns = ["<tool>7 + 5 * 3" + TOOL_END, "<answer>22</answer>"]
+    out = run(tok, MULTI, {"e1": list(turns), "e2": ["<tool>7 + 5 * 3" + TOOL_END, "<answer>21</answer>"]},
+              {"e1": meta("Compute 7 + 5 * 3.", 22), "e2": meta("Compute 7 + 5 * 3.", 22)})
     c = out["e1"]
     assert c.info.get("env_failure") is None, c.info
-    assert c.sample.reward == 1.0 and c.info["turns"] == 2
-    text = tok.decode(c.sample.tokens, skip_special_tokens=False)
-    assert "<result>22</result>" in text
+    assert c.sample.reward == 1.0 and out["e2"].sample.reward == 0.0 and c.info["turns"] == 2
+    s = c.sample
+    assert s.sequence_starts == [0]  # one sequence: the harness only appended to its conversation
+    # The model's tokens are exactly the two sampled turns; the tool's answer is environment tokens.
+    mask = s.model_mask()
+    sampled = [t for t, m in zip(s.tokens, mask) if m]
+    assert sampled == (tok.encode("<tool>7 + 5 * 3") + [tok.token_to_id(TOOL_END)]
+                       + tok.encode("<answer>22</answer>") + [tok.eos_id])
+    env_text = "".join(tok.decode(s.tokens[a:b], skip_special_tokens=False) for a, b in s.env_spans)
+    assert "<result>22</result>" in env_text and "Compute 7 + 5 * 3." in env_text
+
+
+def test_the_reward_is_verifiers_weighted_score(tok):
+    """tests/envs/verifiers_even_env.py, loaded by its verifiers id: rewards `even` (weight 1) and `tagged`
+    (weight 0.5) and a metric; the episode's reward is their weighted sum, the metric left out."""
+    replies = {"even": "<answer>4</answer>", "odd": "<answer>3</answer>", "none": "four"}
+    out = run(tok, "verifiers_even_env", {k: [v] for k, v in replies.items()},
+              {k: {"question": "Name an even number."} for k in replies})
+    assert {k: c.sample.reward for k, c in out.items()} == {"even": 1.5, "odd": 0.5, "none": 0.0}
+
+
+def test_a_task_the_env_cannot_take_fails_its_episode_alone(tok):
+    out = run(tok, SINGLE, {"bad": ["<answer>5</answer>"], "good": ["<answer>5</answer>"]},
+              {"bad": {"question": "Compute 2 + 3."}, "good": meta("Compute 2 + 3.", 5)})
+    bad = out["bad"]
+    assert bad.info["env_failure"] == "error" and bad.sample.reward == 0.0
+    assert "is not a task of" in bad.info["env_error"] and "answer" in bad.info["env_error"]
+    assert out["good"].sample.reward == 1.0
+
+
+@pytest.mark.parametrize("env, match", [
+    ("json", "'json' is not a verifiers environment jaxflow can run"),
+    ("jaxflow.envs.no_such_module", "cannot import module 'jaxflow.envs.no_such_module'"),
+    ("", "env must name a verifiers environment"),
+])
+def test_what_is_not_a_verifiers_env_is_named(env, match):
+    with pytest.raises(ValueError, match=match):
+        verifiers_agent.load_env(env)
+
+
+def test_a_missing_extra_names_the_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)
+    with pytest.raises(ImportError, match=r"pip install 'jaxflow\[envs\]'"):
+        verifiers_agent.load_env(SINGLE)
+
+
+def test_the_config_trains_the_calculator_env_through_the_adapter():
+    from jaxflow.config import load_config
+    from jaxflow.envs.config import env_problems
+
+    config = load_config("configs/arithmetic_verifiers_tiny.py")
+    env = config.rollout.env
+    assert env.kind == "agent" and env.ref == "jaxflow.envs.verifiers_agent:agent" and env_problems(env) == []
+    assert env.options["env"] == MULTI and verifiers_agent.load_env(MULTI).taskset is not None
+
+
+@pytest.mark.slow  # a run of the RL job end to end
+def test_a_verifiers_environment_trains_through_the_adapter(tmp_path, shared_base):
+    """A verifiers environment (tests/envs/verifiers_even_env.py, loaded by its verifiers id) trains through the
+    adapter: its episodes run in verifiers, through the endpoint, scored by verifiers, and the reward rises.
+    The run and its base model are the SkyRL-gym adapter's learning test's (tests/jobs/test_episodes_job.py:
+    the same warm start, built once a session)."""
+    import statistics
+
+    from small_runs import records, small_config
+
+    from jaxflow.envs.config import env_section
+    from jaxflow.jobs import rl
+
+    steps = 16
+    config = small_config(tmp_path, tmp_path / "base", **{
+        "base.steps": "300", "base.num_examples": "2000", "task.max_ops": "1", "trainer.lr": "3e-4",
+        "trainer.batch_groups": "8", "trainer.steps": str(steps), "trainer.eta": "2", "eval.every": "1000",
+        "checkpoint.every": "1000", "rollout.max_tokens": "96", "rollout.max_len": "192"})
+    with config.unlocked():
+        config.rollout.env = env_section(kind="agent", ref="jaxflow.envs.verifiers_agent:agent",
+                                         options={"env": "verifiers_even_env"}, agent_timeout_s=120.0)
+    shared_base(config, tmp_path / "base")
+    assert rl.run(config) == 0
+    trained = [r for r in records(tmp_path / "run") if "reward_mean" in r]
+    assert [r["step"] for r in trained] == list(range(steps))
+    assert all(r["env_tokens_mean"] > 0 and r["groups_failed"] == 0 for r in trained)
+    rewards = [r["reward_mean"] for r in trained]
+    first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+    assert last > first, [round(x, 3) for x in rewards]

@@ -8,17 +8,21 @@ completion against the rollout's endpoint, run in process.
 
 from __future__ import annotations
 
+import asyncio
+import weakref
+
 import verifiers.v1 as vf
 
-from jaxflow.tasks import get_task
+from jaxflow.tasks import SYSTEM_PROMPT, get_task
 from jaxflow.tasks.arithmetic import reward as arithmetic_reward
 
 __all__ = ["ArithmeticTaskset", "ChatHarness"]
 
 
 class ArithmeticData(vf.TaskData):
-    """One question (the prompt) and its integer answer."""
+    """One question (the prompt) and its integer answer, asked with the arithmetic task's system prompt."""
 
+    system_prompt: str | None = SYSTEM_PROMPT
     answer: int
     format_score: float = 0.0
     """The reward of a well-formed wrong answer."""
@@ -73,7 +77,21 @@ def initial_messages(system: str | None, prompt) -> list[dict]:
 
 async def chat(endpoint: str, secret: str, model: str, messages: list[dict], **kwargs):
     """One chat completion through the rollout's interception endpoint (its bearer token `secret`)."""
+    client = _client().with_options(base_url=endpoint, api_key=secret)
+    return await client.chat.completions.create(model=model, messages=messages, **kwargs)
+
+
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its client
+
+
+def _client():
+    """One client per event loop, its connections shared by the rollouts on that loop (each a copy with its
+    own endpoint and token): a client costs tens of milliseconds to make (its TLS context)."""
     import openai
 
-    async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-        return await client.chat.completions.create(model=model, messages=messages, **kwargs)
+    loop = asyncio.get_running_loop()
+    client = _clients.get(loop)
+    if client is None:
+        client = _clients[loop] = openai.AsyncOpenAI(base_url="http://127.0.0.1", api_key="none", max_retries=0,
+                                                      timeout=600.0)
+    return client
