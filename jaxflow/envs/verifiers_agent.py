@@ -10,7 +10,8 @@ the episode's reward.
    dotted path of a plugin module inside a package ("jaxflow.envs.verifiers_examples.calculator");
    verifiers resolves ids as top-level modules, so such a module is registered under a top-level alias
    (its dots as underscores) in this process. The agent seat runs in the local subprocess runtime (no
-   sandbox, no network) with the taskset's harness unless `agent_config` pins another;
+   sandbox, no network) with the taskset's harness unless `agent_config` pins another; verifiers' retries
+   stay off (a retried rollout would rerun in the same jaxflow episode);
 2. makes the verifiers task from the jaxflow task's meta (see below);
 3. runs one episode (`env.run_episode`) with a model context whose client is verifiers' eval client
    pointed at the episode's base URL and key, the model named `model`: verifiers' harness talks to its
@@ -25,10 +26,11 @@ data of the environment's task type, field by field. `task_fields` maps a data f
 holds it (default: each field under its own name, and the prompt from "prompt", else "question"). A
 verifiers taskset's own `load()` is not read in a jaxflow run; its tasks are the run's task source's.
 
-Errors are named: the extra missing (ImportError naming the install), an `env` that is not a verifiers
-environment or one with other than one agent seat (ValueError, when the environment is first loaded),
-a task the environment's task type cannot take (ValueError naming the fields), and a verifiers episode
-that failed (RuntimeError with verifiers' error); each fails its episode alone.
+Errors are named: the extra missing (ImportError naming the install) and an `env` that is not a verifiers
+environment, or one with other than one agent seat (ValueError), before the run (the run's config check
+loads the environment: `check_options`); a task the environment's task type cannot take (ValueError
+naming the fields) and a verifiers episode that failed (RuntimeError with verifiers' error) fail their
+episode alone.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["agent", "load_env", "task_data"]
+__all__ = ["agent", "check_options", "load_env", "task_data"]
 
 INSTALL = "verifiers environments need the verifiers package: pip install 'jaxflow[envs]' (from a checkout: " \
           "pip install -e '.[envs]')"
@@ -93,6 +95,11 @@ def load_env(env: str, taskset: Mapping[str, Any] | None = None, agent_config: M
             loaded = vf.load_environment(config)
         except (ImportError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"{env!r} is not a verifiers environment jaxflow can run: {e}") from e
+        retried = [name for name, retries in (("retries", config.retries), ("agent.retries", config.agent.retries))
+                   if retries.max_retries]
+        if retried:
+            raise ValueError(f"verifiers environment {env!r}: {' and '.join(retried)} must be 0 in jaxflow: a "
+                             f"retried rollout reruns in the same jaxflow episode, whose tokens it already holds")
         if not isinstance(loaded, vf.SingleAgentEnv):
             raise ValueError(f"verifiers environment {env!r} is a {type(loaded).__name__} (several agent seats); "
                              f"jaxflow trains one agent per episode: only single-agent environments run")
@@ -157,3 +164,19 @@ async def agent(base_url: str, task: dict, episode: str, *, api_key: str = "none
         raise RuntimeError(f"verifiers environment {env!r} did not score episode {episode}: reward(s) "
                            f"{missing} did not run")
     return float(trace.reward)
+
+
+def check_options(options: dict) -> list[str]:
+    """What is wrong with the options of a run's `agent` (its config check, before the run): the extra
+    missing, an `env` that is not a verifiers environment, `task_fields` naming no field of its task data."""
+    try:
+        env = load_env(options.get("env"), options.get("taskset"), options.get("agent_config"))
+    except (ImportError, ValueError) as e:
+        return [str(e)]
+    data_cls = type(env.taskset).task_type().data_type()
+    unknown = sorted(k for k in options.get("task_fields") or {} if k not in data_cls.model_fields)
+    return [f"task_fields names {unknown}, not fields of {options.get('env')}'s task data {data_cls.__name__} "
+            f"({', '.join(data_cls.model_fields)})"] if unknown else []
+
+
+agent.check_options = check_options

@@ -99,14 +99,16 @@ def test_a_task_the_env_cannot_take_fails_its_episode_alone(tok):
     assert out["good"].sample.reward == 1.0
 
 
-@pytest.mark.parametrize("env, match", [
-    ("json", "'json' is not a verifiers environment jaxflow can run"),
-    ("jaxflow.envs.no_such_module", "cannot import module 'jaxflow.envs.no_such_module'"),
-    ("", "env must name a verifiers environment"),
+@pytest.mark.parametrize("env, agent_config, match", [
+    ("json", None, "'json' is not a verifiers environment jaxflow can run"),
+    ("jaxflow.envs.no_such_module", None, "cannot import module 'jaxflow.envs.no_such_module'"),
+    ("", None, "env must name a verifiers environment"),
+    (SINGLE, {"max_turns": "many"}, "is not a verifiers environment jaxflow can run.*max_turns"),
+    (SINGLE, {"retries": {"max_retries": 1}}, "agent.retries must be 0 in jaxflow"),
 ])
-def test_what_is_not_a_verifiers_env_is_named(env, match):
+def test_what_jaxflow_cannot_run_is_named(env, agent_config, match):
     with pytest.raises(ValueError, match=match):
-        verifiers_agent.load_env(env)
+        verifiers_agent.load_env(env, agent_config=agent_config)
 
 
 def test_a_missing_extra_names_the_install(monkeypatch):
@@ -126,6 +128,15 @@ def test_the_config_trains_the_calculator_env_through_the_adapter():
     env = config.rollout.env
     assert env.kind == "agent" and env.ref == "jaxflow.envs.verifiers_agent:agent" and env_problems(env) == []
     assert env.options["env"] == MULTI and verifiers_agent.load_env(MULTI).taskset is not None
+    # A bad environment or field mapping is named by the run's config check, before any episode.
+    with env.unlocked():
+        env.options = {"env": "json"}
+    [problem] = env_problems(env)
+    assert problem.startswith("rollout.env.options: 'json' is not a verifiers environment jaxflow can run")
+    with env.unlocked():
+        env.options = {"env": MULTI, "task_fields": {"question": "question"}}
+    [problem] = env_problems(env)
+    assert "task_fields names ['question'], not fields of" in problem and "ArithmeticData" in problem
 
 
 @pytest.mark.slow  # a run of the RL job end to end
@@ -155,5 +166,5 @@ def test_a_verifiers_environment_trains_through_the_adapter(tmp_path, shared_bas
     assert [r["step"] for r in trained] == list(range(steps))
     assert all(r["env_tokens_mean"] > 0 and r["groups_failed"] == 0 for r in trained)
     rewards = [r["reward_mean"] for r in trained]
-    first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+    first, last = statistics.mean(rewards[:4]), statistics.mean(rewards[-4:])
     assert last > first, [round(x, 3) for x in rewards]

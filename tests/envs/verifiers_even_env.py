@@ -4,8 +4,11 @@ rewarded 1.0 when its <answer> is an even integer, plus 0.5 (a reward of weight 
 steps, so a short run shows whether episodes through the adapter learn at all. Loaded by its verifiers
 id, this module's name ("verifiers_even_env"), as an installed environment package is."""
 
+import asyncio
 import re
+import weakref
 
+import openai
 import verifiers.v1 as vf
 
 __all__ = ["EvenTaskset", "OneTurnHarness"]
@@ -50,10 +53,19 @@ class OneTurnHarness(vf.Harness[vf.HarnessConfig]):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
-        import openai
-
         system, prompt = self.resolve_prompt(data)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+        client = _client().with_options(base_url=endpoint, api_key=secret)
+        reply = await client.chat.completions.create(model=ctx.model, messages=messages)
         return vf.ProgramResult(exit_code=0, stdout=reply.choices[0].message.content or "", stderr="")
+
+
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its client
+
+
+def _client() -> openai.AsyncOpenAI:
+    """One client per event loop, shared by its rollouts (each a copy with its own endpoint and token)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _clients:
+        _clients[loop] = openai.AsyncOpenAI(base_url="http://127.0.0.1", api_key="none", max_retries=0)
+    return _clients[loop]
