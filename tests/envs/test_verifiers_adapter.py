@@ -103,7 +103,7 @@ def test_a_task_the_env_cannot_take_fails_its_episode_alone(tok):
     ("json", None, "'json' is not a verifiers environment jaxflow can run"),
     ("jaxflow.envs.no_such_module", None, "cannot import module 'jaxflow.envs.no_such_module'"),
     ("", None, "env must name a verifiers environment"),
-    (SINGLE, {"max_turns": "many"}, "is not a verifiers environment jaxflow can run.*max_turns"),
+    (SINGLE, {"max_turns": "many"}, "(?s)is not a verifiers environment jaxflow can run.*max_turns"),
     (SINGLE, {"retries": {"max_retries": 1}}, "agent.retries must be 0 in jaxflow"),
 ])
 def test_what_jaxflow_cannot_run_is_named(env, agent_config, match):
