@@ -168,3 +168,28 @@ def test_a_verifiers_environment_trains_through_the_adapter(tmp_path, shared_bas
     rewards = [r["reward_mean"] for r in trained]
     first, last = statistics.mean(rewards[:4]), statistics.mean(rewards[-4:])
     assert last > first, [round(x, 3) for x in rewards]
+
+
+@pytest.mark.slow  # a run of the RL job end to end
+def test_the_calculator_env_config_runs(tmp_path, shared_base):
+    """configs/arithmetic_verifiers_tiny.py at its small size, for two steps on the agent job test's base model
+    (tests/jobs/test_agent_job.py: the same warm start): the multi-turn verifiers environment's episodes run in
+    the job through the endpoint, none fails, and the accounting closes."""
+    import json
+
+    from small_runs import records
+
+    from jaxflow.config import load_config
+    from jaxflow.jobs import rl
+
+    steps = 2
+    config = load_config("configs/arithmetic_verifiers_tiny.py:async,small", {
+        "base.dir": str(tmp_path / "base"), "workdir": str(tmp_path / "run"), "trainer.steps": str(steps),
+        "eval.every": "1000"})
+    shared_base(config, tmp_path / "base")
+    assert rl.run(config) == 0
+    trained = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in trained] == list(range(steps))
+    assert all(r["env_tokens_mean"] > 0 and r["groups_failed"] == 0 for r in trained)
+    a = json.loads((tmp_path / "run" / "result.json").read_text())["accounting"]
+    assert a["created"] == a["consumed"] + a["in_flight"] + a["failed"] + a["surplus"] and a["failed"] == 0
