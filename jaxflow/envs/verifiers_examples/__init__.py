@@ -7,10 +7,10 @@ jaxflow's verifiers adapter (`jaxflow.envs.verifiers_agent`) and its tests: noth
   model a calculator: a turn ending in `<tool>7 + 5 * 3</tool>` is answered `<result>22</result>` and the
   model goes on, until a turn without a call (the answer, scored as above).
 
-Each module is a verifiers taskset plugin: verifiers loads it by its id, the module's name
-(`vf.load_environment(vf.resolve_env_config({"taskset": {"id": "jaxflow.envs.verifiers_examples.calculator"},
-...}))`), from the one `vf.Taskset` subclass and the one `vf.Harness` subclass its `__all__` exports (the
-taskset's bundled harness, the one its agent runs unless the run pins another).
+Each module is a verifiers taskset plugin: the one `vf.Taskset` subclass and the one `vf.Harness` subclass
+its `__all__` exports (the taskset's bundled harness, the one its agent runs unless the run pins another).
+Verifiers loads a plugin by its id, a top-level module's name; the adapter names these by their dotted
+path and registers each under a top-level alias (`jaxflow_envs_verifiers_examples_calculator`).
 
 The harnesses run their loop in the rollout's own process (verifiers' documented alternative to launching a
 program: every model call still goes through the rollout's interception endpoint), so they need no network

@@ -3,8 +3,9 @@
 The tasks and their reward are `arithmetic`'s. `CalculatorHarness` is the agent's program, a tool loop:
 each model turn stops at `</tool>`; a turn that calls the calculator (`<tool>7 + 5 * 3</tool>`) is
 answered with a tool message `<result>22</result>` and the model goes on; a turn without a call, or the
-one after `max_calls` calls, ends the rollout and is the reply the task scores. The same episode as
-jaxflow's calculator agent (`jaxflow.envs.calculator_agent`), written as a verifiers harness.
+one after `max_calls` calls, ends the rollout and is the reply the task scores. The episode of jaxflow's
+calculator agent (`jaxflow.envs.calculator_agent`) written as a verifiers harness, asked with the arithmetic
+task's system prompt (the task data's).
 """
 
 from __future__ import annotations
