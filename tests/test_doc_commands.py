@@ -36,6 +36,9 @@ COMMANDS: dict[str, tuple[tuple[str, str], ...]] = {
     # The calculator task as an agent program: the agent job test runs its config, at a small size.
     ".venv/bin/python -m jaxflow.main --config=configs/arithmetic_agent_tiny.py": (
         ("tests/jobs/test_agent_job.py", '"configs/arithmetic_agent_tiny.py:async,small"'),),
+    # The calculator task as a verifiers environment: the adapter's tests run its config, at a small size.
+    ".venv/bin/python -m jaxflow.main --config=configs/arithmetic_verifiers_tiny.py": (
+        ("tests/envs/test_verifiers_adapter.py", '"configs/arithmetic_verifiers_tiny.py:async,small"'),),
     ".venv/bin/python -m jaxflow.main --config=configs/arithmetic_tools_tiny.py --config.trainer.lora.rank=8 "
     "--config.trainer.lr=1e-3": (
         ("tests/jobs/test_lora_job.py", '"trainer.lora.rank": "8"'), ("tests/jobs/test_lora_job.py", '"trainer.lr"')),

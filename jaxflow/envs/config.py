@@ -36,7 +36,8 @@ class EnvConfig(Section):
     ref: None (single answers, scored by the task's reward) or "module:attr". kind "env": factory(**options)
       makes one episode's environment (`jaxflow.envs.base`), e.g. "jaxflow.envs.calculator:CalculatorEnv".
       kind "agent": `async def agent(base_url, task, episode, *, api_key, **options) -> reward`, e.g.
-      "jaxflow.envs.calculator_agent:agent".
+      "jaxflow.envs.calculator_agent:agent"; an agent with a `check_options(options) -> list[str]`
+      attribute has its options checked by it before the run (the problems it names).
     command: kind "command": the program and its arguments (a list of strings); it finds the endpoint in
       OPENAI_BASE_URL and OPENAI_API_KEY, the task in JAXFLOW_TASK (JSON), and prints its reward last.
     options: keyword arguments of the factory or the agent function (a dict).
@@ -131,6 +132,10 @@ def env_problems(section: ml_collections.ConfigDict, tokenizer: Any = None) -> l
         except TypeError as e:
             problems.append(f"rollout.env: agent {env.ref} does not take (base_url, task, episode, api_key=..., "
                             f"**{env.options}): {e}")
+            return problems
+        check = getattr(agent, "check_options", None)  # an agent that can say more about its options now
+        if callable(check):
+            problems += [f"rollout.env.options: {p}" for p in check(dict(env.options))]
         return problems
     if env.ref is not None:
         try:
