@@ -199,7 +199,8 @@ def test_a_failing_agent_fails_its_episode_alone(tok, body, kind, match):
                          agent=FunctionAgent(namespace["agent"], ref="bad_agent"), timeout_s=0.5)
     try:
         [bad] = engine.generate([request(tok)], timeout=60)
-        engine.agent = FunctionAgent(calculator_agent.agent)  # the engine serves on: the next episode trains
+        # The engine serves on: the next episode trains (with time for a first client on a loaded machine).
+        engine.agent, engine.timeout_s = FunctionAgent(calculator_agent.agent), 60.0
         [good] = engine.generate([request(tok, "e2")], timeout=60)
     finally:
         engine.close()
