@@ -169,10 +169,11 @@ def test_declared_dependencies_are_imported_and_imports_declared():
     third_party = {m for m in _imported_top_modules()
                    if m not in sys.stdlib_module_names and m not in ("jaxflow", "rollout_bridge")}
     # Optional, imported only where used: vllm and torch (the rollout extras, where vLLM runs), ray (the
-    # cluster extra), pyarrow (parquet datasets; its absence is a clear error), skyrl_gym (the envs extra),
-    # fastapi, starlette and uvicorn (the agents extra: rollout_bridge.openai_endpoint), openai (the agents
-    # extra: the demo's agent program, jaxflow.envs.calculator_agent).
-    optional = {"vllm", "torch", "ray", "pyarrow", "skyrl_gym", "fastapi", "starlette", "uvicorn", "openai"}
+    # cluster extra), pyarrow (parquet datasets; its absence is a clear error), skyrl_gym and verifiers (the
+    # envs extra), fastapi, starlette and uvicorn (the agents extra: rollout_bridge.openai_endpoint), openai
+    # (the agents extra: the demo's agent program, jaxflow.envs.calculator_agent).
+    optional = {"vllm", "torch", "ray", "pyarrow", "skyrl_gym", "verifiers", "fastapi", "starlette", "uvicorn",
+                "openai"}
     undeclared = sorted(m for m in third_party - optional
                         if not {canon(d) for d in dists_of.get(m, [m])} & declared)
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
