@@ -132,8 +132,8 @@ HEADLINES: dict[str, list[Figure]] = {
         Figure("eta = 4: trainer idle", "runs.eta=4.trainer_idle_frac", "{:.0%}"),
         Figure("eta = 0: final held-out accuracy", "runs.eta=0.final_accuracy", "{:.1%}"),
         Figure("eta = 4: final held-out accuracy", "runs.eta=4.final_accuracy", "{:.1%}"),
-        Figure("eta = 0: cores busy (this process)", "runs.eta=0.cores_busy", "{:.2f}"),
-        Figure("eta = 4: cores busy (this process)", "runs.eta=4.cores_busy", "{:.2f}"),
+        Figure("eta = 0: cores busy (the job and its children)", "runs.eta=0.cores_busy", "{:.2f}"),
+        Figure("eta = 4: cores busy (the job and its children)", "runs.eta=4.cores_busy", "{:.2f}"),
     ],
     "engines": [
         Figure("JAX engine over vLLM, tokens/s, long-tail workload", "jax_vs_vllm_by_workload.long_tail", "{:.2f}x",
