@@ -82,7 +82,7 @@ def test_result_file_parses_with_a_complete_meta_block(path):
     assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"] or ""), f"{path.name}: commit {meta['commit']!r}"
     script, mode = results_tables.WRITTEN_BY.get(path.stem, (path.stem, ""))
     words = meta["command"].split()
-    assert words[1] == f"benchmarks/{script}.py" and (not mode or mode in words), \
+    assert words[1] == f"benchmarks/{script}.py" and (not mode or f" {mode} " in f" {' '.join(words)} "), \
         f"{path.name}: written by {meta['command']!r}, not by benchmarks/{script}.py {mode}"
     assert path.stem in results_tables.HEADLINES, f"results_tables.HEADLINES has no entry for {path.stem}"
     for figure in results_tables.HEADLINES[path.stem]:
