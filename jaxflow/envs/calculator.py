@@ -28,7 +28,7 @@ from typing import Any
 
 from jaxflow.envs.base import Step
 
-__all__ = ["CalculatorEnv", "TOOL_CLOSE", "TOOL_OPEN", "evaluate", "tool_calls"]
+__all__ = ["CalculatorEnv", "TOOL_CLOSE", "TOOL_OPEN", "evaluate", "tool_calls", "tool_result", "written_turn"]
 
 TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"
 """The tags around a tool call in a model turn: `<tool>EXPRESSION</tool>` (the last call in a turn is run)."""
@@ -60,6 +60,23 @@ def tool_calls(text: str) -> list[str]:
             return calls
         calls.append(text[start + len(TOOL_OPEN):end])
         at = end + len(TOOL_CLOSE)
+
+
+def tool_result(expression: str) -> str:
+    """The calculator's answer to a call, as the model reads it: `<result>56</result>`, or
+    `<result>error: ...</result>` naming what is wrong with the expression."""
+    try:
+        answer = evaluate(expression)
+    except (ValueError, ZeroDivisionError) as e:
+        answer = f"error: {'division by zero' if isinstance(e, ZeroDivisionError) else e}"
+    return f"<result>{answer}</result>"
+
+
+def written_turn(text: str, finish_reason: str | None) -> str:
+    """The model turn as written, from a chat reply's text and finish reason: the API leaves a stop sequence
+    out of the text, so a turn that stopped at `</tool>` after opening a call gets it back."""
+    called = finish_reason == "stop" and TOOL_OPEN in text and not text.endswith(TOOL_CLOSE)
+    return text + TOOL_CLOSE if called else text
 
 
 def evaluate(expression: str, max_chars: int = 200, max_digits: int = 30) -> str:
@@ -128,11 +145,7 @@ class CalculatorEnv:
         self.calls += 1
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
-        try:
-            answer = evaluate(calls[-1])
-        except (ValueError, ZeroDivisionError) as e:
-            answer = f"error: {'division by zero' if isinstance(e, ZeroDivisionError) else e}"
-        return Step(observation=[{"role": self.role, "content": f"<result>{answer}</result>"}],
+        return Step(observation=[{"role": self.role, "content": tool_result(calls[-1])}],
                     info={"tool_calls": self.calls})
 
     async def close(self) -> None:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import weakref
 
-from jaxflow.envs.calculator import TOOL_CLOSE, TOOL_OPEN, evaluate, tool_calls
+from jaxflow.envs.calculator import TOOL_CLOSE, tool_calls, tool_result, written_turn
 
 __all__ = ["agent"]
 
@@ -46,23 +46,15 @@ async def _episode(client, task: dict, score, model: str, latency_s: float, max_
     while True:
         reply = await client.chat.completions.create(model=model, messages=messages, stop=[TOOL_CLOSE])
         choice = reply.choices[0]
-        text = choice.message.content or ""
-        # A stop sequence is left out of the reply's text (the API's rule); the turn the model wrote ends
-        # with it, so it goes back into the history as written.
-        called = choice.finish_reason == "stop" and TOOL_OPEN in text and not text.endswith(TOOL_CLOSE)
-        turn = text + TOOL_CLOSE if called else text
+        # The turn goes back into the history as the model wrote it (with the stop sequence the API left out).
+        turn = written_turn(choice.message.content or "", choice.finish_reason)
         found = tool_calls(turn)
         if not found or calls >= max_calls:
             return float(score(turn, task))
         calls += 1
         if latency_s:
             await asyncio.sleep(latency_s)
-        try:
-            answer = evaluate(found[-1])
-        except (ValueError, ZeroDivisionError) as e:
-            answer = f"error: {'division by zero' if isinstance(e, ZeroDivisionError) else e}"
-        messages += [{"role": "assistant", "content": turn},
-                     {"role": "tool", "content": f"<result>{answer}</result>"}]
+        messages += [{"role": "assistant", "content": turn}, {"role": "tool", "content": tool_result(found[-1])}]
 
 
 class _Shared:

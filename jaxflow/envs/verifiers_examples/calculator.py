@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import verifiers.v1 as vf
 
-from jaxflow.envs.calculator import TOOL_CLOSE, TOOL_OPEN, evaluate, tool_calls
+from jaxflow.envs.calculator import TOOL_CLOSE, tool_calls, tool_result, written_turn
 from jaxflow.envs.verifiers_examples.arithmetic import ArithmeticConfig, ArithmeticTask, chat, initial_messages
 
 __all__ = ["CalculatorHarness", "CalculatorTaskset"]
@@ -43,17 +43,10 @@ class CalculatorHarness(vf.Harness[CalculatorHarnessConfig]):
         while True:
             reply = await chat(endpoint, secret, ctx.model, messages, stop=[TOOL_CLOSE])
             choice = reply.choices[0]
-            text = choice.message.content or ""
-            # A stop sequence is left out of the reply's text; the turn the model wrote ends with it.
-            called = choice.finish_reason == "stop" and TOOL_OPEN in text and not text.endswith(TOOL_CLOSE)
-            turn = text + TOOL_CLOSE if called else text
+            turn = written_turn(choice.message.content or "", choice.finish_reason)
             found = tool_calls(turn)
             if not found or calls >= self.config.max_calls:
                 return vf.ProgramResult(exit_code=0, stdout=turn, stderr="")
             calls += 1
-            try:
-                answer = evaluate(found[-1])
-            except (ValueError, ZeroDivisionError) as e:
-                answer = f"error: {'division by zero' if isinstance(e, ZeroDivisionError) else e}"
             messages += [{"role": "assistant", "content": turn},
-                         {"role": "tool", "content": f"<result>{answer}</result>"}]
+                         {"role": "tool", "content": tool_result(found[-1])}]
