@@ -32,7 +32,7 @@ import sys
 import results_meta
 from async_vs_sync import QUICK, parse_overrides, run_one
 from mismatch_learning import learning_parser
-from moe_learning import mean_curves
+from moe_learning import mean_curves, print_runs, save, seeds_of
 from precision import difference_noise, eval_curve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -114,26 +114,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"the two configs must share a base model: native {configs['native'].base.dir!r}, "
                          f"agent {configs['agent'].base.dir!r}")
     n = int(configs["native"].eval.num_prompts)
-    seeds = [int(x) for x in ("0" if args.quick and args.seeds == "0,1,2" else args.seeds).split(",") if x.strip()]
+    seeds = seeds_of(args)
     runs = [one_run(name, seed, steps, args.workdir, overrides) for seed in seeds for name in RUNS]
     headline = summarise(runs, n)
-    print(f"\n{'run':<8}{'seed':>5}{'base':>8}{'final':>8}{'s/step':>8}   eval curve")
-    for run in runs:
-        curve = " ".join(f"{s}:{a:.2f}" for s, a in run["eval_curve"])
-        print(f"{run['run']:<8}{run['seed']:>5}{run['base_accuracy']:>8.1%}{run['final_accuracy']:>8.1%}"
-              f"{run['step_s']:>8.2f}   {curve}")
+    print_runs(runs)
     print(f"final accuracy, mean over seeds {seeds}: native {headline['native_final_accuracy']:.1%}, agent "
           f"{headline['agent_final_accuracy']:.1%}; gap {headline['gap_points']:.1f} points, noise "
           f"{headline['noise_points']:.1f} points: {'within' if headline['same_within_noise'] else 'outside'} 2x "
           f"noise; the agent's step takes {headline['agent_step_s_vs_native']:.2f}x the native's")
-    plot(runs, headline["curves"], args.workdir / "agent_learning.png")
-    if args.plot:
-        plot(runs, headline["curves"], args.plot)
-    if args.json:
-        results_meta.write_json(str(args.json), {**headline, "eta": ETA, "steps": steps, "eval_every": every,
-                                                 "eval_prompts": n, "seeds": seeds, "quick": args.quick,
-                                                 "runs": runs}, started)
-        print(f"wrote {args.json}")
+    save(args, "agent_learning", runs, headline, plot, started, eta=ETA, steps=steps, eval_every=every,
+         eval_prompts=n, seeds=seeds)
     return 0
 
 

@@ -114,6 +114,31 @@ def mean_curves(by: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
+def seeds_of(args: argparse.Namespace) -> list[int]:
+    """The run seeds of `--seeds` (only seed 0 under --quick, unless --seeds names others)."""
+    return [int(x) for x in ("0" if args.quick and args.seeds == "0,1,2" else args.seeds).split(",") if x.strip()]
+
+
+def print_runs(runs: list[dict]) -> None:
+    """One line a run: its name, seed, base and final held-out accuracy, seconds a step and eval curve."""
+    width = max(len(r["run"]) for r in runs) + 2
+    print(f"\n{'run':<{width}}{'seed':>5}{'base':>8}{'final':>8}{'s/step':>8}   eval curve")
+    for run in runs:
+        curve = " ".join(f"{s}:{a:.2f}" for s, a in run["eval_curve"])
+        print(f"{run['run']:<{width}}{run['seed']:>5}{run['base_accuracy']:>8.1%}{run['final_accuracy']:>8.1%}"
+              f"{run['step_s']:>8.2f}   {curve}")
+
+
+def save(args: argparse.Namespace, name: str, runs: list[dict], headline: dict, plot_fn, started, **extra) -> None:
+    """The plot to the workdir (NAME.png) and to --plot, and with --json the headline, `extra` and the runs."""
+    plot_fn(runs, headline["curves"], args.workdir / f"{name}.png")
+    if args.plot:
+        plot_fn(runs, headline["curves"], args.plot)
+    if args.json:
+        results_meta.write_json(str(args.json), {**headline, **extra, "quick": args.quick, "runs": runs}, started)
+        print(f"wrote {args.json}")
+
+
 def plot(runs: list[dict], curves: list[dict], path: pathlib.Path) -> None:
     from matplotlib.figure import Figure
 
@@ -164,27 +189,17 @@ def main(argv=None) -> int:
     for config, own in RUNS.values():  # every config checked before the first run starts
         rl.check_config(load_config(str(ROOT / config), {k: str(v) for k, v in {**overrides, **own}.items()}))
     n = int(load_config(str(ROOT / CONFIG), {k: str(v) for k, v in overrides.items()}).eval.num_prompts)
-    seeds = [int(x) for x in ("0" if args.quick and args.seeds == "0,1,2" else args.seeds).split(",") if x.strip()]
+    seeds = seeds_of(args)
     runs = [one_run(name, seed, steps, args.workdir, overrides) for seed in seeds for name in RUNS]
     headline = summarise(runs, n)
-    print(f"\n{'run':<16}{'seed':>5}{'base':>8}{'final':>8}{'s/step':>8}   eval curve")
-    for run in runs:
-        curve = " ".join(f"{s}:{a:.2f}" for s, a in run["eval_curve"])
-        print(f"{run['run']:<16}{run['seed']:>5}{run['base_accuracy']:>8.1%}{run['final_accuracy']:>8.1%}"
-              f"{run['step_s']:>8.2f}   {curve}")
+    print_runs(runs)
     print(f"final accuracy, mean over seeds {seeds}: dense {headline['dense_final_accuracy']:.1%}, moe "
           f"{headline['moe_final_accuracy']:.1%}; gap {headline['gap_points']:.1f} points, noise "
           f"{headline['noise_points']:.1f} points: {'within' if headline['same_within_noise'] else 'outside'} 2x "
           f"noise; route flips {headline['moe_route_flip_frac_mean']:.2%} a step; both layers sparse "
           f"{headline['moe_all_sparse_final_accuracy']:.1%}")
-    plot(runs, headline["curves"], args.workdir / "moe_learning.png")
-    if args.plot:
-        plot(runs, headline["curves"], args.plot)
-    if args.json:
-        results_meta.write_json(str(args.json), {**headline, "eta": ETA, "steps": steps, "eval_every": every,
-                                                 "eval_prompts": n, "seeds": seeds, "quick": args.quick,
-                                                 "runs": runs}, started)
-        print(f"wrote {args.json}")
+    save(args, "moe_learning", runs, headline, plot, started, eta=ETA, steps=steps, eval_every=every, eval_prompts=n,
+         seeds=seeds)
     return 0
 
 
