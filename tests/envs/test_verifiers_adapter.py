@@ -172,7 +172,7 @@ def test_a_verifiers_environment_trains_through_the_adapter(tmp_path, shared_bas
 
 @pytest.mark.slow  # a run of the RL job end to end
 def test_the_calculator_env_config_runs(tmp_path, shared_base):
-    """configs/arithmetic_verifiers_tiny.py at its small size, for two steps on the agent job test's base model
+    """configs/arithmetic_verifiers_tiny.py at its small size, for a step on the agent job test's base model
     (tests/jobs/test_agent_job.py: the same warm start): the multi-turn verifiers environment's episodes run in
     the job through the endpoint, none fails, and the accounting closes."""
     import json
@@ -182,10 +182,10 @@ def test_the_calculator_env_config_runs(tmp_path, shared_base):
     from jaxflow.config import load_config
     from jaxflow.jobs import rl
 
-    steps = 2
+    steps = 1  # the job through the adapter end to end; the learning test above trains for longer
     config = load_config("configs/arithmetic_verifiers_tiny.py:async,small", {
         "base.dir": str(tmp_path / "base"), "workdir": str(tmp_path / "run"), "trainer.steps": str(steps),
-        "eval.every": "1000"})
+        "trainer.batch_groups": "2", "eval.every": "1000", "eval.num_prompts": "8"})
     shared_base(config, tmp_path / "base")
     assert rl.run(config) == 0
     trained = [r for r in records(tmp_path / "run") if "loss" in r]
