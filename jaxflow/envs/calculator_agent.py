@@ -58,6 +58,8 @@ async def _episode(client, task: dict, score, model: str, latency_s: float, max_
 
 
 class _Shared:
+    """An event loop's client and how many of its episodes are using it (closed when none is)."""
+
     def __init__(self, client):
         self.client, self.users = client, 0
 
