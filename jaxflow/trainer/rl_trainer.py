@@ -28,7 +28,11 @@ other groups. Only a buffer with no usable group at all raises, naming every gro
 Every option of the update is a key of the run config's trainer section: `step_config` and
 `optimizer_config` read them all and `check_trainer_config` validates them, naming the bad key, before a
 run starts. With `trainer.loss.kl_coef > 0` the trainer keeps a frozen copy of the parameters it was built
-with as the KL reference policy (on resume: the base model, not the restored step).
+with as the KL reference policy (on resume: the base model, not the restored step). With
+`trainer.distill.teacher` set it loads that HF directory as a frozen teacher on its mesh (in
+`trainer.param_dtype`), whose per-token log-probs the step turns into the advantage
+(jaxflow/trainer/distill.py); the job checks the teacher's vocabulary against the student's first
+(`distill.teacher_problems`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec, Sample
 from jaxflow.data.trajectory_service import BATCH_RULES
 from jaxflow.models import hf_io, lora, precision
-from jaxflow.trainer import losses
+from jaxflow.trainer import distill, losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
 from jaxflow.trainer.state import TrainState, create_train_state, frozen_state, train_state_shardings, trainable
@@ -181,6 +185,7 @@ class TrainerConfig(Section):
       log-probabilities and gradients. False lays every sample out with its own prompt.
     loss: the policy loss (`jaxflow.trainer.losses.LossConfig`).
     moe: options of a mixture-of-experts policy (`MoeOptions`).
+    distill: on-policy distillation from a frozen teacher (`jaxflow.trainer.distill.DistillOptions`).
     """
 
     SECTION: ClassVar[str] = "trainer"
@@ -213,6 +218,7 @@ class TrainerConfig(Section):
     share_prompts: bool = True
     loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
     moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)
+    distill: distill.DistillOptions = dataclasses.field(default_factory=distill.DistillOptions)
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -274,6 +280,7 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     problems += prox_problems(trainer.prox, loss)
     problems += exact_logprobs_problems(trainer, exact_logprobs)
     moe = MoeOptions.from_config(trainer.moe) if "moe" in trainer else MoeOptions()
+    distill_options = distill_config(trainer)
     experts = getattr(model_config, "num_experts", 0)
     problems += moe_problems(trainer, experts)
     if problems:
@@ -282,7 +289,14 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     route_spec = RouteSpec.of(model_config) if experts else None
     return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=prox, remat=trainer.remat,
                       logprob_chunk=chunk, compute_dtype=compute_dtype, routing_replay=moe.routing_replay,
-                      route_spec=route_spec, router_aux_coef=moe.aux_loss_coef, router_z_coef=moe.z_loss_coef)
+                      route_spec=route_spec, router_aux_coef=moe.aux_loss_coef, router_z_coef=moe.z_loss_coef,
+                      distill=distill_options if distill_options.enabled else None)
+
+
+def distill_config(trainer: ml_collections.ConfigDict) -> distill.DistillOptions:
+    """The `trainer.distill` section (defaults, i.e. no teacher, where the section is absent); a bad key or
+    value raises ConfigError naming it."""
+    return distill.DistillOptions.from_config(trainer.distill) if "distill" in trainer else distill.DistillOptions()
 
 
 def exact_logprobs_problems(trainer: ml_collections.ConfigDict, exact_logprobs) -> list[str]:
@@ -431,10 +445,26 @@ class RLTrainer:
         # The KL reference: the initial policy, frozen (a copy: the state's arrays are donated to the step).
         self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.step_config.loss.kl_coef > 0
                            else None)
+        self.teacher = self._load_teacher(model, mesh)
         self._step = TrainStep(self.graphdef, self.tx, self.step_config, mesh, self.shardings,
-                               frozen=frozen_state(model))
+                               frozen=frozen_state(model), teacher=self.teacher)
         seconds = self._step.compile(self.state, self.batch_shape, with_ref=self.ref_params is not None)
         logger.info("train step compiled for batches of %s in %.1f s", self.batch_shape, seconds)
+
+    def _load_teacher(self, model, mesh):
+        """The distillation teacher (`trainer.distill.teacher`) loaded onto `mesh` in the dtype of the policy's
+        (base) weights, or None without one. Its vocab size must be the policy's (the job also compares the
+        tokenizers, `distill.teacher_problems`, before it builds anything)."""
+        options = self.step_config.distill
+        if options is None:
+            return None
+        dtype = jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam)))[0].dtype
+        teacher = hf_io.load_model(options.teacher, mesh=mesh, param_dtype=dtype)
+        if teacher.config.vocab_size != model.config.vocab_size:
+            raise ConfigError(f"trainer.distill.teacher {options.teacher} has vocab size {teacher.config.vocab_size} "
+                              f"and the policy {model.config.vocab_size}: the teacher must share the student's "
+                              f"vocabulary")
+        return teacher
 
     @property
     def compiles(self) -> int:
