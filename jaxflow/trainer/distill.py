@@ -122,17 +122,19 @@ def _vocab_difference(student: dict[str, int], teacher: dict[str, int]) -> str |
             f"{token(by_id_t)})")
 
 
-def teacher_problems(teacher: str | os.PathLike, student: str | os.PathLike) -> list[str]:
+def teacher_problems(teacher: str | os.PathLike, student: str | os.PathLike | None) -> list[str]:
     """Why the HF directory `teacher` cannot teach the student in `student` ([] when it can): each must hold a
     readable config.json and tokenizer.json, their vocab sizes (config.json, the embedding rows) must be equal,
     and so must their tokenizers' vocabularies (token -> id, added tokens included). Each message names both
-    directories and what differs. Reads the two config files and tokenizers, no weights."""
+    directories and what differs. Reads the two config files and tokenizers, no weights. student None: the
+    teacher's own files only (for a check before the student's directory exists)."""
     from jaxflow.models.config import ModelConfigError, from_hf_config, read_hf_config
 
-    teacher, student = pathlib.Path(teacher), pathlib.Path(student)
+    teacher = pathlib.Path(teacher)
     key = DistillOptions.SECTION + ".teacher"
     configs, problems = {}, []
-    for role, directory in (("teacher", teacher), ("student", student)):
+    roles = [("teacher", teacher)] + ([] if student is None else [("student", pathlib.Path(student))])
+    for role, directory in roles:
         try:
             configs[role] = from_hf_config(read_hf_config(directory), source=str(directory / "config.json"))
         except ModelConfigError as e:
@@ -140,8 +142,9 @@ def teacher_problems(teacher: str | os.PathLike, student: str | os.PathLike) -> 
         if not (directory / TOKENIZER_FILE).is_file():
             problems.append(f"{key}: the {role} model {directory} has no {TOKENIZER_FILE} to compare "
                             f"vocabularies with")
-    if problems:
+    if problems or student is None:
         return problems
+    student = pathlib.Path(student)
     both = f"{key}: the teacher {teacher} and the student {student}"
     if configs["teacher"].vocab_size != configs["student"].vocab_size:
         problems.append(f"{both} have different vocab sizes (config.json vocab_size: teacher "

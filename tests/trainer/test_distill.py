@@ -13,6 +13,7 @@ from train_step_setup import SEQ_LEN, host, one_device, optimizer, trajectories
 from jaxflow import sharding
 from jaxflow.config import ConfigError, load_config
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, Sample
+from jaxflow.jobs import rl
 from jaxflow.models.hf_io import load_model
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.trainer.batch import make_batch
@@ -84,6 +85,18 @@ def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tmp_path):
 
     missing = teacher_problems(tmp_path / "nowhere", student)
     assert missing and all(str(tmp_path / "nowhere") in p for p in missing), missing
+
+    # The rl job's config check runs it against the base model when that exists, else on the teacher alone.
+    config = load_config("configs/arithmetic_tiny.py", {"trainer.distill.teacher": str(other_merges),
+                                                        "base.dir": str(student)})
+    with pytest.raises(ConfigError, match="do not share a tokenizer") as e:
+        rl.check_config(config)
+    assert str(other_merges) in str(e.value) and str(student) in str(e.value)
+    rl.check_config(load_config("configs/arithmetic_tiny.py", {"trainer.distill.teacher": str(other_merges),
+                                                               "base.dir": str(tmp_path / "not_built")}))
+    with pytest.raises(ConfigError, match="trainer.distill.teacher: the teacher model .*nowhere"):
+        rl.check_config(load_config("configs/arithmetic_tiny.py", {"trainer.distill.teacher": str(tmp_path / "nowhere"),
+                                                                   "base.dir": str(tmp_path / "not_built")}))
 
 
 def _consumed(version: int, seed: int) -> ConsumedBatch:
