@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.cluster.config import cluster_problems
@@ -340,6 +341,11 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
                         compute_dtype=compute_dtype(config),
                         exact_logprobs=config.rollout.get("exact_logprobs", False))
     del model  # the trainer holds the policy now: keep no second reference to the loaded arrays
+    if trainer.step_config.distill is not None:
+        d = trainer.step_config.distill
+        print(f"jaxflow: distilling from the teacher {d.teacher} ({trainer.teacher.config.architecture}, "
+              f"{sum(x.size for x in jax.tree.leaves(nnx.state(trainer.teacher))):,} parameters, frozen): advantage "
+              f"{d.coef:g} x (log pi_teacher - log pi_student) + {d.task_coef:g} x the task's", flush=True)
     print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
           f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
     if trainer.lora is not None:

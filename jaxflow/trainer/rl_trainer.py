@@ -169,6 +169,7 @@ class TrainerConfig(Section):
       computes in model.compute_dtype, and AdamW's moments are float32 either way.
     skip_zero_signal: leave groups whose samples all scored the same out of the update: their advantage is 0 on
       every token, so they cost trainer time and only dilute the token-mean loss (still consumed and accounted).
+      Not applied with a distillation teacher (`distill`), whose advantage is not 0 on such groups.
     advantage: the advantage estimator: grpo, dr_grpo or rloo.
     adv_scale_by_std: GRPO divides by the group's reward std.
     adv_std_ddof: that std's ddof: 0 (population) or 1 (unbiased).
@@ -524,9 +525,10 @@ class RLTrainer:
         usable, rejected = screen_groups(consumed.groups, v, self.seq_len, self.vocab_size, self.route_spec)
         signal = [max(g.rewards) != min(g.rewards) for g in usable]
         groups = usable
-        if self.cfg.skip_zero_signal:
+        if self.cfg.skip_zero_signal and self.step_config.distill is None:
             # A group whose samples all scored the same has advantage 0 on every token: it only costs compute
-            # (and dilutes a token-mean loss). A buffer with no signal at all is trained as is.
+            # (and dilutes a token-mean loss). A buffer with no signal at all is trained as is. With a teacher
+            # the advantage is the teacher's too, and every group trains.
             groups = [g for g, s in zip(usable, signal) if s] or usable
         trajs = trajectories_of(groups)
         start = time.perf_counter()
