@@ -455,7 +455,8 @@ class TrainStep:
     then, with a warning. `compiles` and `compile_s` count them all.
 
     teacher: with `cfg.distill`, the frozen teacher model (on `mesh`, any shape whose vocab is the
-    policy's); it goes into every call as an argument of its own, on its own shardings, never donated.
+    policy's); it goes into every call as an argument of its own, on its own shardings, never donated. It
+    must not share arrays with the state, which is donated (a copy of the policy: `jnp.copy` its state).
     """
 
     def __init__(self, graphdef, tx: optax.GradientTransformation, cfg: StepConfig, mesh,

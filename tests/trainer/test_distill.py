@@ -3,12 +3,13 @@ to the student leaves the policy bit for bit unchanged, another (larger) teacher
 it reports, and the config check refuses a teacher whose vocabulary is not the student's, naming both."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_helpers import lively_tiny_model
 from flax import nnx
-from tolerances import F32_EPS, forward_terms, sum_atol
-from train_step_setup import SEQ_LEN, host, one_device, optimizer, trajectories
+from tolerances import F32_EPS, assert_sums_close, forward_terms, policy_loss_scale, sum_atol
+from train_step_setup import SEQ_LEN, assert_trees_close, host, one_device, optimizer, run, setup, trajectories
 
 from jaxflow import sharding
 from jaxflow.config import ConfigError, load_config
@@ -165,3 +166,29 @@ def test_a_larger_teacher_moves_the_student_by_its_per_token_kl(tmp_path):
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))]
     assert all(moved), moved
 
+
+
+@pytest.mark.slow  # compiles and trains the model
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_a_teacher_equal_to_the_student_leaves_the_task_advantage_as_it_is(minibatches):
+    """The mix with task_coef 1 and a teacher equal to the student is the plain update: the distillation term
+    is exactly 0 (with two minibatches the student's starting log-probs are the π_prox pass)."""
+    mesh = one_device()
+    batch, _ = make_batch(trajectories(seed=4), num_rows=16, seq_len=SEQ_LEN, micro_batches=2)
+    plain_params, plain = run(mesh, batch, StepConfig(minibatches=minibatches))
+    state, _, model = setup(mesh)
+    tx = optimizer()
+    cfg = StepConfig(minibatches=minibatches, distill=DistillOptions(teacher="the student", coef=1.0, task_coef=1.0))
+    teacher = nnx.merge(nnx.graphdef(model), jax.tree.map(jnp.copy, nnx.state(model)))  # the state is donated
+    step = TrainStep(nnx.graphdef(model), tx, cfg, mesh, train_state_shardings(state.params, tx, mesh),
+                     teacher=teacher)
+    state, metrics = step(state, batch)
+    metrics = host(metrics)
+    assert metrics["distill_kl"] == 0.0, metrics
+    # The step's metrics are means over its minibatches of each one's token mean.
+    adv, mask = (np.asarray(x).reshape(minibatches, -1) for x in (batch.advantages, batch.loss_mask))
+    want = np.mean([np.abs(a)[m > 0].mean() for a, m in zip(adv, mask)])
+    np.testing.assert_allclose(metrics["distill_adv_abs_mean"], want, rtol=0,
+                               atol=sum_atol(int(mask.sum()), np.abs(adv).max()))
+    assert_sums_close(metrics["loss"], plain[0]["loss"], *policy_loss_scale(batch))
+    assert_trees_close(host(state.params), plain_params, atol=1e-6)
