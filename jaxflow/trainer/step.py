@@ -23,9 +23,10 @@ On-policy distillation (`StepConfig.distill`, jaxflow/trainer/distill.py): the T
 (its own graphdef and parameters, on the same mesh), and the step scores the batch with it in a forward-only
 pass, as it does the reference policy. A second forward-only pass of the same program gives the student's
 log-probs at the step's starting weights (the π_prox pass itself where prox="recompute" with K > 1 computes
-it anyway), so a teacher equal to the student gives an advantage of exactly 0. Each token's advantage is then
-`distill.distill_advantage` (teacher minus student, mixed with the task's), a constant of the update that the
-policy loss weighs with its usual corrections.
+it anyway), so a teacher equal to the student gives an advantage of exactly 0 (a mixture-of-experts teacher
+routes every token itself, where routing replay sends the student's through the recorded experts). Each
+token's advantage is then `distill.distill_advantage` (teacher minus student, mixed with the task's), a
+constant of the update that the policy loss weighs with its usual corrections.
 
 A mixture-of-experts policy (`jaxflow.models.moe`): with routing_replay "rollout" every forward of the
 step (π_θ, π_prox, the reference) sends each input token to the experts the rollout engine recorded for
@@ -351,7 +352,8 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         def teacher_model():
             return nnx.merge(teacher_graphdef, precision.cast_floating(teacher_params, compute))
 
-        teacher_all = jax.lax.map(lambda mb: model_logp(teacher_model, mb), batch)
+        # A mixture-of-experts teacher routes every token itself: the recorded routes are the student's.
+        teacher_all = jax.lax.map(lambda mb: model_logp(teacher_model, mb.replace(routes=None)), batch)
         reuse = uses_prox and cfg.prox == "recompute" and k > 1  # prox_all is this very pass
         start_all = prox_all if reuse else jax.lax.map(lambda mb: forward_logp(state.params, mb), batch)
 
