@@ -56,6 +56,7 @@ from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec, Sample
 from jaxflow.data.trajectory_service import BATCH_RULES
 from jaxflow.models import hf_io, lora, precision
+from jaxflow.models.config import from_hf_config, read_hf_config
 from jaxflow.trainer import distill, losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
@@ -459,13 +460,13 @@ class RLTrainer:
         options = self.step_config.distill
         if options is None:
             return None
+        source = f"{options.teacher}/config.json"
+        vocab_size = from_hf_config(read_hf_config(options.teacher), source=source).vocab_size  # before any weight
+        if vocab_size != model.config.vocab_size:
+            raise ConfigError(f"trainer.distill.teacher {options.teacher} has vocab size {vocab_size} and the policy "
+                              f"{model.config.vocab_size}: the teacher must share the student's vocabulary")
         dtype = jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam)))[0].dtype
-        teacher = hf_io.load_model(options.teacher, mesh=mesh, param_dtype=dtype)
-        if teacher.config.vocab_size != model.config.vocab_size:
-            raise ConfigError(f"trainer.distill.teacher {options.teacher} has vocab size {teacher.config.vocab_size} "
-                              f"and the policy {model.config.vocab_size}: the teacher must share the student's "
-                              f"vocabulary")
-        return teacher
+        return hf_io.load_model(options.teacher, mesh=mesh, param_dtype=dtype)
 
     @property
     def compiles(self) -> int:

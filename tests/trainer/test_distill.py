@@ -87,6 +87,12 @@ def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tmp_path):
     missing = teacher_problems(tmp_path / "nowhere", student)
     assert missing and all(str(tmp_path / "nowhere") in p for p in missing), missing
 
+    # The trainer itself refuses a teacher of another vocab size, whoever built it.
+    trainer_config = load_config("configs/arithmetic_tiny.py", {"trainer.distill.teacher": str(bigger_vocab)}).trainer
+    with pytest.raises(ConfigError, match=f"trainer.distill.teacher {bigger_vocab} has vocab size 640 and the "
+                                          f"policy 512"):
+        RLTrainer(load_model(student), trainer_config, one_device(), seq_len=64, max_sequences=16)
+
     # The rl job's config check runs it against the base model when that exists, else on the teacher alone.
     config = load_config("configs/arithmetic_tiny.py", {"trainer.distill.teacher": str(other_merges),
                                                         "base.dir": str(student)})
