@@ -29,10 +29,10 @@ Every option of the update is a key of the run config's trainer section: `step_c
 `optimizer_config` read them all and `check_trainer_config` validates them, naming the bad key, before a
 run starts. With `trainer.loss.kl_coef > 0` the trainer keeps a frozen copy of the parameters it was built
 with as the KL reference policy (on resume: the base model, not the restored step). With
-`trainer.distill.teacher` set it loads that HF directory as a frozen teacher on its mesh (in
-`trainer.param_dtype`), whose per-token log-probs the step turns into the advantage
-(jaxflow/trainer/distill.py); the job checks the teacher's vocabulary against the student's first
-(`distill.teacher_problems`).
+`trainer.distill.teacher` set it loads that HF directory as a frozen teacher on its mesh (in the dtype of
+the policy's weights), whose per-token log-probs the step turns into the advantage
+(jaxflow/trainer/distill.py), and trains every group, skip_zero_signal notwithstanding; the job checks the
+teacher's vocabulary against the student's first (`distill.teacher_problems`).
 """
 
 from __future__ import annotations
