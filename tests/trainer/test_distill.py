@@ -171,6 +171,12 @@ def test_a_larger_teacher_moves_the_student_by_its_per_token_kl(tmp_path):
     after = host(state.params)
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))]
     assert all(moved), moved
+    # The direction: further updates on these tokens bring the student's log-probs towards the teacher's.
+    gaps = [float(metrics["distill_adv_abs_mean"])]
+    for _ in range(4):
+        state, metrics = step(state, batch)
+        gaps.append(float(metrics["distill_adv_abs_mean"]))
+    assert all(b < a for a, b in zip(gaps, gaps[1:])), gaps
 
 
 
