@@ -67,6 +67,7 @@ def test_options_are_checked_by_key():
         check_trainer_config(TrainerConfig.section(distill={"teacher": "t", "coef": -2.0}))
 
 
+@pytest.mark.slow  # writes five tiny models and builds a trainer
 def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tmp_path):
     student = write_tiny_model(tmp_path / "student")
     assert teacher_problems(student, student) == []
