@@ -16,6 +16,7 @@ from jaxflow.config import ConfigError, load_config
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, Sample
 from jaxflow.jobs import rl
 from jaxflow.models.hf_io import load_model
+from jaxflow.models.lora import LoRASpec
 from jaxflow.models.tiny import write_tiny_model
 from jaxflow.trainer.batch import make_batch
 from jaxflow.trainer.distill import DistillOptions, distill_advantage, distill_metrics, teacher_problems
@@ -118,16 +119,20 @@ def _consumed(version: int, seed: int) -> ConsumedBatch:
 
 
 @pytest.mark.slow  # compiles and trains the model
-def test_a_teacher_equal_to_the_student_gives_zero_advantage_and_no_update(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
+def test_a_teacher_equal_to_the_student_gives_zero_advantage_and_no_update(tmp_path, lora_rank):
     """Pure distillation (task_coef 0) from the student's own directory: every advantage is exactly 0, so
-    the gradient is 0 and, without weight decay, AdamW leaves every parameter bit for bit as it was."""
+    the gradient is 0 and, without weight decay, AdamW leaves every parameter bit for bit as it was (with LoRA:
+    every adapter, over the base the teacher is)."""
     student = write_tiny_model(tmp_path / "m")
     config = load_config("configs/arithmetic_tiny.py", {"trainer.distill.teacher": str(student),
                                                         "trainer.distill.task_coef": "0.0",
-                                                        "trainer.weight_decay": "0.0"})
+                                                        "trainer.weight_decay": "0.0",
+                                                        "trainer.lora.rank": str(lora_rank)})
     mesh = sharding.make_mesh(fsdp=2, devices=jax.devices()[:2])
-    trainer = RLTrainer(load_model(student, mesh=mesh), config.trainer, mesh, seq_len=64, max_sequences=16)
-    assert trainer.teacher is not None
+    model = load_model(student, mesh=mesh, lora=LoRASpec.from_config(config.trainer.lora))
+    trainer = RLTrainer(model, config.trainer, mesh, seq_len=64, max_sequences=16)
+    assert trainer.teacher is not None and (trainer.lora is not None) == (lora_rank > 0)
     before = host(trainer.state.params)
     metrics, _ = trainer.train(_consumed(0, seed=0))
     assert metrics["distill_kl"] == 0.0 and metrics["distill_adv_abs_mean"] == 0.0, metrics
