@@ -10,10 +10,13 @@ batch with it in a forward-only pass, as it does the KL reference policy. Each t
 where π_T is the teacher, π_S the student at the step's starting weights (a forward-only pass of the same
 program as the teacher's, so a teacher equal to the student gives exactly 0), and A_task the task reward's
 advantage (the batch's, from `trainer.advantage`). The first term is the per-token reverse KL, as a reward:
-maximising E_{y~π_S}[log π_T(y) - log π_S(y)] minimises KL(π_S || π_T) on the student's own samples (Agarwal
-et al. 2024, "On-policy distillation"; Thinking Machines 2025). The advantage is a constant of the update
-(no gradient flows through either log-prob); the chosen policy loss (decoupled PPO, ...) applies its usual
-staleness and behaviour corrections with it, since the tokens were still sampled by μ, possibly stale.
+maximising E_{y~π_S}[log π_T(y) - log π_S(y)] minimises KL(π_S || π_T) on the student's own samples
+(Agarwal et al. 2024, "On-policy distillation of language models"; Thinking Machines 2025, "On-policy
+distillation"). Each token's term is its own: no sum over the tokens after it (a discount of 0, as Thinking
+Machines' recipe runs) and no normalisation over the group (the log-ratios already share one scale, nats).
+The advantage is a constant of the update (no gradient flows through either log-prob); the chosen policy
+loss (decoupled PPO, ...) applies its usual staleness and behaviour corrections with it, since the tokens
+were still sampled by μ, possibly stale.
 
 The teacher must share the student's vocabulary: the same token ids must mean the same strings, and the
 embedding tables must be the same size. `teacher_problems` compares both directories' tokenizer.json
