@@ -2,6 +2,8 @@
 to the student leaves the policy bit for bit unchanged, another (larger) teacher moves it with the per-token KL
 it reports, and the config check refuses a teacher whose vocabulary is not the student's, naming both."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,8 @@ from jaxflow.jobs import rl
 from jaxflow.models.hf_io import load_model
 from jaxflow.models.lora import LoRASpec
 from jaxflow.models.tiny import write_tiny_model
+from jaxflow.models.transformer import Transformer
+from jaxflow.trainer import step as step_module
 from jaxflow.trainer.batch import make_batch
 from jaxflow.trainer.distill import DistillOptions, distill_advantage, distill_metrics, teacher_problems
 from jaxflow.trainer.rl_trainer import RLTrainer, TrainerConfig, check_trainer_config, step_config
@@ -210,3 +214,36 @@ def test_a_teacher_equal_to_the_student_leaves_the_task_advantage_as_it_is(minib
                                atol=sum_atol(int(mask.sum()), np.abs(adv).max()))
     assert_sums_close(metrics["loss"], plain[0]["loss"], *policy_loss_scale(batch))
     assert_trees_close(host(state.params), plain_params, atol=1e-6)
+
+
+@pytest.mark.slow  # traces the step four times
+def test_the_teacher_adds_one_forward_pass_and_the_students_start_reuses_prox(monkeypatch):
+    """Forward passes traced into the step: the teacher's, plus the student's at its starting weights, which
+    with two minibatches (prox "recompute") is the π_prox pass itself. Traced, not compiled or run."""
+    calls = []
+    original = step_module.token_logprobs
+
+    def counting(model, *args, **kwargs):
+        calls.append(model.config.hidden_size)
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "token_logprobs", counting)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *args, **kwargs: None)
+    mesh = one_device()
+    state, _, model = setup(mesh)
+    teacher = Transformer(dataclasses.replace(model.config, hidden_size=96), rngs=nnx.Rngs(1))  # another shape
+    tx = optimizer()
+    counts = {}
+    for minibatches in (1, 2):
+        for distilled in (False, True):
+            cfg = StepConfig(minibatches=minibatches,
+                             distill=DistillOptions(teacher="t") if distilled else None)
+            step = TrainStep(nnx.graphdef(model), tx, cfg, mesh, train_state_shardings(state.params, tx, mesh),
+                             teacher=teacher if distilled else None)
+            calls.clear()
+            step.compile(state, (2, 8, SEQ_LEN))
+            counts[minibatches, distilled] = list(calls)
+    for minibatches, extra_student in ((1, 1), (2, 0)):
+        plain, distilled = counts[minibatches, False], counts[minibatches, True]
+        assert distilled.count(96) == 1 and 96 not in plain, counts
+        assert distilled.count(64) == plain.count(64) + extra_student, counts
