@@ -1,6 +1,7 @@
 """On-policy distillation (jaxflow/trainer/distill.py): the advantage against a float64 reference, a teacher equal
-to the student leaves the policy bit for bit unchanged, another (larger) teacher moves it with the per-token KL
-it reports, and the config check refuses a teacher whose vocabulary is not the student's, naming both."""
+to the student leaves the policy bit for bit unchanged (full or LoRA) and the task's advantage as it is in a mix,
+another (larger) teacher moves the student towards itself with the per-token KL it reports, the forward passes
+it adds, and the config check refuses a teacher whose vocabulary is not the student's, naming both."""
 
 import dataclasses
 
