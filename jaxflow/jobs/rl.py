@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.cluster.config import cluster_problems
@@ -81,6 +82,7 @@ from jaxflow.rewards import RewardPool, group_reward_fn, resolve
 from jaxflow.tasks import get_task
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
+from jaxflow.trainer.distill import teacher_problems
 from jaxflow.trainer.rl_trainer import RLTrainer, check_trainer_config, exact_logprobs_problems
 from jaxflow.trainer.state import abstract_train_state
 from rollout_bridge.engine import SamplingParams
@@ -119,6 +121,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                         "is set)")
     problems += [p for p in replay_problems(config) if p not in problems]
     problems += [p for p in agent_problems(config) if p not in problems]
+    problems += distill_problems(config)
     if not problems:  # the transport against the engine kind and the deployment, once those are sound
         try:
             weight_transport(config)
@@ -175,6 +178,18 @@ def agent_problems(config: ml_collections.ConfigDict) -> list[str]:
         problems.append(f"trainer.moe.routing_replay {moe.routing_replay!r}: agent episodes (rollout.env.kind "
                         f"{env.kind!r}) record no routes; set it 'off'")
     return problems
+
+
+def distill_problems(config: ml_collections.ConfigDict, base_dir: pathlib.Path | None = None) -> list[str]:
+    """Why `trainer.distill.teacher` cannot teach this run's policy (`distill.teacher_problems`: its files, its
+    vocab size and tokenizer against the base model's). base_dir: the base model's directory once it exists;
+    None: the teacher against `base.dir` if that already holds a model, else the teacher's own files alone."""
+    teacher = (config.trainer.get("distill") or {}).get("teacher")
+    if not isinstance(teacher, str) or not teacher.strip():  # none, or a bad value check_trainer_config names
+        return []
+    if base_dir is None and (pathlib.Path(config.base.dir) / "config.json").is_file():
+        base_dir = pathlib.Path(config.base.dir)
+    return teacher_problems(teacher, base_dir)
 
 
 def _given_model(config) -> bool:
@@ -296,6 +311,9 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
         check_config(config)
         check_workdir(workdir)
         base_dir = warm_start.ensure_base_model(config)
+        problems = distill_problems(config, base_dir)  # the teacher against the student the warm start made
+        if problems:
+            raise ConfigError("bad config: " + "; ".join(problems), problems)
     except (ValueError, warm_start.BaseModelMissing) as e:
         print(f"jaxflow: error: {e}", file=sys.stderr)
         return 2
@@ -323,6 +341,11 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
                         compute_dtype=compute_dtype(config),
                         exact_logprobs=config.rollout.get("exact_logprobs", False))
     del model  # the trainer holds the policy now: keep no second reference to the loaded arrays
+    if trainer.step_config.distill is not None:
+        d = trainer.step_config.distill
+        print(f"jaxflow: distilling from the teacher {d.teacher} ({trainer.teacher.config.architecture}, "
+              f"{sum(x.size for x in jax.tree.leaves(nnx.state(trainer.teacher))):,} parameters, frozen): advantage "
+              f"{d.coef:g} x (log pi_teacher - log pi_student) + {d.task_coef:g} x the task's", flush=True)
     print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
           f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
     if trainer.lora is not None:

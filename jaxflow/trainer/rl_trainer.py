@@ -28,7 +28,11 @@ other groups. Only a buffer with no usable group at all raises, naming every gro
 Every option of the update is a key of the run config's trainer section: `step_config` and
 `optimizer_config` read them all and `check_trainer_config` validates them, naming the bad key, before a
 run starts. With `trainer.loss.kl_coef > 0` the trainer keeps a frozen copy of the parameters it was built
-with as the KL reference policy (on resume: the base model, not the restored step).
+with as the KL reference policy (on resume: the base model, not the restored step). With
+`trainer.distill.teacher` set it loads that HF directory as a frozen teacher on its mesh (in the dtype of
+the policy's weights), whose per-token log-probs the step turns into the advantage
+(jaxflow/trainer/distill.py), and trains every group, skip_zero_signal notwithstanding; the job checks the
+teacher's vocabulary against the student's first (`distill.teacher_problems`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from jaxflow.data.device_params import DeviceParamSource
 from jaxflow.data.records import ConsumedBatch, FinishedGroup, RouteSpec, Sample
 from jaxflow.data.trajectory_service import BATCH_RULES
 from jaxflow.models import hf_io, lora, precision
-from jaxflow.trainer import losses
+from jaxflow.models.config import from_hf_config, read_hf_config
+from jaxflow.trainer import distill, losses
 from jaxflow.trainer.advantages import ADVANTAGE_ESTIMATORS
 from jaxflow.trainer.batch import BatchOverflow, Trajectory, make_batch
 from jaxflow.trainer.state import TrainState, create_train_state, frozen_state, train_state_shardings, trainable
@@ -165,6 +170,7 @@ class TrainerConfig(Section):
       computes in model.compute_dtype, and AdamW's moments are float32 either way.
     skip_zero_signal: leave groups whose samples all scored the same out of the update: their advantage is 0 on
       every token, so they cost trainer time and only dilute the token-mean loss (still consumed and accounted).
+      Not applied with a distillation teacher (`distill`), whose advantage is not 0 on such groups.
     advantage: the advantage estimator: grpo, dr_grpo or rloo.
     adv_scale_by_std: GRPO divides by the group's reward std.
     adv_std_ddof: that std's ddof: 0 (population) or 1 (unbiased).
@@ -181,6 +187,7 @@ class TrainerConfig(Section):
       log-probabilities and gradients. False lays every sample out with its own prompt.
     loss: the policy loss (`jaxflow.trainer.losses.LossConfig`).
     moe: options of a mixture-of-experts policy (`MoeOptions`).
+    distill: on-policy distillation from a frozen teacher (`jaxflow.trainer.distill.DistillOptions`).
     """
 
     SECTION: ClassVar[str] = "trainer"
@@ -213,6 +220,7 @@ class TrainerConfig(Section):
     share_prompts: bool = True
     loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
     moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)
+    distill: distill.DistillOptions = dataclasses.field(default_factory=distill.DistillOptions)
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -274,6 +282,7 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     problems += prox_problems(trainer.prox, loss)
     problems += exact_logprobs_problems(trainer, exact_logprobs)
     moe = MoeOptions.from_config(trainer.moe) if "moe" in trainer else MoeOptions()
+    distill_options = distill_config(trainer)
     experts = getattr(model_config, "num_experts", 0)
     problems += moe_problems(trainer, experts)
     if problems:
@@ -282,7 +291,14 @@ def step_config(trainer: ml_collections.ConfigDict, compute_dtype: str = "float3
     route_spec = RouteSpec.of(model_config) if experts else None
     return StepConfig(loss=loss, minibatches=trainer.minibatches, prox=prox, remat=trainer.remat,
                       logprob_chunk=chunk, compute_dtype=compute_dtype, routing_replay=moe.routing_replay,
-                      route_spec=route_spec, router_aux_coef=moe.aux_loss_coef, router_z_coef=moe.z_loss_coef)
+                      route_spec=route_spec, router_aux_coef=moe.aux_loss_coef, router_z_coef=moe.z_loss_coef,
+                      distill=distill_options if distill_options.enabled else None)
+
+
+def distill_config(trainer: ml_collections.ConfigDict) -> distill.DistillOptions:
+    """The `trainer.distill` section (defaults, i.e. no teacher, where the section is absent); a bad key or
+    value raises ConfigError naming it."""
+    return distill.DistillOptions.from_config(trainer.distill) if "distill" in trainer else distill.DistillOptions()
 
 
 def exact_logprobs_problems(trainer: ml_collections.ConfigDict, exact_logprobs) -> list[str]:
@@ -431,10 +447,26 @@ class RLTrainer:
         # The KL reference: the initial policy, frozen (a copy: the state's arrays are donated to the step).
         self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.step_config.loss.kl_coef > 0
                            else None)
+        self.teacher = self._load_teacher(model, mesh)
         self._step = TrainStep(self.graphdef, self.tx, self.step_config, mesh, self.shardings,
-                               frozen=frozen_state(model))
+                               frozen=frozen_state(model), teacher=self.teacher)
         seconds = self._step.compile(self.state, self.batch_shape, with_ref=self.ref_params is not None)
         logger.info("train step compiled for batches of %s in %.1f s", self.batch_shape, seconds)
+
+    def _load_teacher(self, model, mesh):
+        """The distillation teacher (`trainer.distill.teacher`) loaded onto `mesh` in the dtype of the policy's
+        (base) weights, or None without one. Its vocab size must be the policy's (the job also compares the
+        tokenizers, `distill.teacher_problems`, before it builds anything)."""
+        options = self.step_config.distill
+        if options is None:
+            return None
+        source = f"{options.teacher}/config.json"
+        vocab_size = from_hf_config(read_hf_config(options.teacher), source=source).vocab_size  # before any weight
+        if vocab_size != model.config.vocab_size:
+            raise ConfigError(f"trainer.distill.teacher {options.teacher} has vocab size {vocab_size} and the policy "
+                              f"{model.config.vocab_size}: the teacher must share the student's vocabulary")
+        dtype = jax.tree.leaves(nnx.state(model, nnx.Not(nnx.LoRAParam)))[0].dtype
+        return hf_io.load_model(options.teacher, mesh=mesh, param_dtype=dtype)
 
     @property
     def compiles(self) -> int:
@@ -494,9 +526,10 @@ class RLTrainer:
         usable, rejected = screen_groups(consumed.groups, v, self.seq_len, self.vocab_size, self.route_spec)
         signal = [max(g.rewards) != min(g.rewards) for g in usable]
         groups = usable
-        if self.cfg.skip_zero_signal:
+        if self.cfg.skip_zero_signal and self.step_config.distill is None:
             # A group whose samples all scored the same has advantage 0 on every token: it only costs compute
-            # (and dilutes a token-mean loss). A buffer with no signal at all is trained as is.
+            # (and dilutes a token-mean loss). A buffer with no signal at all is trained as is. With a teacher
+            # the advantage is the teacher's too, and every group trains.
             groups = [g for g, s in zip(usable, signal) if s] or usable
         trajs = trajectories_of(groups)
         start = time.perf_counter()

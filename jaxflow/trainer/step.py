@@ -19,6 +19,15 @@ the current version, where ρ would be 1.
 With a KL penalty (loss.kl_coef > 0) the caller passes the reference policy's parameters and a
 forward-only pass over the batch computes its log-probs (no gradient) for the loss's `ref_logp_bt`.
 
+On-policy distillation (`StepConfig.distill`, jaxflow/trainer/distill.py): the TrainStep holds a frozen teacher
+(its own graphdef and parameters, on the same mesh), and the step scores the batch with it in a forward-only
+pass, as it does the reference policy. A second forward-only pass of the same program gives the student's
+log-probs at the step's starting weights (the π_prox pass itself where prox="recompute" with K > 1 computes
+it anyway), so a teacher equal to the student gives an advantage of exactly 0 (a mixture-of-experts teacher
+routes every token itself, where routing replay sends the student's through the recorded experts). Each
+token's advantage is then `distill.distill_advantage` (teacher minus student, mixed with the task's), a
+constant of the update that the policy loss weighs with its usual corrections.
+
 A mixture-of-experts policy (`jaxflow.models.moe`): with routing_replay "rollout" every forward of the
 step (π_θ, π_prox, the reference) sends each input token to the experts the rollout engine recorded for
 it (`TrajectoryBatch.routes`; unrecorded positions route themselves). The router's load-balancing and z
@@ -50,7 +59,7 @@ from jaxflow import sharding
 from jaxflow.config import ConfigError
 from jaxflow.data.records import RouteSpec
 from jaxflow.models import moe, precision
-from jaxflow.trainer import losses, scoring
+from jaxflow.trainer import distill, losses, scoring
 from jaxflow.trainer.batch import FIELD_DTYPES, TrajectoryBatch, validate_batch
 from jaxflow.trainer.state import TrainState
 
@@ -87,6 +96,8 @@ class StepConfig:
     Mixture of experts: routing_replay "off" | "rollout" (replay the batch's recorded routes);
     route_spec: the policy's routing (`jaxflow.data.records.RouteSpec`), which replay needs;
     router_aux_coef / router_z_coef: weights of the router's load-balancing and z losses.
+    distill: on-policy distillation's coefficients (`distill.DistillOptions`, its teacher set; the TrainStep
+    is given the teacher model itself); None: the batch's advantages train as they are.
     """
 
     loss: losses.LossConfig = losses.LossConfig()
@@ -99,8 +110,12 @@ class StepConfig:
     route_spec: RouteSpec | None = None
     router_aux_coef: float = 0.0
     router_z_coef: float = 0.0
+    distill: distill.DistillOptions | None = None
 
     def __post_init__(self):
+        if self.distill is not None and (not isinstance(self.distill, distill.DistillOptions)
+                                         or not self.distill.enabled):
+            raise ValueError(f"distill must be None or a DistillOptions with its teacher set, got {self.distill!r}")
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay must be one of {ROUTING_REPLAY}, got {self.routing_replay!r}")
         if self.routing_replay == "rollout" and self.route_spec is None:
@@ -284,7 +299,8 @@ def _has_tokens(mb: TrajectoryBatch) -> jax.Array:
 
 
 def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch,
-                ref_params, frozen=None, mesh=None) -> tuple[TrainState, dict[str, Any]]:
+                ref_params, frozen=None, mesh=None, teacher_graphdef=None,
+                teacher_params=None) -> tuple[TrainState, dict[str, Any]]:
     m, b, t = batch.tokens.shape
     k = cfg.minibatches
     version = state.version
@@ -308,9 +324,13 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     def forward(params, mb, router=False):
         return token_logprobs(merged(params), mb, cfg.remat, cfg.logprob_chunk, mesh, router=router)
 
-    def forward_logp(params, mb):  # no work on a micro-batch with nothing to train
-        return jax.lax.cond(_has_tokens(mb), lambda: forward(params, mb)[0],
+    def model_logp(model_fn, mb):  # forward only; no work on a micro-batch with nothing to train
+        return jax.lax.cond(_has_tokens(mb),
+                            lambda: token_logprobs(model_fn(), mb, cfg.remat, cfg.logprob_chunk, mesh)[0],
                             lambda: jnp.zeros(mb.tokens.shape, jnp.float32))
+
+    def forward_logp(params, mb):
+        return model_logp(lambda: merged(params), mb)
 
     # π_prox for K > 1: the start-of-step weights, before any update of this call.
     prox_all = None
@@ -325,17 +345,34 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
     ref_all = None
     if ref_params is not None:
         ref_all = jax.lax.map(lambda mb: forward_logp(ref_params, mb), batch)
+    teacher_all = start_all = None
+    if cfg.distill is not None:
+        # The teacher and the student's starting weights through the same forward-only program: equal models
+        # give equal log-probs, bit for bit.
+        def teacher_model():
+            return nnx.merge(teacher_graphdef, precision.cast_floating(teacher_params, compute))
 
-    def loss_fn(params, mb, weights, seq_ids, prox, ref):
+        # A mixture-of-experts teacher routes every token itself: the recorded routes are the student's.
+        teacher_all = jax.lax.map(lambda mb: model_logp(teacher_model, mb.replace(routes=None)), batch)
+        reuse = uses_prox and cfg.prox == "recompute" and k > 1  # prox_all is this very pass
+        start_all = prox_all if reuse else jax.lax.map(lambda mb: forward_logp(state.params, mb), batch)
+
+    def loss_fn(params, mb, weights, seq_ids, prox, ref, teacher, start):
         logp, entropy, stats = forward(params, mb, router=True)
         if cfg.prox == "loglinear":
             prox = losses.loglinear_prox_logp(mb.behav_logp, logp, mb.versions, version) if uses_prox else None
         elif prox is None and (uses_prox or k == 1):
             # K = 1: π_prox is the current log-prob, free, so the mismatch metrics have it for every loss.
             prox = jax.lax.stop_gradient(logp)
-        loss, metrics = losses.loss_and_metrics(lc.name, lc, logp, mb.behav_logp, prox, mb.advantages,
+        advantages = mb.advantages
+        if cfg.distill is not None:
+            advantages = distill.distill_advantage(teacher, start, mb.advantages, cfg.distill.coef,
+                                                   cfg.distill.task_coef)
+        loss, metrics = losses.loss_and_metrics(lc.name, lc, logp, mb.behav_logp, prox, advantages,
                                                 mb.loss_mask, weights, ref, mb.rewards, seq_ids)
         mask = mb.loss_mask > 0
+        if cfg.distill is not None:
+            metrics.update(distill.distill_metrics(teacher, start, advantages, mask))
         metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
         if stats is not None:
             mcfg = merged(params).config
@@ -358,7 +395,7 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
 
     def update(carry, minibatch):
         params, opt_state, skipped = carry
-        mbs, prox, ref = minibatch
+        mbs, prox, ref, teacher, start = minibatch
         flat_mask = mbs.loss_mask.reshape(-1, t)
         # Sequences are (row, segment) pairs, so aggregation is right for packed rows too.
         seq_ids = mbs.segment_ids.reshape(-1, t) + t * jnp.arange(flat_mask.shape[0])[:, None]
@@ -367,10 +404,10 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         seq_ids = seq_ids.reshape(mbs.loss_mask.shape)  # each micro-batch's slice, still unique across its rows
 
         def micro(grad_sum, xs):
-            mb, w, s, p, r = xs
+            mb, w, s, p, r, te, st = xs
 
             def compute():
-                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, s, p, r)
+                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, w, s, p, r, te, st)
                 return jax.tree.map(jnp.add, grad_sum, grads), metrics
 
             # A micro-batch that only pads the batch to its compiled shape costs a branch, not a pass.
@@ -379,7 +416,7 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
             return jax.lax.cond(_has_tokens(mb), compute, lambda: (grad_sum, empty))
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, per_micro = jax.lax.scan(micro, zeros, (mbs, weights, seq_ids, prox, ref))
+        grads, per_micro = jax.lax.scan(micro, zeros, (mbs, weights, seq_ids, prox, ref, teacher, start))
         metrics = _combine(per_micro)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -393,7 +430,7 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
 
     (params, opt_state, skipped), per_update = jax.lax.scan(
         update, (state.params, state.opt_state, state.skipped),
-        (jax.tree.map(split, batch), split(prox_all), split(ref_all)))
+        (jax.tree.map(split, batch), split(prox_all), split(ref_all), split(teacher_all), split(start_all)))
 
     metrics = {key: (jnp.max(v) if key.endswith("_max") else jnp.mean(v)) for key, v in per_update.items()}
     metrics["num_tokens"] = jnp.sum(per_update["num_tokens"])
@@ -418,10 +455,17 @@ class TrainStep:
     Each batch shape is compiled once; `compile(state, shape)` does it ahead of the first call (the RL
     trainer compiles its one padded shape at start-up), and a shape first seen in a call is compiled
     then, with a warning. `compiles` and `compile_s` count them all.
+
+    teacher: with `cfg.distill`, the frozen teacher model (on `mesh`, any shape whose vocab is the
+    policy's); it goes into every call as an argument of its own, on its own shardings, never donated. It
+    must not share arrays with the state, which is donated (a copy of the policy: `jnp.copy` its state).
     """
 
     def __init__(self, graphdef, tx: optax.GradientTransformation, cfg: StepConfig, mesh,
-                 state_shardings: TrainState, frozen: nnx.State | None = None):
+                 state_shardings: TrainState, frozen: nnx.State | None = None, teacher: nnx.Module | None = None):
+        if (cfg.distill is None) != (teacher is None):
+            raise ValueError("a teacher model goes with StepConfig.distill, and StepConfig.distill with a teacher "
+                             f"model (distill: {cfg.distill!r}, teacher given: {teacher is not None})")
         self.cfg, self.mesh = cfg, mesh
         batch_axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
         self.rows_per_shard = sharding.rows_per_shard(mesh)
@@ -435,15 +479,18 @@ class TrainStep:
         # never donated), on the shardings it already has.
         self.frozen = frozen
         frozen_shardings = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
+        teacher_graphdef, self.teacher = (None, None) if teacher is None else nnx.split(teacher)
+        teacher_shardings = None if teacher is None else jax.tree.map(lambda x: x.sharding, self.teacher)
 
-        def fn(state, batch, ref_params, frozen):
-            return _train_step(graphdef, tx, cfg, state, batch, ref_params, frozen, mesh)
+        def fn(state, batch, ref_params, frozen, teacher):
+            return _train_step(graphdef, tx, cfg, state, batch, ref_params, frozen, mesh, teacher_graphdef, teacher)
 
         self._jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings, state_shardings.params,
-                                                 frozen_shardings),
+                                                 frozen_shardings, teacher_shardings),
                                out_shardings=(state_shardings, None), donate_argnums=0)
-        self._jitted_no_ref = jax.jit(lambda s, bt, fr: fn(s, bt, None, fr),
-                                      in_shardings=(state_shardings, batch_shardings, frozen_shardings),
+        self._jitted_no_ref = jax.jit(lambda s, bt, fr, te: fn(s, bt, None, fr, te),
+                                      in_shardings=(state_shardings, batch_shardings, frozen_shardings,
+                                                    teacher_shardings),
                                       out_shardings=(state_shardings, None), donate_argnums=0)
         self._compiled: dict[tuple, Any] = {}
         self.compiles, self.compile_s = 0, 0.0
@@ -470,17 +517,18 @@ class TrainStep:
             name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=self.batch_sharding)
             for name, dtype in FIELD_DTYPES.items()})
         if self.cfg.routing_replay == "rollout":
-            spec = self.cfg.route_spec
+            route = self.cfg.route_spec  # not `spec`, which the frozen base and the teacher are mapped with below
             abstract_batch = abstract_batch.replace(routes=jax.ShapeDtypeStruct(
-                (*shape, spec.layers, spec.top_k), spec.dtype, sharding=self.batch_sharding))
+                (*shape, route.layers, route.top_k), route.dtype, sharding=self.batch_sharding))
         abstract_frozen = None if self.frozen is None else jax.tree.map(spec, self.frozen)
+        abstract_teacher = None if self.teacher is None else jax.tree.map(spec, self.teacher)
         # Traced with the mesh set, so that the model keeps activations split by rows (`rows_sharded`).
         with jax.set_mesh(self.mesh):
             if with_ref:
                 lowered = self._jitted.lower(abstract_state, abstract_batch, abstract_state.params,
-                                             abstract_frozen)
+                                             abstract_frozen, abstract_teacher)
             else:
-                lowered = self._jitted_no_ref.lower(abstract_state, abstract_batch, abstract_frozen)
+                lowered = self._jitted_no_ref.lower(abstract_state, abstract_batch, abstract_frozen, abstract_teacher)
         self._compiled[key] = lowered.compile()
         elapsed = time.perf_counter() - start
         self.compiles += 1
@@ -520,5 +568,5 @@ class TrainStep:
         # On a mesh over several processes each process feeds only its own rows of the batch.
         batch = jax.tree.map(lambda x: sharding.put_global(x, self.batch_sharding), batch)
         if ref_params is None:
-            return self._compiled[key](state, batch, self.frozen)
-        return self._compiled[key](state, batch, ref_params, self.frozen)
+            return self._compiled[key](state, batch, self.frozen, self.teacher)
+        return self._compiled[key](state, batch, ref_params, self.frozen, self.teacher)
