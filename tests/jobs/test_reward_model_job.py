@@ -1,0 +1,35 @@
+"""The RL job with a reward model (`rollout.reward_model.dir`): the model scores the rollouts in place of the
+task's reward function, its counts are the run's reward accounting, and the evals keep the task's reward."""
+
+import json
+import pathlib
+
+import pytest
+from small_runs import records, small_config
+
+from jaxflow.jobs import rl
+from jaxflow.models.tiny import write_tiny_reward_model
+
+pytestmark = pytest.mark.slow  # a run of the RL job end to end
+
+
+def test_a_reward_model_scores_the_rollouts(tmp_path, base_dir, capsys):
+    reward_dir = write_tiny_reward_model(tmp_path / "reward_model")
+    config = small_config(tmp_path, base_dir, **{"rollout.reward_model.dir": str(reward_dir),
+                                                  "rollout.reward_model.batch_size": "4",
+                                                  "trainer.steps": "2", "eval.every": "100"})
+    assert rl.run(config) == 0
+    out = capsys.readouterr().out
+    assert f"rollouts are scored by the reward model {reward_dir}" in out
+    workdir = pathlib.Path(config.workdir)
+    steps = [r for r in records(workdir) if "loss" in r]
+    assert len(steps) == 2
+    # The task's reward is 0 or 1 per sample, so its batch means are multiples of 1/samples; the reward
+    # model's scores are real numbers.
+    samples = config.trainer.batch_groups * config.rollout.group_size
+    assert any(abs(r["reward_mean"] * samples - round(r["reward_mean"] * samples)) > 1e-3 for r in steps), steps
+    result = json.loads((workdir / "result.json").read_text())
+    a = result["accounting"]
+    assert a["reward_calls"] >= a["reward_scored"] >= 2 * samples
+    assert all(a[f"reward_{k}"] == 0 for k in ("raised", "timed_out", "crashed", "invalid"))
+    assert 0.0 <= result["base_accuracy"] <= 1.0  # the evals: the task's reward
