@@ -159,19 +159,20 @@ def replay_problems(config: ml_collections.ConfigDict) -> list[str]:
 
 def reward_model_problems(config: ml_collections.ConfigDict) -> list[str]:
     """Why `rollout.reward_model.dir` cannot score this run's samples: the directory must hold a one-label
-    sequence classifier of a supported family (`jaxflow.models.classifier.classifier_config`: its config.json is
-    read, no weights) and a tokenizer with a chat template; the reward model runs in the job's process, beside
-    engines there (not with rollout actors or trainer processes, which have no reward model placement yet); and
-    episodes are scored by their environments, so a reward model would score nothing."""
+    sequence classifier of a supported family (`jaxflow.models.classifier.check_classifier_files`: its
+    config.json, its tensors' names and the head's shape; no weights read) and a tokenizer with a chat template;
+    the reward model runs in the job's process, beside engines there (not with rollout actors or trainer
+    processes, which have no reward model placement yet); and episodes are scored by their environments, so a
+    reward model would score nothing."""
     section = config.rollout.get("reward_model")
     if section is None or section.get("dir") is None or not isinstance(section.dir, str) or not section.dir.strip():
         return []  # off, or a bad value its own section names
-    from jaxflow.models.classifier import classifier_config
+    from jaxflow.models.classifier import check_classifier_files
     from jaxflow.models.config import ModelConfigError
 
     problems = []
     try:
-        classifier_config(section.dir)
+        check_classifier_files(section.dir)
         if Tokenizer.from_dir(section.dir).chat_template is None:
             problems.append(f"rollout.reward_model.dir: the tokenizer of {section.dir} has no chat template to "
                             "render [prompt + response] with")

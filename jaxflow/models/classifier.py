@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.models.config import ModelConfig, ModelConfigError, from_hf_config, read_hf_config
-from jaxflow.models.hf_io import abstract_model, params_from_hf
+from jaxflow.models.hf_io import abstract_model, check_hf_names, params_from_hf
 from jaxflow.models.safetensors_io import CheckpointError, CheckpointReader
 from jaxflow.models.transformer import Transformer
 
@@ -126,34 +126,52 @@ class _Backbone:
         return self._reader.get(name)
 
 
+def check_classifier_files(directory: str | os.PathLike) -> tuple[ModelConfig, int | None]:
+    """Checks the HF sequence classifier in `directory` without reading its weights: `classifier_config`, then
+    the checkpoint's tensor names (the backbone's exactly, as `hf_io.check_hf_names` asks of a causal LM, plus
+    `score.weight`) and the head's shape [1, hidden]. Returns what `classifier_config` returns.
+
+    Raises:
+      ModelConfigError: as `classifier_config`.
+      CheckpointError: no checkpoint, a tensor missing or extra, or a head of the wrong shape (named with its file).
+    """
+    directory = pathlib.Path(directory)
+    cfg, pad = classifier_config(directory)
+    with CheckpointReader(directory) as reader:
+        names = set(reader)
+        if SCORE_TENSOR not in names:
+            raise CheckpointError(f"checkpoint {directory} has no {SCORE_TENSOR!r}: not a sequence classifier's "
+                                  f"weights (its config.json says {read_hf_config(directory)['architectures'][0]})")
+        shape = tuple(reader.get(SCORE_TENSOR).shape)
+        if shape != (1, cfg.hidden_size):
+            raise CheckpointError(f"{reader.file_of(SCORE_TENSOR)}: tensor {SCORE_TENSOR!r} has shape {shape}, "
+                                  f"expected (1, {cfg.hidden_size}) (one label, hidden_size)")
+    check_hf_names(cfg, abstract_model(cfg).layers.names, names - {SCORE_TENSOR}, source=f"checkpoint {directory}",
+                   error=CheckpointError)
+    return cfg, pad
+
+
 def load_sequence_classifier(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
                              param_dtype=None, rules=None) -> SequenceClassifier:
     """Loads the HF sequence classifier with one label in `directory` (config.json + safetensors).
 
-    Everything is checked (`classifier_config`, then every tensor's name and shape, `score.weight`
-    [1, hidden] included) before anything is placed. mesh: default one device; param_dtype: default the
-    config's dtype. The head is replicated; the backbone is placed with its logical-axis shardings.
+    Everything is checked (`check_classifier_files`, then every backbone tensor's shape) before anything is
+    placed. mesh: default one device; param_dtype: default the config's dtype. The head is replicated; the
+    backbone is placed with its logical-axis shardings.
 
     Raises:
       ModelConfigError: the directory does not hold a one-label sequence classifier of a supported family.
       CheckpointError: a tensor is missing, extra or of the wrong shape (named with its file).
     """
     directory = pathlib.Path(directory)
-    cfg, pad = classifier_config(directory)
+    cfg, pad = check_classifier_files(directory)
     dtype = jnp.dtype(param_dtype or cfg.dtype)
     mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
     graphdef = nnx.graphdef(abstract_model(cfg, param_dtype))
     with CheckpointReader(directory) as reader:
-        if SCORE_TENSOR not in set(reader):
-            raise CheckpointError(f"checkpoint {directory} has no {SCORE_TENSOR!r}: not a sequence classifier's "
-                                  f"weights (its config.json says {read_hf_config(directory)['architectures'][0]})")
-        head = reader.get(SCORE_TENSOR)
-        if tuple(head.shape) != (1, cfg.hidden_size):
-            raise CheckpointError(f"{reader.file_of(SCORE_TENSOR)}: tensor {SCORE_TENSOR!r} has shape "
-                                  f"{tuple(head.shape)}, expected (1, {cfg.hidden_size}) (one label, hidden_size)")
         state = params_from_hf(cfg, _Backbone(reader), mesh, param_dtype=param_dtype, rules=rules,
                                source=f"checkpoint {directory}", error=CheckpointError,
                                where=lambda name: f"{reader.file_of(name)}: tensor {name!r}")
-        head_dl = np.asarray(head, dtype=dtype).T.copy()
+        head_dl = np.asarray(reader.get(SCORE_TENSOR), dtype=dtype).T.copy()
     score = jax.device_put(head_dl, sharding.named_sharding(("embed", None), head_dl.shape, mesh, rules))
     return SequenceClassifier(nnx.merge(graphdef, state), score, pad)

@@ -1,6 +1,7 @@
 """Config values are checked at load time, before anything expensive: ranges, finiteness and integer types
 (each bad key named), a config file that raises, and a workdir that cannot be written."""
 
+import json
 import re
 
 import ml_collections
@@ -245,5 +246,13 @@ def test_a_causal_lm_is_not_a_reward_model_and_a_classifier_passes(reward_model_
     from jaxflow.models.tiny import write_tiny_model
     causal = write_tiny_model(tmp_path / "causal")
     with pytest.raises(ConfigError, match=re.escape(f"rollout.reward_model.dir: {causal} is not a reward model")):
+        rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(causal)}))
+    # A classifier's config.json over a causal LM's weights: refused from the tensors' names, none read.
+    with open(causal / "config.json") as f:
+        hf = json.load(f)
+    hf.update(architectures=["Qwen3ForSequenceClassification"], id2label={"0": "LABEL_0"})
+    (causal / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.reward_model.dir: checkpoint {causal} has no "
+                                                    "'score.weight'")):
         rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(causal)}))
     rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(reward_model_dir)}))
