@@ -98,6 +98,13 @@ def test_batches_span_groups_and_the_pool_interface_works(reward_dir):
             np.testing.assert_allclose(scores, want, atol=TOL * max(1.0, np.abs(want).max()))
         assert stats["submitted"] == stats["scored"] == len(RESPONSES) + 8
         assert stats["pending"] == 0 and not errors
+        # The prompt from meta["messages"] when the meta has them: the same user turn scores the same, a
+        # system turn before it is part of what the reward model reads.
+        user = [{"role": "user", "content": META["question"]}]
+        same = rm.score_group(rm.name, [RESPONSES[0]], {"messages": user})[0]
+        system = rm.score_group(rm.name, [RESPONSES[0]], {"messages": [{"role": "system", "content": "Be brief."},
+                                                                       *user]})[0]
+        assert abs(same - alone[0]) <= TOL * max(1.0, abs(alone[0])) and abs(system - alone[0]) > 1e-3
 
         # A rollout worker's reward function over it, as the job builds one over a RewardPool.
         class Sample:
