@@ -209,3 +209,38 @@ def test_a_directory_of_the_wrong_kind_is_refused_with_its_name(reward_dir, tmp_
     headless = _variant(reward_dir, tmp_path / "headless", no_head)
     with pytest.raises(CheckpointError, match=rf"{headless} has no 'score.weight'"):
         load_sequence_classifier(headless)
+
+
+@pytest.mark.slow  # a local Ray
+def test_placed_as_a_ray_actor_it_batches_its_callers_groups(reward_dir):
+    """Built in a Ray host actor (as the job builds its reward pool there), it serves the pool's calls through
+    a proxy; the host's threads serve callers at once, so their groups share batches."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    from jaxflow.cluster import ray_actors
+
+    with RewardModel(reward_dir, batch_size=8) as local:
+        want = local.score_group(local.name, RESPONSES, META)
+    started = ray_actors.connect(num_cpus=2)
+    try:
+        proxy = ray_actors.build(RewardModel, ("score_group", "stats"), kwargs={
+            "directory": str(reward_dir), "batch_size": 8, "name": "rm"}, timeout=300)
+        # Compiles the program of a batch of one only: the callers' first batch below compiles its own, and
+        # the others' samples queue meanwhile.
+        proxy.score_group("rm", RESPONSES[:1], META)
+
+        def call(_):
+            return proxy.score_group("rm", RESPONSES, META)
+
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(call, range(6)))
+        stats = proxy.stats()
+    finally:
+        if started:
+            ray.shutdown()
+    for scores in results:
+        np.testing.assert_allclose(scores, want, atol=TOL * max(1.0, np.abs(want).max()))
+    assert stats["scored"] == 1 + 6 * len(RESPONSES) and stats["pending"] == 0
+    assert stats["batches"] < 1 + 6  # some batch held samples of more than one caller's group
