@@ -31,6 +31,11 @@ compiles its program). A batch past its limit is answered `failed_value` and its
 the background, its result dropped. While `max_stuck` such threads are still running, further batches are
 answered `failed_value` (counted `timed_out`) without running, rather than piling more work onto a device
 that does not answer.
+
+Placement: it is thread-safe and its constructor takes plain arguments, so it can be built in a Ray host actor
+(`jaxflow.cluster.ray_actors.build(RewardModel, ("score_group", "stats"), kwargs=...)`) and called through the
+proxy, as the cluster job does with its reward pool; the host's threads serve several callers at once, whose
+groups then share batches.
 """
 
 from __future__ import annotations
