@@ -162,7 +162,7 @@ def reward_model_problems(config: ml_collections.ConfigDict) -> list[str]:
     sequence classifier of a supported family (`jaxflow.models.classifier.check_classifier_files`: its
     config.json, its tensors' names and the head's shape; no weights read) and a tokenizer with a chat template;
     the reward model runs in the job's process, beside engines there (not with rollout actors or trainer
-    processes, which have no reward model placement yet); and episodes are scored by their environments, so a
+    processes: the job does not place it in Ray yet); and episodes are scored by their environments, so a
     reward model would score nothing."""
     section = config.rollout.get("reward_model")
     if section is None or section.get("dir") is None or not isinstance(section.dir, str) or not section.dir.strip():
@@ -180,7 +180,7 @@ def reward_model_problems(config: ml_collections.ConfigDict) -> list[str]:
         problems.append(f"rollout.reward_model.dir: {e}")
     if config.cluster.get("rollout_actors") or config.cluster.get("trainer_processes"):
         problems.append("rollout.reward_model runs in the job's process: set cluster.rollout_actors and "
-                        "cluster.trainer_processes to 0 (a reward model has no Ray placement yet)")
+                        "cluster.trainer_processes to 0 (the job does not place a reward model in Ray yet)")
     env = config.rollout.get("env")
     if env is not None and env.get("ref") is not None:
         problems.append("rollout.reward_model scores single answers; episodes (rollout.env.ref) are scored by "
