@@ -12,6 +12,7 @@ from jaxflow.config import ConfigError, Section, load_config
 from jaxflow.coordination import Coordination, CostModel
 from jaxflow.envs.config import EnvConfig
 from jaxflow.jobs.config import BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection, RolloutConfig
+from jaxflow.rewards.model_config import RewardModelConfig
 from jaxflow.trainer.losses import LossConfig
 from jaxflow.trainer.rl_trainer import LoraOptions, TrainerConfig
 
@@ -23,6 +24,7 @@ SECTIONS = [
     (CostModel, "step", "step_s", "per_kv_s", -1.0),
     (LossConfig, "eps_hihg", "eps_high", "eps_low", 1.5),
     (EnvConfig, "max_turn", "max_turns", "step_timeout_s", 0.0),
+    (RewardModelConfig, "batchsize", "batch_size", "compile_timeout_s", -1.0),
     (ClusterConfig, "rollout_actor", "rollout_actors", "mode", "slurm"),
     (TrainerMesh, "tensr", "tensor", "fsdp", 0),
     (NodeResources, "trainers", "trainer", "rollout", " "),
@@ -91,7 +93,7 @@ def test_the_config_file_sections_come_from_the_generators():
 
 @pytest.mark.parametrize("key, value", [("trainer.loss.dual_clip_c", "3.0"), ("trainer.loss.behav_weight_cap", "2.0"),
                                         ("cluster.address", "x:1"), ("cluster.node_resource.trainer", "node"),
-                                        ("rollout.env.turn_stop", "</tool>")])
+                                        ("rollout.env.turn_stop", "</tool>"), ("rollout.reward_model.dir", "rm")])
 def test_optional_keys_can_be_set_and_unset_from_the_command_line(key, value):
     assert str(_leaf(load_config(CONFIG, {key: value}), key)) == value
     assert _leaf(load_config(CONFIG, {key: "None"}), key) is None

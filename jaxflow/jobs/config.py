@@ -17,6 +17,7 @@ from jaxflow.config import Section, check_bool, check_choice, check_float, check
 from jaxflow.coordination import Coordination
 from jaxflow.envs.config import EnvConfig
 from jaxflow.models.precision import COMPUTE_DTYPES, EXPORT_DTYPES
+from jaxflow.rewards.model_config import RewardModelConfig
 from rollout_bridge.weight_transport import MAX_BUCKET_MB, WEIGHT_TRANSPORTS
 
 __all__ = ["ENGINES", "BaseConfig", "CheckpointConfig", "DataConfig", "EvalConfig", "ModelSection", "RolloutConfig"]
@@ -59,6 +60,8 @@ class RolloutConfig(Section):
     reward_memory_mb: each reward process's address-space limit in MiB (a runaway allocation raises in the
       reward function, scoring the sample 0); None: the processes share half of the machine's physical memory
       (`jaxflow.rewards.pool.default_memory_limit_mb`); 0: no limit.
+    reward_model: a reward model scoring the samples in place of the task's reward function
+      (`jaxflow.rewards.model_config.RewardModelConfig`; off while its dir is None).
     lease_s: a group dispatched to a worker goes back to the queue (with its partial tokens) if the worker does
       not renew it for this long: a dead or hung worker cannot stall training.
     kv_cache_gib: vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
@@ -93,6 +96,7 @@ class RolloutConfig(Section):
     reward_workers: int = 1
     reward_timeout_s: float = 5.0
     reward_memory_mb: int | None = None
+    reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
     lease_s: float = 60.0
     kv_cache_gib: float = 0.5
     weight_transport: str = "auto"

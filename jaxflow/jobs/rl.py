@@ -79,6 +79,7 @@ from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
 from jaxflow.models import hf_io, lora
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
+from jaxflow.rewards.model_config import RewardModelConfig, reward_model_options
 from jaxflow.tasks import get_task
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
@@ -122,6 +123,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problems += [p for p in replay_problems(config) if p not in problems]
     problems += [p for p in agent_problems(config) if p not in problems]
     problems += distill_problems(config)
+    problems += [p for p in reward_model_problems(config) if p not in problems]
     if not problems:  # the transport against the engine kind and the deployment, once those are sound
         try:
             weight_transport(config)
@@ -155,6 +157,37 @@ def replay_problems(config: ml_collections.ConfigDict) -> list[str]:
             and not _given_model(config):
         problems.append(f"trainer.moe.routing_replay = 'rollout' needs a mixture-of-experts policy; model.architecture "
                         f"{architecture!r} is dense")
+    return problems
+
+
+def reward_model_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """Why `rollout.reward_model.dir` cannot score this run's samples: the directory must hold a one-label
+    sequence classifier of a supported family (`jaxflow.models.classifier.check_classifier_files`: its
+    config.json, its tensors' names and the head's shape; no weights read) and a tokenizer with a chat template;
+    the reward model runs in the job's process, beside engines there (not with rollout actors or trainer
+    processes: the job does not place it in Ray yet); and episodes are scored by their environments, so a
+    reward model would score nothing."""
+    section = config.rollout.get("reward_model")
+    if section is None or section.get("dir") is None or not isinstance(section.dir, str) or not section.dir.strip():
+        return []  # off, or a bad value its own section names
+    from jaxflow.models.classifier import check_classifier_files
+    from jaxflow.models.config import ModelConfigError
+
+    problems = []
+    try:
+        check_classifier_files(section.dir)
+        if Tokenizer.from_dir(section.dir).chat_template is None:
+            problems.append(f"rollout.reward_model.dir: the tokenizer of {section.dir} has no chat template to "
+                            "render [prompt + response] with")
+    except (ModelConfigError, OSError, ValueError) as e:
+        problems.append(f"rollout.reward_model.dir: {e}")
+    if config.cluster.get("rollout_actors") or config.cluster.get("trainer_processes"):
+        problems.append("rollout.reward_model runs in the job's process: set cluster.rollout_actors and "
+                        "cluster.trainer_processes to 0 (the job does not place a reward model in Ray yet)")
+    env = config.rollout.get("env")
+    if env is not None and env.get("ref") is not None:
+        problems.append("rollout.reward_model scores single answers; episodes (rollout.env.ref) are scored by "
+                        "their environments: set one of the two")
     return problems
 
 
@@ -396,15 +429,27 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     trainer.publish_weights(params)
     # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
     weights = params if params is not None else device_weights
+    # A reward model (rollout.reward_model.dir) scores the rollouts in place of the task's reward function; the
+    # evals keep the task's reward (held-out accuracy), in the pool.
+    reward_model, rewards, reward_ref = None, None, task.reward_ref
+    rm = RewardModelConfig.from_config(config.rollout.get("reward_model"))
+    if rm.dir is not None:
+        from jaxflow.rewards.model import RewardModel
+        rollout_errors = RewardErrors(failed_value=rm.failed_value)
+        reward_model = RewardModel(rm.dir, **reward_model_options(rm), on_failure=rollout_errors)
+        rewards, reward_ref = reward_model, reward_model.name
+        print(f"jaxflow: rollouts are scored by the reward model {rm.dir} (evals by the task's reward)", flush=True)
     reward_errors = RewardErrors(failed_value=0.0)
     pool = RewardPool(**reward_pool_options(config.rollout), on_failure=reward_errors)
+    if reward_model is None:
+        rewards, rollout_errors = pool, reward_errors
     evaluator = Evaluator(config, trainer, device_weights, task, tokenizer, pool)
     sampling = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                               stop_token_ids=(tokenizer.eos_id,))
     engines: list = []
     coordinator = None
     result: dict[str, Any] = {"base_accuracy": extra.get("base_accuracy"), "cluster": placement}
-    reward_fn = group_reward_fn(pool, task.reward_ref, tokenizer.decode)
+    reward_fn = group_reward_fn(rewards, reward_ref, tokenizer.decode)
     never_worked = None
     try:
         if result["base_accuracy"] is None:
@@ -425,8 +470,8 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
             coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
                                       sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
         parts = LoopParts(trainer=trainer, service=service, params=params, coordinator=coordinator, ckpt=ckpt,
-                          ledger=ledger, run_log=run_log, evaluator=evaluator, rewards=pool,
-                          reward_errors=reward_errors, reward_ref=task.reward_ref)
+                          ledger=ledger, run_log=run_log, evaluator=evaluator, rewards=rewards,
+                          reward_errors=rollout_errors, reward_ref=reward_ref)
         try:
             result.update(train_loop(config, parts, start_step=start_step, base_accuracy=result["base_accuracy"]))
         except RewardNeverWorked as e:
@@ -441,6 +486,8 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
             e.close()
         evaluator.close()
         pool.close()
+        if reward_model is not None:
+            reward_model.close()
         if params is not None:
             params.close()
         device_weights.close()

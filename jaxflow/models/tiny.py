@@ -198,3 +198,47 @@ def write_tiny_model(directory: str | os.PathLike, *, architecture: str = "Qwen3
         norm_topk_prob=bool(num_experts), mlp_only_layers=tuple(mlp_only_layers))
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
     return export_model(model, directory, overwrite=overwrite)
+
+
+def write_tiny_reward_model(directory: str | os.PathLike, *, architecture: str = "Qwen3ForSequenceClassification",
+                            hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
+                            num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32, vocab_size: int = 512,
+                            seed: int = 0, scale: float = 0.2, pad_token_id: int | None = 0) -> pathlib.Path:
+    """Writes a random one-label HF sequence classifier (a scalar reward model) plus the tiny tokenizer.
+
+    The layout is what transformers' `save_pretrained` writes for `architecture` (e.g.
+    "Qwen3ForSequenceClassification"): the backbone's `model.*` tensors, `score.weight` [1, hidden], and a
+    config.json with one label and `pad_token_id` (0 is the tiny tokenizer's <|endoftext|>). Weights are
+    `scale` * N(0, 1) (norm scales 1 + N(0, 1) * scale), lively enough that scores differ between inputs.
+    Returns the directory, which `jaxflow.models.classifier.load_sequence_classifier` and transformers'
+    `AutoModelForSequenceClassification` both load.
+    """
+    import numpy as np
+    from flax import nnx
+
+    from jaxflow.models.classifier import SCORE_TENSOR, SEQUENCE_CLASSIFIERS
+    from jaxflow.models.config import ModelConfig, to_hf_config
+    from jaxflow.models.hf_io import iter_hf_tensors
+    from jaxflow.models.safetensors_io import write_checkpoint
+    from jaxflow.models.transformer import Transformer
+
+    if architecture not in SEQUENCE_CLASSIFIERS:
+        raise ValueError(f"architecture {architecture!r} is not one of {', '.join(SEQUENCE_CLASSIFIERS)}")
+    directory = pathlib.Path(directory)
+    tokenizer = write_tiny_tokenizer(directory, vocab_size=vocab_size, seed=seed)
+    causal = SEQUENCE_CLASSIFIERS[architecture]
+    cfg = ModelConfig(
+        architecture=causal, vocab_size=-(-tokenizer.vocab_size // 64) * 64, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, tie_word_embeddings=True, qkv_bias=causal == "Qwen2ForCausalLM",
+        qk_norm=causal == "Qwen3ForCausalLM", max_position_embeddings=2048, eos_token_id=tokenizer.eos_id)
+    rng = np.random.default_rng(seed)
+    tensors = {name: (1 + scale * rng.standard_normal(t.shape) if name.endswith("norm.weight")
+                      else scale * rng.standard_normal(t.shape)).astype(np.float32)
+               for name, t in iter_hf_tensors(Transformer(cfg, rngs=nnx.Rngs(seed)))}
+    tensors[SCORE_TENSOR] = (scale * rng.standard_normal((1, hidden_size))).astype(np.float32)
+    config = {**to_hf_config(cfg), "architectures": [architecture], "tie_word_embeddings": False,
+              "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "pad_token_id": pad_token_id}
+    write_checkpoint(directory, tensors)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return directory

@@ -7,6 +7,9 @@ A reward function is named by reference, "module:function" (e.g. "jaxflow.tasks:
   crashes, and `group_reward_fn`, a rollout worker's reward function scoring with a pool.
 - `worker`: the worker process's loop, and calling a reward function here (`resolve`, `score_inline`).
 - `reaper`: killing a worker with every process its reward functions started.
+- `model`: `RewardModel`, a scalar-head reward model (an HF `...ForSequenceClassification` directory) behind
+  the pool's interface; `model_config`: its config section, `rollout.reward_model`. Neither is imported here:
+  reward workers import this package and must not pull in JAX.
 """
 
 from jaxflow.rewards.pool import STAT_KEYS, RewardPool, group_reward_fn

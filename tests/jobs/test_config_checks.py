@@ -1,6 +1,7 @@
 """Config values are checked at load time, before anything expensive: ranges, finiteness and integer types
 (each bad key named), a config file that raises, and a workdir that cannot be written."""
 
+import json
 import re
 
 import ml_collections
@@ -217,3 +218,41 @@ def test_routing_replay_is_refused_where_it_cannot_hold(config, overrides, says)
     with pytest.raises(ConfigError, match=says):
         rl.check_config(load_config(config, overrides))
     rl.check_config(load_config("configs/arithmetic_tools_tiny.py:moe", {}))  # the demo's own variant passes
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    from jaxflow.models.tiny import write_tiny_reward_model
+    return write_tiny_reward_model(tmp_path_factory.mktemp("reward_model"))
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"rollout.reward_model.batch_size": "0"}, "rollout.reward_model.batch_size must be >= 1"),
+    ({"rollout.reward_model.timeout_s": "0"}, "rollout.reward_model.timeout_s must be > 0"),
+    ({"rollout.reward_model.failed_value": "inf"}, "rollout.reward_model.failed_value"),
+    ({"rollout.reward_model.dir": "{missing}"}, "rollout.reward_model.dir: no config.json in"),
+    ({"rollout.reward_model.dir": "{rm}", "cluster.mode": "ray", "cluster.rollout_actors": "1"},
+     "rollout.reward_model runs in the job's process"),
+    ({"rollout.reward_model.dir": "{rm}", "rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv"},
+     "episodes (rollout.env.ref) are scored by their environments"),
+])
+def test_a_reward_model_that_cannot_score_the_run_is_refused(overrides, says, reward_model_dir, tmp_path):
+    overrides = {k: v.format(rm=reward_model_dir, missing=tmp_path / "nothing") for k, v in overrides.items()}
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        rl.check_config(load_config(CONFIG, overrides))
+
+
+def test_a_causal_lm_is_not_a_reward_model_and_a_classifier_passes(reward_model_dir, tmp_path):
+    from jaxflow.models.tiny import write_tiny_model
+    causal = write_tiny_model(tmp_path / "causal")
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.reward_model.dir: {causal} is not a reward model")):
+        rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(causal)}))
+    # A classifier's config.json over a causal LM's weights: refused from the tensors' names, none read.
+    with open(causal / "config.json") as f:
+        hf = json.load(f)
+    hf.update(architectures=["Qwen3ForSequenceClassification"], id2label={"0": "LABEL_0"})
+    (causal / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.reward_model.dir: checkpoint {causal} has no "
+                                                    "'score.weight'")):
+        rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(causal)}))
+    rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(reward_model_dir)}))
