@@ -15,8 +15,10 @@ in the parameter dtype on every position: the same numbers in float32, rounding 
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +26,9 @@ import numpy as np
 from flax import nnx
 
 from jaxflow import sharding
-from jaxflow.models.config import ModelConfig, ModelConfigError, from_hf_config, read_hf_config
-from jaxflow.models.hf_io import abstract_model, check_hf_names, params_from_hf
-from jaxflow.models.safetensors_io import CheckpointError, CheckpointReader
+from jaxflow.models.config import ModelConfig, ModelConfigError, from_hf_config, read_hf_config, to_hf_config
+from jaxflow.models.hf_io import TOKENIZER_FILES, abstract_model, check_hf_names, iter_hf_tensors, params_from_hf
+from jaxflow.models.safetensors_io import CheckpointError, CheckpointReader, write_checkpoint
 from jaxflow.models.transformer import Transformer
 
 # HF sequence-classifier architecture -> the causal LM whose backbone it shares.
@@ -175,3 +177,33 @@ def load_sequence_classifier(directory: str | os.PathLike, *, mesh: jax.sharding
         head_dl = np.asarray(reader.get(SCORE_TENSOR), dtype=dtype).T.copy()
     score = jax.device_put(head_dl, sharding.named_sharding(("embed", None), head_dl.shape, mesh, rules))
     return SequenceClassifier(nnx.merge(graphdef, state), score, pad)
+
+
+def export_sequence_classifier(classifier: SequenceClassifier, directory: str | os.PathLike, *,
+                               tokenizer_dir: str | os.PathLike | None = None, overwrite: bool = False) -> pathlib.Path:
+    """Writes `classifier` as the HF one-label `...ForSequenceClassification` directory transformers'
+    `save_pretrained` writes for its family: the backbone's `model.*` tensors (never an LM head),
+    `score.weight` [1, hidden], config.json with one label and the pad token, and the tokenizer files of
+    `tokenizer_dir`. `load_sequence_classifier` and transformers' `AutoModelForSequenceClassification` load it.
+    Refuses to write over an existing model directory unless `overwrite`."""
+    directory = pathlib.Path(directory)
+    if (directory / "config.json").exists() and not overwrite:
+        raise FileExistsError(f"{directory} already holds a model (config.json); pass overwrite=True or choose "
+                              f"another directory")
+    cfg = classifier.config
+    architecture = {causal: name for name, causal in SEQUENCE_CLASSIFIERS.items()}.get(cfg.architecture)
+    if architecture is None:
+        raise ModelConfigError(f"no sequence classifier for the architecture {cfg.architecture!r}")
+    tensors = {name: t for name, t in iter_hf_tensors(classifier.backbone) if not name.startswith("lm_head.")}
+    tensors[SCORE_TENSOR] = np.asarray(classifier.score[...], dtype=np.float32).T.copy()
+    config = {**to_hf_config(cfg), "architectures": [architecture], "tie_word_embeddings": False,
+              "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "pad_token_id": classifier.pad_token_id}
+    directory.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(directory, tensors)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = pathlib.Path(tokenizer_dir) / name
+            if src.is_file() and src.resolve() != (directory / name).resolve():
+                shutil.copyfile(src, directory / name)
+    return directory

@@ -216,10 +216,9 @@ def write_tiny_reward_model(directory: str | os.PathLike, *, architecture: str =
     import numpy as np
     from flax import nnx
 
-    from jaxflow.models.classifier import SCORE_TENSOR, SEQUENCE_CLASSIFIERS
-    from jaxflow.models.config import ModelConfig, to_hf_config
-    from jaxflow.models.hf_io import iter_hf_tensors
-    from jaxflow.models.safetensors_io import write_checkpoint
+    from jaxflow.models.classifier import SEQUENCE_CLASSIFIERS, SequenceClassifier, export_sequence_classifier
+    from jaxflow.models.config import ModelConfig
+    from jaxflow.models.hf_io import iter_hf_tensors, params_from_hf
     from jaxflow.models.transformer import Transformer
 
     if architecture not in SEQUENCE_CLASSIFIERS:
@@ -233,12 +232,11 @@ def write_tiny_reward_model(directory: str | os.PathLike, *, architecture: str =
         head_dim=head_dim, tie_word_embeddings=True, qkv_bias=causal == "Qwen2ForCausalLM",
         qk_norm=causal == "Qwen3ForCausalLM", max_position_embeddings=2048, eos_token_id=tokenizer.eos_id)
     rng = np.random.default_rng(seed)
+    backbone = Transformer(cfg, rngs=nnx.Rngs(seed))
     tensors = {name: (1 + scale * rng.standard_normal(t.shape) if name.endswith("norm.weight")
                       else scale * rng.standard_normal(t.shape)).astype(np.float32)
-               for name, t in iter_hf_tensors(Transformer(cfg, rngs=nnx.Rngs(seed)))}
-    tensors[SCORE_TENSOR] = (scale * rng.standard_normal((1, hidden_size))).astype(np.float32)
-    config = {**to_hf_config(cfg), "architectures": [architecture], "tie_word_embeddings": False,
-              "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "pad_token_id": pad_token_id}
-    write_checkpoint(directory, tensors)
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+               for name, t in iter_hf_tensors(backbone)}
+    nnx.update(backbone, params_from_hf(cfg, tensors, None))
+    score = (scale * rng.standard_normal((hidden_size, 1))).astype(np.float32)
+    export_sequence_classifier(SequenceClassifier(backbone, score, pad_token_id), directory, overwrite=True)
     return directory
