@@ -15,8 +15,9 @@ is cancelled (its episode timed out or was aborted): the child is told to cancel
 a ping from its event loop within `PING_TIMEOUT_S` seconds (counted from when its loop started, for a
 process still importing its environment); if it does not, it is killed, so it dies as above and is
 replaced. An episode that starts meanwhile waits for that verdict before it resets; a call that is merely
-slow (its loop still answers) keeps the process. The environment's options and answers cross the process
-boundary by pickle, over a pipe this process created for its own child (nothing from the network).
+slow (its loop still answers) keeps the process. The child ends with its parent, however the parent ends
+(`_exit_with_parent`). The environment's options and answers cross the process boundary by pickle, over a
+pipe this process created for its own child (nothing from the network).
 
 Agent functions run there too (`rollout.env.isolate` with kind "agent"): each episode is an `AgentEpisode`
 whose `reset` runs the agent on the child's event loop and returns its reward. The agent's own work (its
@@ -30,7 +31,9 @@ import asyncio
 import concurrent.futures
 import itertools
 import multiprocessing
+import os
 import threading
+import time
 from typing import Any
 
 from jaxflow import refs
@@ -38,6 +41,8 @@ from jaxflow import refs
 __all__ = ["AgentEpisode", "EnvironmentProcessDied", "PING_TIMEOUT_S", "isolated"]
 
 PING_TIMEOUT_S = 5.0
+# How often the child checks that its parent is still alive (`_exit_with_parent`).
+PARENT_CHECK_S = 1.0
 """Seconds the environment process's event loop has to answer a ping after a call was cancelled, before
 the process counts as hung and is killed (a loop that is free answers in milliseconds)."""
 
@@ -108,8 +113,20 @@ def _serve(conn, ref: str, options: dict) -> None:
             conn.send((_READY, True, None))
 
     threading.Thread(target=reader, daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     loop.call_soon(ready)
     loop.run_forever()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Ends the child once its parent is gone. The pipe's end of file says so when the parent exits, but a
+    parent killed outright (SIGKILL, an unhandled SIGTERM) may have forked other processes that still hold its
+    end of the pipe; the child is then reparented, which this thread sees within `PARENT_CHECK_S` even while a
+    tool blocks the event loop."""
+    while True:
+        time.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent:
+            os._exit(0)  # nobody is left to answer; pending calls and environments go with the process
 
 
 class _Process:

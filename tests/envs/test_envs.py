@@ -414,3 +414,65 @@ def test_expressions_are_parsed_one_at_a_time_across_threads(monkeypatch):
         t.join()
     assert sorted(results, key=int) == [str(2 * i + 1) for i in range(8)]
     assert most[0] == 1
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie nobody has reaped yet has exited)."""
+    import pathlib
+
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+PARENT_KILLED_OUTRIGHT = """
+import asyncio, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from jaxflow.envs.isolated import isolated
+
+async def main():
+    make_env = isolated("crashing_env:CrashOn", {"latency_s": 300.0})
+    env = make_env({"q": 0})
+    await env.reset({"q": 0})
+    step = asyncio.ensure_future(env.step("x"))  # the tool is still waiting when the parent dies
+    await asyncio.sleep(0.2)
+    if os.fork() == 0:  # a process forked after the child, holding the parent's end of its pipe, as a worker would
+        time.sleep(120)
+        os._exit(0)
+    print(make_env.process().process.pid, flush=True)
+    await step
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_the_environment_process_ends_with_a_parent_killed_outright(tmp_path):
+    # SIGKILL leaves no cleanup, and the forked sibling keeps the pipe open, so no end of file reaches the child:
+    # it must see its parent gone by itself.
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_KILLED_OUTRIGHT)
+    parent = subprocess.Popen([sys.executable, str(script), str(pathlib.Path(__file__).parent)],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(child, 0)  # alive while its parent is
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30  # the child checks every second; the slack is for a loaded machine
+        while time.monotonic() < deadline and _running(child):
+            time.sleep(0.2)
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError(f"the environment process {child} outlived its parent by 30 s")
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the forked sibling (and anything left) in the parent's session
