@@ -43,6 +43,7 @@ import itertools
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -146,7 +147,8 @@ class Judge:
         self._generating: dict[str, _Sample] = {}  # request id -> sample, its request on the engine
         self._parsing: dict[str, _Sample] = {}  # request id -> sample, its verdict with a parse thread
         self._parse_queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._ids = itertools.count()
+        # Request ids unique to this judge, so that judges sharing an engine never answer each other's.
+        self._ids = (f"judge-{secrets.token_hex(4)}-{n}" for n in itertools.count())
         self._stats = dict.fromkeys((*STAT_KEYS, "requests", "aborted"), 0)
         self._logged: set[str] = set()
         self._closing = False
@@ -204,7 +206,9 @@ class Judge:
         if fn_ref != self.name:
             raise ValueError(f"this judge is {self.name!r}, asked to score for {fn_ref!r}: pass its name as the "
                              "reward reference")
-        samples = [_Sample(f"judge-{next(self._ids)}", [], meta, Future()) for _ in responses]
+        with self._lock:
+            keys = [next(self._ids) for _ in responses]
+        samples = [_Sample(key, [], meta, Future()) for key in keys]
         for s in samples:
             s.future.set_running_or_notify_cancel()
         with self._lock:

@@ -293,46 +293,18 @@ def test_close_answers_what_is_left_and_bad_arguments_are_refused():
         engine.poll(timeout=0)
 
 
+
 @pytest.mark.slow  # a JAX engine compiled and run
 def test_a_judge_on_the_jax_engine_aborts_what_times_out_and_answers_after(tmp_path):
-    """On jaxflow's engine: verdicts past a deadline too short to generate them are aborted (the engine is left
-    with nothing running) and counted; a judge with time enough then scores every sample with what the engine
-    generates greedily for its prompt."""
-    from engine_helpers import lively_tiny_model
+    from engine_helpers import check_judge, lively_tiny_model
 
     from jaxflow.tokenizer import Tokenizer
-    from rollout_bridge.engine import Request
     from rollout_bridge.jax_engine import JaxEngine
 
     directory = lively_tiny_model(tmp_path / "judge")
-    tokenizer = Tokenizer.from_dir(directory)
     engine = JaxEngine(directory, max_slots=4, max_len=128, decode_chunk=8, prefill_buckets=(32, 64),
                        reuse_turns=False)
-
-    def prompt(response, meta):
-        return [{"role": "user", "content": f"{meta['question']} {response}"}]
-
-    def parse(verdict, meta):
-        return float(len(verdict))
-
-    responses = ["1 + 2 = 3", "3", "7 - 2 = 5", "9"]
-    kw = {"prompt_ref": prompt, "parse_ref": parse, "max_tokens": 64, "failed_value": -1.0, "close_engine": False,
-          "on_failure": lambda message: None}
     try:
-        with Judge(engine, tokenizer, timeout_s=1e-3, **kw) as hasty:
-            scores = hasty.score_group(hasty.name, responses, META)
-            stats = hasty.stats()
-        assert stats["timed_out"] >= 1 and stats["aborted"] == stats["timed_out"]
-        assert stats["timed_out"] + stats["scored"] == len(responses) and scores.count(-1.0) == stats["timed_out"]
-        wait_until(lambda: engine.load().running + engine.load().waiting == 0, 30, "the aborted requests gone")
-        with Judge(engine, tokenizer, timeout_s=120.0, **kw) as judge:
-            scores = judge.score_groups(judge.name, [(responses[:2], META), (responses[2:], {"question": "Q"})])
-            assert judge.stats()["scored"] == len(responses)
-        alone = engine.generate([Request(f"ref-{i}", tokenizer.encode(tokenizer.apply_chat_template(
-            prompt(r, meta))), judge.params) for i, (r, meta) in enumerate(
-                [(r, META) for r in responses[:2]] + [(r, {"question": "Q"}) for r in responses[2:]])])
-        assert [s for group in scores for s in group] == [parse(tokenizer.decode(c.sample.tokens), None)
-                                                          for c in alone]
-        assert len(set(scores[0] + scores[1])) > 1  # different prompts, different verdicts: the check means something
+        check_judge(engine, Tokenizer.from_dir(directory))
     finally:
         engine.close()
