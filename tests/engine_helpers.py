@@ -183,3 +183,37 @@ def adapted(base_dir, spec, seed):
         key, sub = jax.random.split(key)
         var[...] = 0.2 * jax.random.normal(sub, var[...].shape)
     return model
+
+
+def check_judge(engine, tokenizer):
+    """An LLM judge (`rollout_bridge.judge.Judge`) on `engine` (a model with `tokenizer`, idle, not closed here):
+    verdicts past a deadline too short to generate them are aborted, leaving the engine with nothing running,
+    and counted; a judge with time enough then scores two groups' samples together, each with the parse of
+    what the engine generates greedily for its prompt alone."""
+    from waiting import wait_until
+
+    from rollout_bridge.judge import Judge
+
+    def prompt(response, meta):
+        return [{"role": "user", "content": f"{meta['question']} {response}"}]
+
+    def parse(verdict, meta):
+        return float(len(verdict))
+
+    groups = [(["1 + 2 = 3", "3"], {"question": "What is 1 + 2?"}), (["7 - 2 = 5", "9"], {"question": "Q"})]
+    kw = {"prompt_ref": prompt, "parse_ref": parse, "max_tokens": 64, "failed_value": -1.0, "close_engine": False,
+          "on_failure": lambda message: None}
+    with Judge(engine, tokenizer, timeout_s=1e-3, **kw) as hasty:
+        scores = hasty.score_group(hasty.name, *groups[0])
+        stats = hasty.stats()
+    assert stats["timed_out"] >= 1 and stats["aborted"] == stats["timed_out"]
+    assert stats["timed_out"] + stats["scored"] == 2 and scores.count(-1.0) == stats["timed_out"]
+    wait_until(lambda: engine.load().running + engine.load().waiting == 0, 30, "the aborted requests gone")
+    with Judge(engine, tokenizer, timeout_s=120.0, **kw) as judge:
+        scores = [s for group in judge.score_groups(judge.name, groups) for s in group]
+        assert judge.stats()["scored"] == 4
+    samples = [(response, meta) for responses, meta in groups for response in responses]
+    alone = engine.generate([Request(f"alone-{i}", tokenizer.encode(tokenizer.apply_chat_template(prompt(r, meta))),
+                                     judge.params) for i, (r, meta) in enumerate(samples)])
+    assert scores == [parse(tokenizer.decode(c.sample.tokens), None) for c in alone]
+    assert len(set(scores)) > 1  # different prompts, different verdicts: the comparison means something

@@ -12,6 +12,7 @@ from jaxflow.config import ConfigError, Section, load_config
 from jaxflow.coordination import Coordination, CostModel
 from jaxflow.envs.config import EnvConfig
 from jaxflow.jobs.config import BaseConfig, CheckpointConfig, DataConfig, EvalConfig, ModelSection, RolloutConfig
+from jaxflow.rewards.judge_config import JudgeConfig
 from jaxflow.rewards.model_config import RewardModelConfig
 from jaxflow.trainer.losses import LossConfig
 from jaxflow.trainer.rl_trainer import LoraOptions, TrainerConfig
@@ -25,6 +26,7 @@ SECTIONS = [
     (LossConfig, "eps_hihg", "eps_high", "eps_low", 1.5),
     (EnvConfig, "max_turn", "max_turns", "step_timeout_s", 0.0),
     (RewardModelConfig, "batchsize", "batch_size", "compile_timeout_s", -1.0),
+    (JudgeConfig, "parse_fn", "parse_ref", "max_slots", 0),
     (ClusterConfig, "rollout_actor", "rollout_actors", "mode", "slurm"),
     (TrainerMesh, "tensr", "tensor", "fsdp", 0),
     (NodeResources, "trainers", "trainer", "rollout", " "),
@@ -93,7 +95,8 @@ def test_the_config_file_sections_come_from_the_generators():
 
 @pytest.mark.parametrize("key, value", [("trainer.loss.dual_clip_c", "3.0"), ("trainer.loss.behav_weight_cap", "2.0"),
                                         ("cluster.address", "x:1"), ("cluster.node_resource.trainer", "node"),
-                                        ("rollout.env.turn_stop", "</tool>"), ("rollout.reward_model.dir", "rm")])
+                                        ("rollout.env.turn_stop", "</tool>"), ("rollout.reward_model.dir", "rm"),
+                                        ("rollout.judge.dir", "judge")])
 def test_optional_keys_can_be_set_and_unset_from_the_command_line(key, value):
     assert str(_leaf(load_config(CONFIG, {key: value}), key)) == value
     assert _leaf(load_config(CONFIG, {key: "None"}), key) is None

@@ -17,6 +17,7 @@ from jaxflow.config import Section, check_bool, check_choice, check_float, check
 from jaxflow.coordination import Coordination
 from jaxflow.envs.config import EnvConfig
 from jaxflow.models.precision import COMPUTE_DTYPES, EXPORT_DTYPES
+from jaxflow.rewards.judge_config import JudgeConfig
 from jaxflow.rewards.model_config import RewardModelConfig
 from rollout_bridge.weight_transport import MAX_BUCKET_MB, WEIGHT_TRANSPORTS
 
@@ -62,6 +63,8 @@ class RolloutConfig(Section):
       (`jaxflow.rewards.pool.default_memory_limit_mb`); 0: no limit.
     reward_model: a reward model scoring the samples in place of the task's reward function
       (`jaxflow.rewards.model_config.RewardModelConfig`; off while its dir is None).
+    judge: an LLM judge scoring the samples in place of the task's reward function
+      (`jaxflow.rewards.judge_config.JudgeConfig`; off while its dir is None; not with reward_model).
     lease_s: a group dispatched to a worker goes back to the queue (with its partial tokens) if the worker does
       not renew it for this long: a dead or hung worker cannot stall training.
     kv_cache_gib: vLLM only: GiB of KV cache each engine allocates (the JAX engine sizes its cache from max_slots).
@@ -97,6 +100,7 @@ class RolloutConfig(Section):
     reward_timeout_s: float = 5.0
     reward_memory_mb: int | None = None
     reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
     lease_s: float = 60.0
     kv_cache_gib: float = 0.5
     weight_transport: str = "auto"
@@ -126,6 +130,9 @@ class RolloutConfig(Section):
             check_int(problems, self.key(name), getattr(self, name), low)
         check_int(problems, self.key("reward_memory_mb"), self.reward_memory_mb, 0, optional=True)
         check_float(problems, self.key("temperature"), self.temperature, 0.0)
+        if self.reward_model.dir is not None and self.judge.dir is not None:
+            problems.append("rollout.reward_model.dir and rollout.judge.dir are both set: one scores the rollouts, "
+                            "set the other None")
         for name in ("reward_timeout_s", "kv_cache_gib", "lease_s"):
             check_float(problems, self.key(name), getattr(self, name), 0.0, open_low=True)
         return problems

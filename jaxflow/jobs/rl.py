@@ -79,6 +79,7 @@ from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
 from jaxflow.models import hf_io, lora
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
+from jaxflow.rewards.judge_config import JudgeConfig
 from jaxflow.rewards.model_config import RewardModelConfig, reward_model_options
 from jaxflow.tasks import get_task
 from jaxflow.tokenizer import Tokenizer
@@ -124,6 +125,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     problems += [p for p in agent_problems(config) if p not in problems]
     problems += distill_problems(config)
     problems += [p for p in reward_model_problems(config) if p not in problems]
+    problems += [p for p in judge_problems(config) if p not in problems]
     if not problems:  # the transport against the engine kind and the deployment, once those are sound
         try:
             weight_transport(config)
@@ -188,6 +190,48 @@ def reward_model_problems(config: ml_collections.ConfigDict) -> list[str]:
     if env is not None and env.get("ref") is not None:
         problems.append("rollout.reward_model scores single answers; episodes (rollout.env.ref) are scored by "
                         "their environments: set one of the two")
+    return problems
+
+
+def judge_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """Why `rollout.judge` cannot score this run's samples: its directory must hold a causal LM the judge's engine
+    serves (config.json: a family of `jaxflow.models` for the JAX engine, any for vLLM; no weights read) and a
+    tokenizer with a chat template; its prompt_ref and parse_ref must import and name functions of (text, meta)
+    (resolved here as the judge will, so a typo shows now, not as every sample failing); the judge runs in the
+    job's process, beside the engines there (not with rollout actors or trainer processes); and episodes are
+    scored by their environments, so a judge would score nothing."""
+    section = config.rollout.get("judge")
+    if section is None or section.get("dir") is None or not isinstance(section.dir, str) or not section.dir.strip():
+        return []  # off, or a bad value its own section names
+    from jaxflow import refs
+    from jaxflow.models.config import ModelConfigError, from_hf_config, read_hf_config
+
+    problems = []
+    directory = pathlib.Path(section.dir)
+    try:
+        hf_config = read_hf_config(directory)
+        if section.get("engine", "jax") == "jax":
+            from_hf_config(hf_config, source=str(directory / "config.json"))
+        if Tokenizer.from_dir(directory).chat_template is None:
+            problems.append(f"rollout.judge.dir: the tokenizer of {directory} has no chat template to render the "
+                            "judge's prompt with")
+    except (ModelConfigError, OSError, ValueError) as e:
+        problems.append(f"rollout.judge.dir: {e}")
+    for key in ("prompt_ref", "parse_ref"):
+        ref = section.get(key)
+        if not isinstance(ref, str):
+            continue  # its own section names it
+        try:
+            refs.resolve(ref, what=f"rollout.judge.{key}", expect="function", arity=2)
+        except refs.RefError as e:
+            problems.append(str(e))
+    if config.cluster.get("rollout_actors") or config.cluster.get("trainer_processes"):
+        problems.append("rollout.judge runs in the job's process: set cluster.rollout_actors and "
+                        "cluster.trainer_processes to 0 (the job does not place a judge in Ray yet)")
+    env = config.rollout.get("env")
+    if env is not None and env.get("ref") is not None:
+        problems.append("rollout.judge scores single answers; episodes (rollout.env.ref) are scored by their "
+                        "environments: set one of the two")
     return problems
 
 
@@ -431,14 +475,23 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     weights = params if params is not None else device_weights
     # A reward model (rollout.reward_model.dir) scores the rollouts in place of the task's reward function; the
     # evals keep the task's reward (held-out accuracy), in the pool.
+    # Or an LLM judge (rollout.judge.dir), generating its verdicts on an engine of its own.
     reward_model, rewards, reward_ref = None, None, task.reward_ref
     rm = RewardModelConfig.from_config(config.rollout.get("reward_model"))
+    judge = JudgeConfig.from_config(config.rollout.get("judge"))
     if rm.dir is not None:
         from jaxflow.rewards.model import RewardModel
         rollout_errors = RewardErrors(failed_value=rm.failed_value)
         reward_model = RewardModel(rm.dir, **reward_model_options(rm), on_failure=rollout_errors)
         rewards, reward_ref = reward_model, reward_model.name
         print(f"jaxflow: rollouts are scored by the reward model {rm.dir} (evals by the task's reward)", flush=True)
+    elif judge.dir is not None:
+        from rollout_bridge.judge import build_judge
+        rollout_errors = RewardErrors(failed_value=judge.failed_value)
+        reward_model = build_judge(judge, seed=config.seed, on_failure=rollout_errors)
+        rewards, reward_ref = reward_model, reward_model.name
+        print(f"jaxflow: rollouts are scored by the judge {judge.dir} on its own {judge.engine} engine (prompt "
+              f"{judge.prompt_ref}, verdicts read by {judge.parse_ref}; evals by the task's reward)", flush=True)
     reward_errors = RewardErrors(failed_value=0.0)
     pool = RewardPool(**reward_pool_options(config.rollout), on_failure=reward_errors)
     if reward_model is None:

@@ -10,6 +10,9 @@ A reward function is named by reference, "module:function" (e.g. "jaxflow.tasks:
 - `model`: `RewardModel`, a scalar-head reward model (an HF `...ForSequenceClassification` directory) behind
   the pool's interface; `model_config`: its config section, `rollout.reward_model`. Neither is imported here:
   reward workers import this package and must not pull in JAX.
+- `judging`: what a reward model or an LLM judge reads of a sample (`prompt_messages`), and the judge's default
+  prompt and verdict parser; `judge_config`: the judge's config section, `rollout.judge`. The judge itself
+  generates on a rollout engine, so it lives with them: `rollout_bridge.judge`.
 """
 
 from jaxflow.rewards.pool import STAT_KEYS, RewardPool, group_reward_fn

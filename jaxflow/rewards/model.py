@@ -57,6 +57,7 @@ import numpy as np
 from flax import nnx
 
 from jaxflow.models.classifier import SequenceClassifier, load_sequence_classifier
+from jaxflow.rewards.judging import prompt_messages
 from jaxflow.rewards.pool import STAT_KEYS
 from jaxflow.tokenizer import Tokenizer
 
@@ -66,28 +67,6 @@ log = logging.getLogger(__name__)
 MIN_BUCKET_LEN = 32
 # Distinct failure messages remembered for log-once.
 _MAX_REMEMBERED_ERRORS = 1000
-
-
-def prompt_messages(meta: dict) -> list[dict]:
-    """The prompt's chat messages for a sample with `meta`: meta["messages"] when present (a list of
-    {"role", "content"} dicts), else one user turn holding meta["question"] (every built-in task's meta has it).
-
-    Raises:
-      ValueError: meta has neither, or its messages are malformed (names what it has).
-    """
-    messages = meta.get("messages") if isinstance(meta, dict) else None
-    if messages is not None:
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise ValueError(f"meta['messages'] must be a list of {{'role': str, 'content': str}} dicts, got "
-                             f"{str(messages)[:200]}")
-        return list(messages)
-    if isinstance(meta, dict) and isinstance(meta.get("question"), str):
-        return [{"role": "user", "content": meta["question"]}]
-    keys = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-    raise ValueError(f"the sample's meta has no prompt for the reward model: neither 'messages' nor a 'question' "
-                     f"string (it has {keys})")
 
 
 def buckets(limit: int, low: int = 1) -> tuple[int, ...]:

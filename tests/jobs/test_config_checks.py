@@ -256,3 +256,54 @@ def test_a_causal_lm_is_not_a_reward_model_and_a_classifier_passes(reward_model_
                                                     "'score.weight'")):
         rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(causal)}))
     rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(reward_model_dir)}))
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    from jaxflow.models.tiny import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("judge"))
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"rollout.judge.timeout_s": "0"}, "rollout.judge.timeout_s must be > 0"),
+    ({"rollout.judge.failed_value": "nan"}, "rollout.judge.failed_value"),
+    ({"rollout.judge.engine": "sglang"}, "rollout.judge.engine 'sglang' is not one of ('jax', 'vllm')"),
+    ({"rollout.judge.max_tokens": "128", "rollout.judge.max_len": "128"},
+     "rollout.judge.max_tokens (128) must be below rollout.judge.max_len (128)"),
+    ({"rollout.judge.parse_ref": "nothing"}, "rollout.judge.parse_ref 'nothing' is not of the form 'module:function'"),
+    ({"rollout.judge.dir": "{judge}", "rollout.judge.prompt_ref": "jaxflow.rewards.judging:judge_promt"},
+     "rollout.judge.prompt_ref 'jaxflow.rewards.judging:judge_promt': module 'jaxflow.rewards.judging' has no "
+     "function 'judge_promt'"),
+    ({"rollout.judge.dir": "{judge}", "rollout.judge.parse_ref": "no_such_module_here:parse"},
+     "rollout.judge.parse_ref 'no_such_module_here:parse': module 'no_such_module_here' is not found"),
+    ({"rollout.judge.dir": "{missing}"}, "rollout.judge.dir: no config.json in"),
+    ({"rollout.judge.dir": "{judge}", "rollout.reward_model.dir": "{judge}"},
+     "rollout.reward_model.dir and rollout.judge.dir are both set"),
+    ({"rollout.judge.dir": "{judge}", "cluster.mode": "ray", "cluster.rollout_actors": "1"},
+     "rollout.judge runs in the job's process"),
+    ({"rollout.judge.dir": "{judge}", "cluster.mode": "ray", "cluster.trainer_processes": "1"},
+     "rollout.judge runs in the job's process"),
+    ({"rollout.judge.dir": "{judge}", "rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv"},
+     "rollout.judge scores single answers; episodes (rollout.env.ref) are scored by their environments"),
+])
+def test_a_judge_that_cannot_score_the_run_is_refused(overrides, says, judge_dir, tmp_path):
+    overrides = {k: v.format(judge=judge_dir, missing=tmp_path / "nothing") for k, v in overrides.items()}
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        rl.check_config(load_config(CONFIG, overrides))
+
+
+def test_a_judge_needs_a_causal_lm_with_a_chat_template(judge_dir, reward_model_dir, tmp_path):
+    rl.check_config(load_config(CONFIG, {"rollout.judge.dir": str(judge_dir)}))
+    # A reward model is no judge: the JAX engine serves causal LMs.
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.judge.dir: {reward_model_dir}/config.json: architecture "
+                                                    "'Qwen3ForSequenceClassification' (model_type 'qwen3') is not "
+                                                    "supported")):
+        rl.check_config(load_config(CONFIG, {"rollout.judge.dir": str(reward_model_dir)}))
+    import shutil
+    bare = shutil.copytree(judge_dir, tmp_path / "bare")
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=re.escape(f"rollout.judge.dir: the tokenizer of {bare} has no chat "
+                                                    "template")):
+        rl.check_config(load_config(CONFIG, {"rollout.judge.dir": str(bare)}))

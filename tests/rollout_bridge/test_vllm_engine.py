@@ -355,6 +355,13 @@ def test_too_long_prompt_is_a_per_request_error(engine, greedy_reference):
     assert len(c.sample.tokens) == 1 and c.sample.finish_reason == "length"
 
 
+def test_a_judge_generates_its_verdicts_on_vllm(engine, model_dir):
+    """`rollout_bridge.judge.Judge` over vLLM, through the same Engine interface as over the JAX engine."""
+    from jaxflow.tokenizer import Tokenizer
+
+    engine_helpers.check_judge(engine, Tokenizer.from_dir(model_dir))
+
+
 def test_load_and_throughput(engine, base_tensors, capsys):
     """Greedy decode rate with 32 concurrent requests, and update_weights latency (printed)."""
     n, max_tokens = 32, 200
