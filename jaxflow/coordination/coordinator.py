@@ -4,7 +4,9 @@ them for the trajectory service (a coordinator over one engine is a rollout work
 It sees every instance and places each *request* (one sample of a group) itself. Every `step()`:
 
 1. collects completions from every engine; a group whose first N samples are done is rewarded and
-   handed to the service (`finish`); its extra samples, if any, are stopped;
+   handed to the service (`finish`); its extra samples, if any, are stopped. With `scoring_threads` the
+   rewards are computed on threads of their own while the loop goes on, and the group is handed in by
+   the first step after they are ready (a group being scored is still held: renewed, handed back on stop);
 2. stops the groups the service dropped as surplus (redundant rollout);
 3. syncs weights where the sync policy says so (`jaxflow.coordination.sync`);
 4. acts on a stuck buffer (`jaxflow.coordination.stuck`);
@@ -44,6 +46,7 @@ raises, or a group the service refuses at `finish` (e.g. NaN rewards), fails tha
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import heapq
 import logging
@@ -103,20 +106,32 @@ class Coordinator:
       renew_every_s: seconds between renewals of the service's leases on the groups held.
       report_progress: whether a renewal reports the tokens generated so far (what a dead worker's groups
         resume from); off where no worker can die unnoticed, since it copies every running request's tokens.
+      scoring_threads: 0: a finished group is rewarded inside `step` (the loop waits for its rewards); N > 0:
+        on N threads, while the loop goes on placing and collecting requests, each group handed in by the
+        first `step` after its rewards are ready. For rewards that take a while (a reward model, a judge,
+        a teacher): the groups finished meanwhile are scored concurrently, so their samples share batches.
     """
 
     def __init__(self, name: str, engines: list[Engine], trajectories, params, *, strategy: Coordination,
                  eta: int, sampling: SamplingParams, reward_fn: RewardFn | None = None,
                  clock: Callable[[], float] = time.monotonic, trace_every_s: float | None = None,
-                 renew_every_s: float = 1.0, report_progress: bool = True):
+                 renew_every_s: float = 1.0, report_progress: bool = True, scoring_threads: int = 0):
         if not engines:
             raise ValueError("a coordinator needs at least one engine")
+        if not isinstance(scoring_threads, int) or scoring_threads < 0:
+            raise ValueError(f"scoring_threads must be an int >= 0, got {scoring_threads!r}")
         self.name, self.trajectories, self.params, self.strategy = name, trajectories, params, strategy
         self.eta, self.sampling, self.reward_fn, self.clock = eta, sampling, reward_fn, clock
         self.instances = [Instance(i, f"{name}/{i}", e) for i, e in enumerate(engines)]
         self.router = Router(strategy.routing, strategy.cost)
         self.queue = RequestQueue(strategy.queue)
         self._groups: dict[int, _Group] = {}
+        # Finished groups whose rewards are being computed off the loop (scoring_threads > 0): group id ->
+        # (its samples, the rewards' future). They are still this coordinator's: renewed, and handed back on stop.
+        self._scoring: dict[int, tuple[list[Sample], concurrent.futures.Future]] = {}
+        self._started: dict[int, float] = {}  # a scoring group's start, for its latency
+        self._scorer = (concurrent.futures.ThreadPoolExecutor(scoring_threads, thread_name_prefix=f"score-{name}")
+                        if scoring_threads else None)
         self._where: dict[str, tuple[int, int, int]] = {}  # request id -> (instance, group, sample)
         self._seq = 0
         self._group_size = getattr(trajectories, "group_size", 1)
@@ -258,11 +273,37 @@ class Coordinator:
         g = self._groups[gid]
         self.counts["samples_redundant"] += self._drop_group(gid)
         samples = g.finished[:g.task.n]
+        if self._scorer is not None and not all(s.reward is not None for s in samples):
+            self._scoring[gid] = (samples, self._scorer.submit(self._rewards, g.task, samples))
+            self._started[gid] = g.started
+            return
         try:
-            if all(s.reward is not None for s in samples):  # episodes: their environments' rewards
-                rewards = [float(s.reward) for s in samples]
-            else:
-                rewards = self.reward_fn(g.task, samples) if self.reward_fn is not None else None
+            rewards = self._rewards(g.task, samples)
+        except Exception as e:  # noqa: BLE001 - handed in below as a failed group
+            rewards = e
+        self._hand_in(gid, samples, rewards, g.started)
+
+    def _rewards(self, task: GroupTask, samples: list[Sample]) -> list[float] | None:
+        """The group's rewards: its environments' (episodes), else the reward function's (None: the service's)."""
+        if all(s.reward is not None for s in samples):
+            return [float(s.reward) for s in samples]
+        return self.reward_fn(task, samples) if self.reward_fn is not None else None
+
+    def _scored(self) -> None:
+        """Hands in the groups whose rewards the scoring threads have computed."""
+        for gid, (samples, future) in list(self._scoring.items()):
+            if future.done():
+                del self._scoring[gid]
+                error = future.exception()
+                self._hand_in(gid, samples, error if error is not None else future.result(),
+                              self._started.pop(gid))
+
+    def _hand_in(self, gid: int, samples: list[Sample], rewards, started: float) -> None:
+        """`finish`es a rewarded group in the service; rewards that are an exception (the reward function
+        raised) or a finish the service refuses fail the group there instead."""
+        try:
+            if isinstance(rewards, BaseException):
+                raise rewards
             self.trajectories.finish(gid, self.name, samples, rewards)
         except (ConnectionError, TimeoutError):
             raise  # the service is unreachable: the loop hands everything back
@@ -274,7 +315,7 @@ class Coordinator:
                 log.warning("%s: group %d could not be failed: %s", self.name, gid, refused)
             self.counts["groups_failed"] += 1
             return
-        self._latencies.append(self.clock() - g.started)
+        self._latencies.append(self.clock() - started)
         if self.trace_every_s is not None:
             self.trace["group_lengths"].append([len(x.tokens) for x in samples])
         self.counts["groups_finished"] += 1
@@ -285,13 +326,13 @@ class Coordinator:
         those that grew since their last report; drops the groups the service took back."""
         now = self.clock()
         renew = getattr(self.trajectories, "renew", None)
-        if renew is None or not self._groups or now - self._renewed_at < self.renew_every_s:
+        if renew is None or not (self._groups or self._scoring) or now - self._renewed_at < self.renew_every_s:
             return
         self._renewed_at = now
         report = self._progress() if self.report_progress else {}
-        for gid in renew(self.name, list(self._groups), report or None):
-            if gid in self._groups:
-                self._drop_group(gid)
+        for gid in renew(self.name, [*self._groups, *self._scoring], report or None):
+            if gid in self._groups or gid in self._scoring:
+                self._forget(gid)
                 self.counts["groups_lost"] += 1
                 log.warning("%s: group %d was handed back by the service (lease expired)", self.name, gid)
         self._reported = {gid: k for gid, k in self._reported.items() if gid in self._groups}
@@ -326,9 +367,15 @@ class Coordinator:
 
     def _surplus(self) -> None:
         for gid in self.trajectories.take_surplus(self.name):
-            if gid in self._groups:
-                self._drop_group(gid)
+            if gid in self._groups or gid in self._scoring:
+                self._forget(gid)
                 self.counts["groups_surplus"] += 1
+
+    def _forget(self, gid: int) -> None:
+        """Drops a group held, running or being scored (its rewards, when they come, are not used)."""
+        self._drop_group(gid)
+        self._scoring.pop(gid, None)
+        self._started.pop(gid, None)
 
     def _sync(self) -> None:
         s = self.strategy
@@ -460,6 +507,7 @@ class Coordinator:
     def step(self) -> None:
         """One round of the control loop (see the module docstring)."""
         self._collect()
+        self._scored()
         self._renew()
         self._surplus()
         self._sync()
@@ -468,11 +516,12 @@ class Coordinator:
         self._fill()
 
     def in_flight(self) -> int:
-        """Groups this coordinator holds (queued or on an instance)."""
-        return len(self._groups)
+        """Groups this coordinator holds (queued, on an instance, or being scored)."""
+        return len(self._groups) + len(self._scoring)
 
     def stats(self) -> dict:
-        return {**self.counts, "groups_in_flight": len(self._groups), "queued_requests": len(self.queue),
+        return {**self.counts, "groups_in_flight": len(self._groups), "groups_scoring": len(self._scoring),
+                "queued_requests": len(self.queue),
                 "instances": [{"name": i.name, "running": i.running, "version": i.version, "syncs": i.syncs,
                                "idle_s": i.idle_s, "slowness": i.slowness} for i in self.instances]}
 
@@ -510,8 +559,8 @@ class Coordinator:
     def _release_all(self, reason: str) -> None:
         """After a failure: stops and forgets every group (requests and queue entries), and hands them
         back to the service, which requeues them."""
-        for gid in list(self._groups):
-            self._drop_group(gid)
+        for gid in [*self._groups, *self._scoring]:
+            self._forget(gid)
         self.trajectories.release_worker(self.name, reason)
 
     def stop(self, abort_in_flight: bool = True, drain_timeout_s: float = 600.0) -> None:
@@ -519,10 +568,10 @@ class Coordinator:
         far (the finished ones, then the longest partial ones). Else no new group is admitted and the
         ones in flight run to the end (rewarded and handed in as usual) first; any still running after
         `drain_timeout_s` seconds are aborted as above."""
-        if not abort_in_flight and self._groups:
+        if not abort_in_flight and (self._groups or self._scoring):
             self._draining = True
             deadline = time.monotonic() + drain_timeout_s
-            while self._groups and time.monotonic() < deadline:
+            while (self._groups or self._scoring) and time.monotonic() < deadline:
                 if self._thread is not None and self._thread.is_alive():
                     time.sleep(0.01)  # the loop steps
                 else:
@@ -532,6 +581,16 @@ class Coordinator:
         if self._thread is not None:
             self._thread.join()
         self._draining = False
+        self._scored()  # groups whose rewards came meanwhile are handed in; the others go back whole, below
+        for gid, (samples, _) in list(self._scoring.items()):
+            self._forget(gid)
+            try:
+                self.trajectories.abort(gid, self.name, samples, "coordinator stopped")
+                self.counts["groups_aborted"] += 1
+            except Exception as e:  # refused (lease lapsed...): the others still go back
+                log.warning("%s: could not hand back group %d: %s", self.name, gid, e)
+        if self._scorer is not None:
+            self._scorer.shutdown(wait=False, cancel_futures=True)
         for gid, g in list(self._groups.items()):
             partial = [r.prefix for r in self.queue.take_group(gid) if r.prefix is not None]
             for rid in list(g.live.values()):

@@ -100,6 +100,10 @@ _SECTIONS = (("data", DataConfig), ("rollout", RolloutConfig), ("eval", EvalConf
              ("checkpoint", CheckpointConfig), ("base", BaseConfig), ("model", ModelSection))
 
 
+# Groups a reward model or judge scores at once in the embedded job (`Coordinator(scoring_threads=)`).
+MODEL_SCORING_THREADS = 8
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Checks every value the run uses (types, ranges, finiteness) before anything starts; raises one
     ConfigError naming each bad key."""
@@ -520,8 +524,11 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
             coordinator = start_fleet(config, service, params, base_dir, task.reward_ref, tokenizer.eos_id)
             placement["rollout_actors"] = coordinator.placed
         else:
+            # A reward model or a judge takes a while a group: its groups are scored on threads of their own,
+            # together (sharing batches), while the coordinator goes on generating.
             coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
-                                      sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25)
+                                      sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25,
+                                      scoring_threads=MODEL_SCORING_THREADS if reward_model is not None else 0)
         parts = LoopParts(trainer=trainer, service=service, params=params, coordinator=coordinator, ckpt=ckpt,
                           ledger=ledger, run_log=run_log, evaluator=evaluator, rewards=rewards,
                           reward_errors=rollout_errors, reward_ref=reward_ref)

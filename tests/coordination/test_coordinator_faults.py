@@ -63,14 +63,14 @@ class Clock:
         return self.t
 
 
-def setup(reward_fn, clock, groups=2):
+def setup(reward_fn, clock, groups=2, scoring_threads=0):
     records = [{"prompt": [5, 6 + i], "meta": {"i": i}} for i in range(20)]
     svc = TrajectoryService(PromptSource(records, shuffle=False), batch_groups=groups, group_size=2, eta=0,
                             lease_s=10.0, clock=clock)
     engine = ScriptedEngine()
     coord = Coordinator("c", [engine], svc, NoWeights(), strategy=Coordination(max_running=2 * groups), eta=0,
                         sampling=SamplingParams(max_tokens=8), reward_fn=reward_fn, clock=clock,
-                        renew_every_s=1.0)
+                        renew_every_s=1.0, scoring_threads=scoring_threads)
     return svc, engine, coord
 
 
@@ -124,6 +124,71 @@ def test_stop_hands_back_every_group_even_when_one_hand_back_is_refused():
     stats = svc.stats()
     assert stats["groups"]["requeued"] == 2 and coord.in_flight() == 0
     assert stats["groups"]["running"] == 1  # only the one "other" holds
+
+
+def test_scoring_threads_score_groups_together_while_the_loop_goes_on():
+    # Each group's reward waits until both groups are being scored: on the loop (scoring_threads=0) that could
+    # never happen; on threads the two meet, and meanwhile the loop's steps return.
+    import threading
+
+    meet = threading.Barrier(2, timeout=30)
+    raised, go = threading.Event(), threading.Event()
+
+    def reward(task, samples):
+        meet.wait()
+        go.wait(30)
+        if task.group_id == 1:
+            raised.set()
+            raise RuntimeError("reward crashed")
+        return [1.0, 0.0]
+
+    clock = Clock()
+    svc, engine, coord = setup(reward, clock, scoring_threads=2)
+    coord.step()
+    engine.finish_all()
+    coord.step()  # both groups go to the scoring threads
+    coord.step()
+    assert coord.stats()["groups_scoring"] == 2 and coord.in_flight() == 2
+    assert svc.stats()["groups"]["running"] == 2  # still the coordinator's until handed in
+    go.set()
+    wait_until(lambda: raised.is_set() and coord.counts["groups_finished"] + coord.counts["groups_failed"] == 2
+               or (coord.step() and False), timeout=30, what="both groups scored")
+    stats = svc.stats()
+    assert coord.counts["groups_finished"] == 1 and coord.counts["groups_failed"] == 1, coord.counts
+    assert stats["counts"]["failed"] == 1 and "reward crashed" in str(svc.snapshot()["groups"][1]["meta"]["failure"])
+    assert coord.stats()["groups_scoring"] == 0
+
+
+def test_a_group_still_being_scored_is_renewed_and_handed_back_whole_on_stop():
+    import threading
+
+    release = threading.Event()
+
+    def reward(task, samples):
+        release.wait(30)
+        return [1.0, 0.0]
+
+    clock = Clock()
+    svc, engine, coord = setup(reward, clock, groups=1, scoring_threads=1)
+    coord.step()
+    engine.finish_all()
+    coord.step()
+    assert coord.stats()["groups_scoring"] == 1
+    for t in range(1, 30):  # far past the 10 s lease: the scoring group's lease is renewed with the others
+        clock.t = float(t)
+        coord.step()
+    assert svc.stats()["counts"]["expired"] == 0 and coord.counts["groups_lost"] == 0
+    coord.stop(abort_in_flight=True)
+    release.set()
+    assert coord.in_flight() == 0 and coord.counts["groups_aborted"] == 1
+    assert svc.stats()["groups"]["requeued"] == 1
+    (task,) = svc.dispatch("other", 0, 1)  # it comes back complete: the next worker only rewards it
+    assert task.group_id == 0 and all(x is not None and x.done for x in task.partial), task
+
+
+def test_scoring_threads_are_checked():
+    with pytest.raises(ValueError, match="scoring_threads"):
+        setup(lambda t, s: [1.0, 0.0], Clock(), scoring_threads=-1)
 
 
 class DeadEngine(ScriptedEngine):
