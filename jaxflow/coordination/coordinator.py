@@ -39,6 +39,10 @@ handing its groups back loses at most `renew_every_s` of generation: the service
 from the reported tokens. A reward function that
 raises, or a group the service refuses at `finish` (e.g. NaN rewards), fails that group in the service
 (counted as `groups_failed`, the reason in its meta) instead of stopping the loop.
+
+On-policy distillation with the teacher beside the rollout (`trainer.distill.where = "rollout"`): `teacher_fn`
+scores each finished group's samples before the group is rewarded and finished, and each sample records the
+result as its `teacher_logprobs`; a teacher that raises fails the group as a reward that raises does.
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class RolloutFailed(RuntimeError):
 
 # (task, its N finished samples) -> one reward per sample; None leaves rewarding to a reward pool.
 RewardFn = Callable[[GroupTask, list[Sample]], list[float]]
+# (task, its N finished samples) -> the teacher's log-prob of every token of each (`Sample.teacher_logprobs`).
+TeacherFn = Callable[[GroupTask, list[Sample]], list[list[float]]]
 
 
 @dataclasses.dataclass
@@ -97,6 +103,9 @@ class Coordinator:
       sampling: the sampling parameters of every request.
       reward_fn: (task, its finished samples) -> one reward per sample (not called for episodes, whose samples
         carry their environments' rewards); None leaves rewarding to the trajectory service.
+      teacher_fn: (task, its finished samples) -> the teacher's per-token log-probs of each sample, recorded as
+        its `teacher_logprobs` before the group is finished (e.g. `rollout_bridge.teacher.TeacherScorer.
+        score_group`); None: samples carry none.
       clock: seconds, monotonic (tests and the simulator pass a virtual one).
       trace_every_s: if set, `trace` records each engine's load every that many seconds, every finished
         group's response lengths and every weight sync's duration (what `jaxflow.sim` fits its models to).
@@ -107,12 +116,14 @@ class Coordinator:
 
     def __init__(self, name: str, engines: list[Engine], trajectories, params, *, strategy: Coordination,
                  eta: int, sampling: SamplingParams, reward_fn: RewardFn | None = None,
-                 clock: Callable[[], float] = time.monotonic, trace_every_s: float | None = None,
+                 teacher_fn: TeacherFn | None = None, clock: Callable[[], float] = time.monotonic,
+                 trace_every_s: float | None = None,
                  renew_every_s: float = 1.0, report_progress: bool = True):
         if not engines:
             raise ValueError("a coordinator needs at least one engine")
         self.name, self.trajectories, self.params, self.strategy = name, trajectories, params, strategy
         self.eta, self.sampling, self.reward_fn, self.clock = eta, sampling, reward_fn, clock
+        self.teacher_fn = teacher_fn
         self.instances = [Instance(i, f"{name}/{i}", e) for i, e in enumerate(engines)]
         self.router = Router(strategy.routing, strategy.cost)
         self.queue = RequestQueue(strategy.queue)
@@ -259,6 +270,12 @@ class Coordinator:
         self.counts["samples_redundant"] += self._drop_group(gid)
         samples = g.finished[:g.task.n]
         try:
+            if self.teacher_fn is not None:
+                scored = self.teacher_fn(g.task, samples)
+                if len(scored) != len(samples):
+                    raise ValueError(f"the teacher scored {len(scored)} samples of {len(samples)}")
+                for s, logp in zip(samples, scored):
+                    s.teacher_logprobs = list(logp)
             if all(s.reward is not None for s in samples):  # episodes: their environments' rewards
                 rewards = [float(s.reward) for s in samples]
             else:
@@ -266,7 +283,7 @@ class Coordinator:
             self.trajectories.finish(gid, self.name, samples, rewards)
         except (ConnectionError, TimeoutError):
             raise  # the service is unreachable: the loop hands everything back
-        except Exception as e:  # a reward that raised, or a finish the service refused (NaN rewards...)
+        except Exception as e:  # a reward or teacher that raised, or a finish the service refused (NaN rewards...)
             log.warning("%s: group %d failed at finish: %s", self.name, gid, e)
             try:
                 self.trajectories.fail(gid, f"finish refused: {type(e).__name__}: {e}"[:500])
