@@ -36,6 +36,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -180,12 +181,13 @@ class TeacherScorer:
                                         f"tokens is not within 2 .. max_len={self.max_len}")
             plans.append(rows)
         futures = [[self._submit(ids) for ids, *_ in rows] for rows in plans]
+        deadline = time.monotonic() + self.timeout_s  # for the group as a whole
         out = []
         for i, (s, rows, fs) in enumerate(zip(samples, plans, futures)):
             logp = [0.0] * len(s.tokens)
             for (_, a, b, first), future in zip(rows, fs):
                 try:
-                    row = future.result(timeout=self.timeout_s)
+                    row = future.result(timeout=max(deadline - time.monotonic(), 0.0))
                 except FutureTimeout:
                     raise TeacherFailed(f"{what} sample {i}: not scored within timeout_s={self.timeout_s:g}") from None
                 except Exception as e:  # noqa: BLE001 - the forward pass's error, whatever it is

@@ -4,6 +4,8 @@ two programs computing one forward (multi-turn samples and split training sequen
 recorded log-probs makes the in-step teacher's update, records with bad teacher log-probs are refused naming the
 field (and travel and snapshot intact when good), and a failing teacher fails only its group, by name."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -196,8 +198,8 @@ def test_where_is_checked_by_key():
 
 
 def test_a_failing_teacher_fails_its_group_by_name(models, monkeypatch):
-    """A too-long sequence and a forward pass that raises each fail their group with TeacherFailed naming it;
-    the scorer goes on scoring the next group."""
+    """A too-long sequence, a forward pass that raises and one that hangs past timeout_s each fail their group
+    with TeacherFailed naming it; the scorer goes on scoring the next group."""
     _, teacher_dir = models
     scorer = TeacherScorer(teacher_dir, max_len=16, chunk=0)
     try:
@@ -213,10 +215,22 @@ def test_a_failing_teacher_fails_its_group_by_name(models, monkeypatch):
         sample = Sample([6, 7, 8], [-1.0] * 3, [0] * 3, "stop")
         with pytest.raises(TeacherFailed, match="group 7 sample 0: RuntimeError: device lost"):
             scorer.score_group(task, [sample])
+        release = threading.Event()
+
+        def hung(*args, **kwargs):  # a forward that does not come back until released
+            release.wait()
+            raise RuntimeError("released")
+
+        monkeypatch.setattr(teacher_module, "rows_logprobs", hung)
+        scorer.timeout_s = 0.2
+        with pytest.raises(TeacherFailed, match="group 7 sample 0: not scored within timeout_s=0.2"):
+            scorer.score_group(task, [sample])
+        release.set()
+        scorer.timeout_s = 600.0
         monkeypatch.setattr(teacher_module, "rows_logprobs", original)
         (logp,) = scorer.score_group(GroupTask(8, [3, 4, 5], 1, 0), [sample])
         assert len(logp) == 3 and all(np.isfinite(logp)) and max(logp) < 0
-        assert scorer.stats()["groups_failed"] == 2 and scorer.stats()["groups"] == 1
+        assert scorer.stats()["groups_failed"] == 3 and scorer.stats()["groups"] == 1
     finally:
         scorer.close()
     with pytest.raises(TeacherFailed, match="closed"):
