@@ -32,6 +32,7 @@ def test_pure_distillation_from_a_teacher_directory_trains_every_step(tmp_path, 
     for r in trained:
         assert r["distill_adv_abs_mean"] > 0 and r["distill_kl"] != 0, r
         assert r["update_norm"] > 0 and r["groups_trained"] == r["groups"] - r["groups_rejected"], r
+        assert r["groups_rejected"] == 0 and r["train_step_compiles"] == 1, r  # its batches: the compiled shape
 
 
 def test_a_teacher_beside_the_rollout_is_refused_with_rollout_actors(tmp_path, base_dir):
