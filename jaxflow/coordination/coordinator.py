@@ -41,6 +41,10 @@ handing its groups back loses at most `renew_every_s` of generation: the service
 from the reported tokens. A reward function that
 raises, or a group the service refuses at `finish` (e.g. NaN rewards), fails that group in the service
 (counted as `groups_failed`, the reason in its meta) instead of stopping the loop.
+
+On-policy distillation with the teacher beside the rollout (`trainer.distill.where = "rollout"`): `teacher_fn`
+scores each finished group's samples before the group is rewarded and finished, and each sample records the
+result as its `teacher_logprobs`; a teacher that raises fails the group as a reward that raises does.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class RolloutFailed(RuntimeError):
 
 # (task, its N finished samples) -> one reward per sample; None leaves rewarding to a reward pool.
 RewardFn = Callable[[GroupTask, list[Sample]], list[float]]
+# (task, its N finished samples) -> the teacher's log-prob of every token of each (`Sample.teacher_logprobs`).
+TeacherFn = Callable[[GroupTask, list[Sample]], list[list[float]]]
 
 
 @dataclasses.dataclass
@@ -100,6 +106,9 @@ class Coordinator:
       sampling: the sampling parameters of every request.
       reward_fn: (task, its finished samples) -> one reward per sample (not called for episodes, whose samples
         carry their environments' rewards); None leaves rewarding to the trajectory service.
+      teacher_fn: (task, its finished samples) -> the teacher's per-token log-probs of each sample, recorded as
+        its `teacher_logprobs` before the group is finished (e.g. `rollout_bridge.teacher.TeacherScorer.
+        score_group`); None: samples carry none.
       clock: seconds, monotonic (tests and the simulator pass a virtual one).
       trace_every_s: if set, `trace` records each engine's load every that many seconds, every finished
         group's response lengths and every weight sync's duration (what `jaxflow.sim` fits its models to).
@@ -114,14 +123,16 @@ class Coordinator:
 
     def __init__(self, name: str, engines: list[Engine], trajectories, params, *, strategy: Coordination,
                  eta: int, sampling: SamplingParams, reward_fn: RewardFn | None = None,
-                 clock: Callable[[], float] = time.monotonic, trace_every_s: float | None = None,
-                 renew_every_s: float = 1.0, report_progress: bool = True, scoring_threads: int = 0):
+                 teacher_fn: TeacherFn | None = None, clock: Callable[[], float] = time.monotonic,
+                 trace_every_s: float | None = None, renew_every_s: float = 1.0, report_progress: bool = True,
+                 scoring_threads: int = 0):
         if not engines:
             raise ValueError("a coordinator needs at least one engine")
         if not isinstance(scoring_threads, int) or scoring_threads < 0:
             raise ValueError(f"scoring_threads must be an int >= 0, got {scoring_threads!r}")
         self.name, self.trajectories, self.params, self.strategy = name, trajectories, params, strategy
         self.eta, self.sampling, self.reward_fn, self.clock = eta, sampling, reward_fn, clock
+        self.teacher_fn = teacher_fn
         self.instances = [Instance(i, f"{name}/{i}", e) for i, e in enumerate(engines)]
         self.router = Router(strategy.routing, strategy.cost)
         self.queue = RequestQueue(strategy.queue)
@@ -273,7 +284,8 @@ class Coordinator:
         g = self._groups[gid]
         self.counts["samples_redundant"] += self._drop_group(gid)
         samples = g.finished[:g.task.n]
-        if self._scorer is not None and not all(s.reward is not None for s in samples):
+        if self._scorer is not None and (self.teacher_fn is not None or not all(s.reward is not None
+                                                                                for s in samples)):
             self._scoring[gid] = (samples, self._scorer.submit(self._rewards, g.task, samples))
             self._started[gid] = g.started
             return
@@ -284,7 +296,14 @@ class Coordinator:
         self._hand_in(gid, samples, rewards, g.started)
 
     def _rewards(self, task: GroupTask, samples: list[Sample]) -> list[float] | None:
-        """The group's rewards: its environments' (episodes), else the reward function's (None: the service's)."""
+        """The group's teacher log-probs, recorded on its samples (with `teacher_fn`), then its rewards: its
+        environments' (episodes), else the reward function's (None: the service's)."""
+        if self.teacher_fn is not None:
+            scored = self.teacher_fn(task, samples)
+            if len(scored) != len(samples):
+                raise ValueError(f"the teacher scored {len(scored)} samples of {len(samples)}")
+            for s, logp in zip(samples, scored):
+                s.teacher_logprobs = list(logp)
         if all(s.reward is not None for s in samples):
             return [float(s.reward) for s in samples]
         return self.reward_fn(task, samples) if self.reward_fn is not None else None
@@ -299,15 +318,15 @@ class Coordinator:
                               self._started.pop(gid))
 
     def _hand_in(self, gid: int, samples: list[Sample], rewards, started: float) -> None:
-        """`finish`es a rewarded group in the service; rewards that are an exception (the reward function
-        raised) or a finish the service refuses fail the group there instead."""
+        """`finish`es a rewarded group in the service; rewards that are an exception (the reward function or
+        the teacher raised) or a finish the service refuses fail the group there instead."""
         try:
             if isinstance(rewards, BaseException):
                 raise rewards
             self.trajectories.finish(gid, self.name, samples, rewards)
         except (ConnectionError, TimeoutError):
             raise  # the service is unreachable: the loop hands everything back
-        except Exception as e:  # a reward that raised, or a finish the service refused (NaN rewards...)
+        except Exception as e:  # a reward or teacher that raised, or a finish the service refused (NaN rewards...)
             log.warning("%s: group %d failed at finish: %s", self.name, gid, e)
             try:
                 self.trajectories.fail(gid, f"finish refused: {type(e).__name__}: {e}"[:500])

@@ -62,7 +62,8 @@ def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool, *,
     finite numbers <= 0, versions ints in [v_start, v_max], the three lists of one length, finish_reason
     None or one of FINISH_REASONS (done if `finished`), env_spans as `check_env_spans` and routes as
     `check_routes` want them for `route_spec` (the model's; None: a dense model), sequence_starts as
-    `check_sequence_starts` wants them, reward None or finite."""
+    `check_sequence_starts` wants them, reward None or finite, teacher_logprobs None or a list of one
+    finite number <= 0 per token (`check_teacher_logprobs`)."""
     if not isinstance(s, Sample):
         raise SampleRefused(f"{what}: is a {type(s).__name__}, not a Sample")
     for field in ("tokens", "logprobs", "versions"):
@@ -89,6 +90,7 @@ def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool, *,
         raise SampleRefused(f"{what}: finish_reason {s.finish_reason!r} is not None or one of {FINISH_REASONS}")
     if finished and not s.done:
         raise SampleRefused(f"{what} is not finished (finish_reason={s.finish_reason!r})")
+    check_teacher_logprobs(what, s.teacher_logprobs, n)
     check_env_spans(what, s.env_spans, n)
     check_routes(what, s.routes, n, route_spec)
     check_sequence_starts(what, s)
@@ -96,6 +98,21 @@ def check_sample(what: str, s: Any, v_start: int, v_max: int, finished: bool, *,
         check_sequence_lengths(what, s, max_tokens, prompt_tokens)
     if s.reward is not None and (not is_number(s.reward) or not math.isfinite(s.reward)):
         raise SampleRefused(f"{what}: reward {s.reward!r:.80} must be None or a finite number", "reward")
+
+
+def check_teacher_logprobs(what: str, teacher_logprobs: Any, n: int) -> None:
+    """A sample's teacher_logprobs (`Sample.teacher_logprobs`) for a sample of `n` tokens: None, or a list of
+    `n` finite numbers <= 0 (log-probabilities); else SampleRefused naming `what`, the field and the element."""
+    if teacher_logprobs is None:
+        return
+    if not isinstance(teacher_logprobs, list):
+        raise SampleRefused(f"{what}: teacher_logprobs must be None or a list, got {type(teacher_logprobs).__name__}")
+    if len(teacher_logprobs) != n:
+        raise SampleRefused(f"{what}: {n} tokens but {len(teacher_logprobs)} teacher_logprobs; the teacher's "
+                            f"log-probs must be one per token")
+    for i, lp in enumerate(teacher_logprobs):
+        if not is_number(lp) or not math.isfinite(lp) or lp > 0:
+            raise SampleRefused(f"{what}: teacher_logprobs[{i}] = {lp!r:.80}; log-probs must be finite numbers <= 0")
 
 
 def check_token_ids(what: str, field: str, tokens: list, vocab_size: int | None) -> None:

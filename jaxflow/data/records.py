@@ -41,6 +41,11 @@ class Sample:
     opens with the context the agent sent); every sequence holds a model token (the last one of a sample
     still generating may hold only its context so far); routes[s] is -1 (its sequence has no token
     before s). `sequences()` lists the sequences.
+    teacher_logprobs: on-policy distillation with the teacher beside the rollout (`trainer.distill.where =
+    "rollout"`): the teacher's log-probability of each token, one per token like `logprobs`, each computed
+    in the context its training sequence has (0.0 inside env spans and on a token no context predicts: a
+    started sequence's first). None (the default) when no teacher scored the sample; an engine continuing a
+    sample drops them (they are scored when its group finishes).
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -51,6 +56,7 @@ class Sample:
     reward: float | None = None
     routes: np.ndarray | None = None
     sequence_starts: list[int] = dataclasses.field(default_factory=list)
+    teacher_logprobs: list[float] | None = None
 
     def sequences(self) -> list[tuple[int, int]]:
         """The [start, end) token ranges of the sample's training sequences, in order (see
@@ -77,6 +83,8 @@ class Sample:
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(f"{what}: {n} tokens but {len(self.logprobs)} log-probs and "
                              f"{len(self.versions)} versions")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(f"{what}: {n} tokens but {len(self.teacher_logprobs)} teacher_logprobs")
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"{what}: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
         if n and (min(self.versions) < v_start or max(self.versions) > v_max):

@@ -62,7 +62,8 @@ def copy_samples(samples: list[Sample]) -> list[Sample]:
     own."""
     return [Sample(list(s.tokens), list(s.logprobs), list(s.versions), s.finish_reason,
                    [list(span) for span in s.env_spans], s.reward,
-                   None if s.routes is None else np.array(s.routes, copy=True), list(s.sequence_starts))
+                   None if s.routes is None else np.array(s.routes, copy=True), list(s.sequence_starts),
+                   None if s.teacher_logprobs is None else list(s.teacher_logprobs))
             for s in samples]
 
 

@@ -10,7 +10,8 @@ experts model's) are saved only when it has some, compactly: {"dtype", "shape", 
 array's C-order little-endian bytes}, restored to the same dtype, shape and values. A sample saved without
 them (a dense model's, or a snapshot from before routes existed) is restored with routes None. Its
 sequence_starts (`Sample.sequence_starts`) are saved only when it has some; a sample saved without them (one
-training sequence, or a snapshot from before they existed) is restored with [].
+training sequence, or a snapshot from before they existed) is restored with []. Its teacher_logprobs
+(`Sample.teacher_logprobs`) are saved only when it has some; a sample saved without them is restored with None.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from jaxflow.data.service_groups import own_samples
 
 _TOP = ("v_train", "published", "next_id", "counts", "groups", "source")
 _SAMPLE_FIELDS = ("tokens", "logprobs", "versions", "finish_reason")
-_OPTIONAL_SAMPLE_FIELDS = ("env_spans", "reward", "routes", "sequence_starts")
+_OPTIONAL_SAMPLE_FIELDS = ("env_spans", "reward", "routes", "sequence_starts", "teacher_logprobs")
 # The dtypes saved routes may have: the signed ints `route_dtype` picks (and int64, numpy's default).
 _ROUTE_DTYPES = {np.dtype(t).name: np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64)}
 
@@ -66,7 +67,8 @@ def decode_routes(d: Any, where: str) -> np.ndarray:
 
 def snapshot_samples(samples: list[Sample] | None) -> list[dict[str, Any]] | None:
     """`samples` as JSON-serialisable dicts (copies: the service's own live on), routes `encode_routes`d
-    and left out when None, sequence_starts left out when [] (as saved before they existed)."""
+    and left out when None, sequence_starts left out when [] (as saved before they existed), teacher_logprobs
+    left out when None."""
     if samples is None:
         return None
     out = []
@@ -77,6 +79,8 @@ def snapshot_samples(samples: list[Sample] | None) -> list[dict[str, Any]] | Non
             d["routes"] = encode_routes(s.routes)
         if not d["sequence_starts"]:
             del d["sequence_starts"]
+        if d["teacher_logprobs"] is None:
+            del d["teacher_logprobs"]
         out.append(d)
     return out
 
@@ -86,8 +90,8 @@ def _sample(d: Any, where: str) -> Sample:
         return d
     required, optional = set(_SAMPLE_FIELDS), set(_OPTIONAL_SAMPLE_FIELDS)
     if not isinstance(d, dict) or not required <= set(d) <= required | optional:
-        raise ValueError(f"snapshot {where}: a sample must be a dict of tokens, logprobs, versions, "
-                         f"finish_reason (and env_spans, reward, routes, sequence_starts), got {d!r:.200}")
+        raise ValueError(f"snapshot {where}: a sample must be a dict of tokens, logprobs, versions, finish_reason "
+                         f"(and env_spans, reward, routes, sequence_starts, teacher_logprobs), got {d!r:.200}")
     # Snapshots from before multi-turn episodes have no env_spans ([]), from before routes no routes (None),
     # samples of one training sequence (and snapshots from before there could be more) no sequence_starts ([]).
     if d.get("routes") is not None:

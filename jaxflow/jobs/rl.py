@@ -21,7 +21,10 @@ processes forming one mesh, and `jaxflow.jobs.rl_cluster` drives the run through
   in every step's metrics as reward_raised/timed_out/crashed/invalid and in result.json's accounting;
   but a reward that fails on every sample of the first batch stops the run with exit code 2 rather
   than train on zeros);
-- the trainer (`jaxflow.trainer.rl_trainer`): consume buffer v, one PPO step, publish v+1.
+- the trainer (`jaxflow.trainer.rl_trainer`): consume buffer v, one PPO step, publish v+1;
+- with on-policy distillation whose teacher sits beside the rollout (`trainer.distill.where = "rollout"`), a
+  teacher scorer (`rollout_bridge.teacher.TeacherScorer`) that the coordinator hands each finished group to
+  before it finishes it, recording the teacher's log-probs on its samples (the trainer then loads no teacher).
 
 eta = 0 with the "full" batch rule is synchronous RL through the same code: engines only ever generate
 with the weights being trained.
@@ -100,7 +103,7 @@ _SECTIONS = (("data", DataConfig), ("rollout", RolloutConfig), ("eval", EvalConf
              ("checkpoint", CheckpointConfig), ("base", BaseConfig), ("model", ModelSection))
 
 
-# Groups a reward model or judge scores at once in the embedded job (`Coordinator(scoring_threads=)`).
+# Groups a reward model, judge or teacher scores at once in the embedded job (`Coordinator(scoring_threads=)`).
 MODEL_SCORING_THREADS = 8
 
 
@@ -263,14 +266,22 @@ def agent_problems(config: ml_collections.ConfigDict) -> list[str]:
 
 def distill_problems(config: ml_collections.ConfigDict, base_dir: pathlib.Path | None = None) -> list[str]:
     """Why `trainer.distill.teacher` cannot teach this run's policy (`distill.teacher_problems`: its files, its
-    vocab size and tokenizer against the base model's). base_dir: the base model's directory once it exists;
-    None: the teacher against `base.dir` if that already holds a model, else the teacher's own files alone."""
+    vocab size and tokenizer against the base model's), and a teacher beside the rollout (where "rollout") with
+    a deployment the job does not wire it into (rollout actors, trainer processes). base_dir: the base model's
+    directory once it exists; None: the teacher against `base.dir` if that already holds a model, else the
+    teacher's own files alone."""
     teacher = (config.trainer.get("distill") or {}).get("teacher")
     if not isinstance(teacher, str) or not teacher.strip():  # none, or a bad value check_trainer_config names
         return []
+    problems = []
+    if (config.trainer.get("distill") or {}).get("where", "step") == "rollout" and (
+            config.cluster.get("rollout_actors") or config.cluster.get("trainer_processes")):
+        problems.append("trainer.distill.where = 'rollout' scores with a teacher in the job's process, beside its "
+                        "engines: set cluster.rollout_actors and cluster.trainer_processes to 0, or use "
+                        "trainer.distill.where = 'step' (the job does not place a teacher scorer in Ray yet)")
     if base_dir is None and (pathlib.Path(config.base.dir) / "config.json").is_file():
         base_dir = pathlib.Path(config.base.dir)
-    return teacher_problems(teacher, base_dir)
+    return problems + teacher_problems(teacher, base_dir)
 
 
 def _given_model(config) -> bool:
@@ -422,11 +433,21 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
                         compute_dtype=compute_dtype(config),
                         exact_logprobs=config.rollout.get("exact_logprobs", False))
     del model  # the trainer holds the policy now: keep no second reference to the loaded arrays
+    teacher_scorer = None
     if trainer.step_config.distill is not None:
         d = trainer.step_config.distill
-        print(f"jaxflow: distilling from the teacher {d.teacher} ({trainer.teacher.config.architecture}, "
-              f"{sum(x.size for x in jax.tree.leaves(nnx.state(trainer.teacher))):,} parameters, frozen): advantage "
-              f"{d.coef:g} x (log pi_teacher - log pi_student) + {d.task_coef:g} x the task's", flush=True)
+        if d.recorded:  # beside the engines: each finished group's samples scored before they reach the trainer
+            from rollout_bridge.teacher import TeacherScorer
+            teacher_scorer = TeacherScorer(d.teacher, max_len=config.rollout.max_len,
+                                           chunk=trainer.step_config.logprob_chunk,
+                                           compute_dtype=trainer.step_config.compute_dtype,
+                                           param_dtype=config.trainer.param_dtype)
+            cleanup.callback(teacher_scorer.close)
+        teacher = trainer.teacher if teacher_scorer is None else teacher_scorer.model
+        where = "in the train step" if teacher_scorer is None else "beside the rollout engines"
+        print(f"jaxflow: distilling from the teacher {d.teacher} ({teacher.config.architecture}, "
+              f"{sum(x.size for x in jax.tree.leaves(nnx.state(teacher))):,} parameters, frozen, scored {where}): "
+              f"advantage {d.coef:g} x (log pi_teacher - log pi_student) + {d.task_coef:g} x the task's", flush=True)
     print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
           f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
     if trainer.lora is not None:
@@ -524,11 +545,13 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
             coordinator = start_fleet(config, service, params, base_dir, task.reward_ref, tokenizer.eos_id)
             placement["rollout_actors"] = coordinator.placed
         else:
-            # A reward model or a judge takes a while a group: its groups are scored on threads of their own,
-            # together (sharing batches), while the coordinator goes on generating.
+            # A reward model, a judge or a teacher takes a while a group: groups are scored on threads of their
+            # own, together (sharing batches), while the coordinator goes on generating.
             coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
                                       sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25,
-                                      scoring_threads=MODEL_SCORING_THREADS if reward_model is not None else 0)
+                                      teacher_fn=None if teacher_scorer is None else teacher_scorer.score_group,
+                                      scoring_threads=MODEL_SCORING_THREADS
+                                      if reward_model is not None or teacher_scorer is not None else 0)
         parts = LoopParts(trainer=trainer, service=service, params=params, coordinator=coordinator, ckpt=ckpt,
                           ledger=ledger, run_log=run_log, evaluator=evaluator, rewards=rewards,
                           reward_errors=rollout_errors, reward_ref=reward_ref)

@@ -21,6 +21,10 @@ Routing replay (a mixture-of-experts policy, `make_batch(route_spec=...)`): `rou
 k] holds, at position t, the experts the rollout engine chose for the input token t, which the trainer's
 forward then uses (`jaxflow.models.moe`). A sample's `routes[i]` (its completion token i's) goes to the
 position before token i; every other position holds -1 and routes itself (the prompt, padding).
+
+Recorded teacher log-probs (on-policy distillation with the teacher beside the rollout, `make_batch(teacher=True)`):
+`teacher_logp` [M, b, T] holds each trained token's teacher log-prob, aligned like `behav_logp` (0 where not
+trained); the step then reads them instead of scoring the batch with a teacher of its own.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class Trajectory:
     env_spans: Sequence[Sequence[int]] = ()
     routes: np.ndarray | None = None  # [len(completion), L_sparse, k]: see `jaxflow.data.records.Sample.routes`
     member: int | None = None
+    teacher_logp: Sequence[float] | None = None  # per completion token: `jaxflow.data.records.Sample.teacher_logprobs`
 
 
 @struct.dataclass
@@ -82,6 +87,8 @@ class TrajectoryBatch:
     context_ids int32 the segment id of a shared prompt the token also attends to (0: none).
     routes: with routing replay, [M, b, T, L_sparse, k] small ints, the recorded experts of each input
     position (-1: none; module docstring); None otherwise.
+    teacher_logp: with recorded teacher log-probs (`make_batch(teacher=True)`), float32 [M, b, T] log π_T of the
+    token (0 where not trained); None otherwise.
     """
 
     tokens: jax.Array
@@ -94,6 +101,7 @@ class TrajectoryBatch:
     rewards: jax.Array
     context_ids: jax.Array
     routes: jax.Array | None = None
+    teacher_logp: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +151,13 @@ def validate_batch(batch: TrajectoryBatch, train_version: int) -> None:
         raise ValueError("batch.versions is negative on a trained token")
     if not np.isfinite(np.asarray(batch.behav_logp)[mask]).all():
         raise ValueError("batch.behav_logp is not finite on a trained token")
+    if batch.teacher_logp is not None:
+        teacher = np.asarray(batch.teacher_logp)
+        if teacher.shape != shape or teacher.dtype != np.float32:
+            raise ValueError(f"batch.teacher_logp must be float32 {shape} like tokens, got {teacher.dtype} "
+                             f"{teacher.shape}")
+        if not np.isfinite(teacher[mask]).all():
+            raise ValueError("batch.teacher_logp is not finite on a trained token")
 
 
 def _validate_context(segments: np.ndarray, context: np.ndarray) -> None:
@@ -296,8 +311,8 @@ def _share(trajectories: Sequence[Trajectory], seq_len: int) -> list[list[int]]:
 def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: int,
                micro_batches: int = 1, pack: bool = False, advantage_estimator: str = "grpo",
                scale_by_std: bool = True, std_ddof: int = 0, minibatches: int = 1,
-               share_prompts: bool = False,
-               route_spec: RouteSpec | None = None) -> tuple[TrajectoryBatch, dict[str, float]]:
+               share_prompts: bool = False, route_spec: RouteSpec | None = None,
+               teacher: bool = False) -> tuple[TrajectoryBatch, dict[str, float]]:
     """Lays trajectories out as a [micro_batches, num_rows // micro_batches, seq_len] batch.
 
     Advantages come from the trajectories' rewards and group ids (or their own `advantage`), by
@@ -309,7 +324,8 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
     shape therefore costs compute for its trajectories only. share_prompts (packed rows only): samples
     of one group with the same prompt may share one copy of it (module docstring). route_spec: the routing
     (`jaxflow.data.records.RouteSpec`) of a mixture-of-experts policy whose recorded routes the batch carries
-    for replay (module docstring); a trajectory without routes routes itself.
+    for replay (module docstring); a trajectory without routes routes itself. teacher: the batch carries the
+    trajectories' recorded teacher log-probs (`teacher_logp`; every trajectory must have them).
     Returns the batch (numpy arrays) and advantage statistics. Raises BatchOverflow when the trajectories
     do not fit num_rows rows, ValueError for other bad arguments.
     """
@@ -334,6 +350,10 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         if any(not 0 <= a < b <= n for a, b in t.env_spans):
             raise ValueError(f"trajectory {i}: env_spans {list(t.env_spans)} are not [start, end) ranges within "
                              f"its {n} completion tokens")
+        if teacher and (t.teacher_logp is None or len(t.teacher_logp) != n):
+            got = "none" if t.teacher_logp is None else len(t.teacher_logp)
+            raise ValueError(f"trajectory {i}: {n} completion tokens but {got} teacher log-probs (teacher_logp); a "
+                             f"batch with recorded teacher log-probs needs one per completion token")
         if len(t.prompt) + n > seq_len:
             raise ValueError(f"trajectory {i} has {len(t.prompt) + n} tokens, more than seq_len={seq_len}")
         if t.routes is not None:
@@ -358,6 +378,8 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         what += f" ({len(items)} packed items)"
     out = {name: np.zeros((num_rows, seq_len), dtype) for name, dtype in FIELD_DTYPES.items()}
     out["versions"][:] = -1
+    if teacher:
+        out["teacher_logp"] = np.zeros((num_rows, seq_len), np.float32)
     if route_spec is not None:
         out["routes"] = np.full((num_rows, seq_len, route_spec.layers, route_spec.top_k), -1, route_spec.dtype)
     next_segment = np.ones(num_rows, np.int32)
@@ -384,9 +406,11 @@ def make_batch(trajectories: Sequence[Trajectory], *, num_rows: int, seq_len: in
         out["versions"][row, gen] = t.versions
         out["advantages"][row, gen] = advantages[i]
         out["rewards"][row, gen] = t.reward
+        if teacher:
+            out["teacher_logp"][row, gen] = t.teacher_logp
         for span_start, span_end in t.env_spans:  # the environment's tokens: context only
             env = slice(start + span_start, start + span_end)
-            for name in ("loss_mask", "behav_logp", "advantages", "rewards"):
+            for name in ("loss_mask", "behav_logp", "advantages", "rewards") + (("teacher_logp",) if teacher else ()):
                 out[name][row, env] = 0
             out["versions"][row, env] = -1
 

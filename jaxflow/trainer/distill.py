@@ -23,6 +23,19 @@ embedding tables must be the same size. `teacher_problems` compares both directo
 vocabularies and config.json vocab sizes, naming both directories and what differs; the job runs it
 before it loads anything.
 
+Where the teacher's log-probs are computed is `where` (`trainer.distill.where`):
+
+- "step" (the default): in the trainer's jitted step, as above: the teacher's weights frozen on the trainer's
+  mesh, scoring exactly the rows the step trains, with no service beside it.
+- "rollout": by a teacher scorer beside the rollout engines (`rollout_bridge.teacher.TeacherScorer`: a
+  prefill-only, teacher-forced forward of each finished sample, batched across groups), recorded on each sample
+  like its behaviour log-probs (`Sample.teacher_logprobs`) and carried into the batch (`TrajectoryBatch.
+  teacher_logp`); the trainer loads no teacher, so its memory stays off the trainer's mesh, and groups are scored
+  while the trainer trains. Both placements run the same log-prob function (`jaxflow.trainer.step.
+  token_logprobs`), so they agree within the rounding of two programs computing the same forward.
+
+The student's starting log-probs (log π_S) are computed in the step either way.
+
 Metrics per step: distill_kl (the mean over trained tokens of log π_S - log π_T: the reverse-KL estimate on
 the sampled tokens), distill_adv_mean and distill_adv_abs_mean (of A_t over the trained tokens).
 """
@@ -37,9 +50,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxflow.config import Section, check_float
+from jaxflow.config import Section, check_choice, check_float
 
 TOKENIZER_FILE = "tokenizer.json"
+# Where the teacher's per-token log-probs are computed (module docstring).
+WHERE = ("step", "rollout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +66,9 @@ class DistillOptions(Section):
     coef: weight of the distillation advantage coef * (log pi_teacher - log pi_student) per token.
     task_coef: weight of the task reward's advantage in the mix; 0: pure distillation (the task's rewards are
       still computed and reported, but do not move the policy).
+    where: "step" (the trainer's step scores each batch with the teacher on its own mesh) or "rollout" (a
+      teacher scorer beside the rollout engines records each sample's teacher log-probs; the trainer loads no
+      teacher). See the module docstring.
     """
 
     SECTION: ClassVar[str] = "trainer.distill"
@@ -58,6 +76,7 @@ class DistillOptions(Section):
     teacher: str | None = None
     coef: float = 1.0
     task_coef: float = 0.0
+    where: str = "step"
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -66,6 +85,7 @@ class DistillOptions(Section):
                             f"got {self.teacher!r}")
         for name in ("coef", "task_coef"):
             check_float(problems, self.key(name), getattr(self, name), 0.0)
+        check_choice(problems, self.key("where"), self.where, WHERE)
         if not problems and self.teacher is not None and self.coef == 0 and self.task_coef == 0:
             problems.append(f"{self.key('coef')} and {self.key('task_coef')} are both 0: with a teacher set, "
                             f"every advantage would be 0 and nothing would train")
@@ -73,8 +93,18 @@ class DistillOptions(Section):
 
     @property
     def enabled(self) -> bool:
-        """Whether a teacher is set (the step then scores each batch with it)."""
+        """Whether a teacher is set (its log-probs then enter every step's advantage)."""
         return self.teacher is not None
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the trainer's step computes the teacher's log-probs (a teacher set, where "step")."""
+        return self.enabled and self.where == "step"
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the batch carries the teacher's log-probs, recorded beside the rollout (where "rollout")."""
+        return self.enabled and self.where == "rollout"
 
 
 def distill_advantage(teacher_logp_bt: jax.Array, student_logp_bt: jax.Array, task_adv_bt: jax.Array,

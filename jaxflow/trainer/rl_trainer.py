@@ -32,7 +32,10 @@ with as the KL reference policy (on resume: the base model, not the restored ste
 `trainer.distill.teacher` set it loads that HF directory as a frozen teacher on its mesh (in the dtype of
 the policy's weights), whose per-token log-probs the step turns into the advantage
 (jaxflow/trainer/distill.py), and trains every group, skip_zero_signal notwithstanding; the job checks the
-teacher's vocabulary against the student's first (`distill.teacher_problems`).
+teacher's vocabulary against the student's first (`distill.teacher_problems`). With `trainer.distill.where =
+"rollout"` it loads no teacher: each sample carries its teacher log-probs (`Sample.teacher_logprobs`, scored
+beside the rollout engines), the batch carries them to the step, and a group without them is dropped from the
+update like any other that cannot be trained.
 """
 
 from __future__ import annotations
@@ -332,15 +335,15 @@ def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
     `sequence_starts`), each with its sample's reward and member index (advantages are computed per group,
     each member counted once). The sequence before the first start (if any) follows the group's prompt; a
     started one is its own context: its prompt is the env span it opens with, its completion the rest of
-    it (env spans, log-probs, versions and routes cut to it; the routes of its prompt dropped, as a prompt's
-    positions route themselves)."""
+    it (env spans, log-probs, versions, routes and teacher log-probs cut to it; the routes of its prompt
+    dropped, as a prompt's positions route themselves)."""
     out = []
     for g in groups:
         for member, (sample, reward) in enumerate(zip(g.samples, g.rewards)):
             if not sample.sequence_starts:
                 out.append(Trajectory(g.prompt, sample.tokens, sample.logprobs, sample.versions,
                                       reward=float(reward), group_id=g.group_id, env_spans=sample.env_spans,
-                                      routes=sample.routes, member=member))
+                                      routes=sample.routes, member=member, teacher_logp=sample.teacher_logprobs))
                 continue
             starts = set(sample.sequence_starts)
             for start, end in sample.sequences():
@@ -353,7 +356,9 @@ def trajectories_of(groups: list[FinishedGroup]) -> list[Trajectory]:
                 out.append(Trajectory(prompt, sample.tokens[first:end], sample.logprobs[first:end],
                                       sample.versions[first:end], reward=float(reward), group_id=g.group_id,
                                       env_spans=spans, member=member,
-                                      routes=None if sample.routes is None else sample.routes[first:end]))
+                                      routes=None if sample.routes is None else sample.routes[first:end],
+                                      teacher_logp=None if sample.teacher_logprobs is None
+                                      else sample.teacher_logprobs[first:end]))
     return out
 
 
@@ -365,15 +370,22 @@ def longest_sequence(prompt: list[int], sample: Sample) -> int:
 
 
 def screen_groups(groups: list[FinishedGroup], version: int, seq_len: int, vocab_size: int | None = None,
-                  route_spec: RouteSpec | None = None) -> tuple[list[FinishedGroup], list[tuple[int, str]]]:
+                  route_spec: RouteSpec | None = None,
+                  teacher: bool = False) -> tuple[list[FinishedGroup], list[tuple[int, str]]]:
     """(the groups the update at `version` can train, [(group id, why not)] for the others, each logged).
     vocab_size: the model's; prompt and sample token ids must lie in [0, vocab_size) (None: below 2**31,
     what the int32 batch holds). route_spec: the model's routing, which recorded routes must match (None:
-    a dense model, whose samples carry none). Raises ValueError naming every group and its fault when none
-    is usable."""
+    a dense model, whose samples carry none). teacher: every sample must carry its teacher log-probs
+    (`Sample.teacher_logprobs`, distillation with the teacher beside the rollout). Raises ValueError naming
+    every group and its fault when none is usable."""
     good, rejected = [], []
     for g in groups:
         try:
+            if teacher:
+                missing = [i for i, s in enumerate(g.samples) if getattr(s, "teacher_logprobs", None) is None]
+                if missing:
+                    raise ValueError(f"group {g.group_id}: samples {missing} carry no teacher_logprobs, which "
+                                     f"trainer.distill.where = 'rollout' trains with (no teacher scored them)")
             checks.check_token_ids(f"group {g.group_id}", "prompt", list(g.prompt), vocab_size)
             checks.check_samples(g.group_id, len(g.samples), g.samples, "consumed", g.v_start, version,
                                  finished=False, vocab_size=vocab_size, route_spec=route_spec)
@@ -458,7 +470,7 @@ class RLTrainer:
         (base) weights, or None without one. Its vocab size must be the policy's (the job also compares the
         tokenizers, `distill.teacher_problems`, before it builds anything)."""
         options = self.step_config.distill
-        if options is None:
+        if options is None or not options.in_step:  # where "rollout": the samples carry the teacher's log-probs
             return None
         source = f"{options.teacher}/config.json"
         vocab_size = from_hf_config(read_hf_config(options.teacher), source=source).vocab_size  # before any weight
@@ -523,7 +535,9 @@ class RLTrainer:
             raise ValueError(f"buffer {consumed.step} handed to the trainer at version {v}")
         if not consumed.groups:
             raise ValueError(f"buffer {v} holds no groups: the prompt source is exhausted")
-        usable, rejected = screen_groups(consumed.groups, v, self.seq_len, self.vocab_size, self.route_spec)
+        recorded = self.step_config.distill is not None and self.step_config.distill.recorded
+        usable, rejected = screen_groups(consumed.groups, v, self.seq_len, self.vocab_size, self.route_spec,
+                                         teacher=recorded)
         signal = [max(g.rewards) != min(g.rewards) for g in usable]
         groups = usable
         if self.cfg.skip_zero_signal and self.step_config.distill is None:
@@ -541,7 +555,8 @@ class RLTrainer:
                                               micro_batches=micro,
                                               minibatches=self.minibatches, advantage_estimator=self.cfg.advantage,
                                               scale_by_std=self.cfg.adv_scale_by_std,
-                                              std_ddof=self.cfg.adv_std_ddof, route_spec=self._route_spec(trajs))
+                                              std_ddof=self.cfg.adv_std_ddof, route_spec=self._route_spec(trajs),
+                                              teacher=recorded)
                 break
             except BatchOverflow:  # more sequences than the rows hold: a deeper shape, compiled once
                 micro *= 2

@@ -26,7 +26,10 @@ log-probs at the step's starting weights (the π_prox pass itself where prox="re
 it anyway), so a teacher equal to the student gives an advantage of exactly 0 (a mixture-of-experts teacher
 routes every token itself, where routing replay sends the student's through the recorded experts). Each
 token's advantage is then `distill.distill_advantage` (teacher minus student, mixed with the task's), a
-constant of the update that the policy loss weighs with its usual corrections.
+constant of the update that the policy loss weighs with its usual corrections. With the teacher beside the
+rollout (`DistillOptions.where = "rollout"`) the TrainStep holds no teacher: the batch carries the teacher's
+recorded log-probs (`TrajectoryBatch.teacher_logp`), which take the teacher pass's place; the student's pass is
+the same.
 
 A mixture-of-experts policy (`jaxflow.models.moe`): with routing_replay "rollout" every forward of the
 step (π_θ, π_prox, the reference) sends each input token to the experts the rollout engine recorded for
@@ -96,8 +99,9 @@ class StepConfig:
     Mixture of experts: routing_replay "off" | "rollout" (replay the batch's recorded routes);
     route_spec: the policy's routing (`jaxflow.data.records.RouteSpec`), which replay needs;
     router_aux_coef / router_z_coef: weights of the router's load-balancing and z losses.
-    distill: on-policy distillation's coefficients (`distill.DistillOptions`, its teacher set; the TrainStep
-    is given the teacher model itself); None: the batch's advantages train as they are.
+    distill: on-policy distillation's coefficients (`distill.DistillOptions`, its teacher set; where "step" the
+    TrainStep is given the teacher model itself, where "rollout" each batch carries the teacher's recorded
+    log-probs, `TrajectoryBatch.teacher_logp`); None: the batch's advantages train as they are.
     """
 
     loss: losses.LossConfig = losses.LossConfig()
@@ -352,8 +356,10 @@ def _train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: Traject
         def teacher_model():
             return nnx.merge(teacher_graphdef, precision.cast_floating(teacher_params, compute))
 
-        # A mixture-of-experts teacher routes every token itself: the recorded routes are the student's.
-        teacher_all = jax.lax.map(lambda mb: model_logp(teacher_model, mb.replace(routes=None)), batch)
+        if cfg.distill.recorded:  # scored beside the rollout: the batch carries them
+            teacher_all = batch.teacher_logp
+        else:  # a mixture-of-experts teacher routes every token itself: the recorded routes are the student's
+            teacher_all = jax.lax.map(lambda mb: model_logp(teacher_model, mb.replace(routes=None)), batch)
         reuse = uses_prox and cfg.prox == "recompute" and k > 1  # prox_all is this very pass
         start_all = prox_all if reuse else jax.lax.map(lambda mb: forward_logp(state.params, mb), batch)
 
@@ -456,24 +462,29 @@ class TrainStep:
     trainer compiles its one padded shape at start-up), and a shape first seen in a call is compiled
     then, with a warning. `compiles` and `compile_s` count them all.
 
-    teacher: with `cfg.distill`, the frozen teacher model (on `mesh`, any shape whose vocab is the
+    teacher: with `cfg.distill` where "step", the frozen teacher model (on `mesh`, any shape whose vocab is the
     policy's); it goes into every call as an argument of its own, on its own shardings, never donated. It
     must not share arrays with the state, which is donated (a copy of the policy: `jnp.copy` its state).
+    Where "rollout" there is none: every batch must carry `teacher_logp`.
     """
 
     def __init__(self, graphdef, tx: optax.GradientTransformation, cfg: StepConfig, mesh,
                  state_shardings: TrainState, frozen: nnx.State | None = None, teacher: nnx.Module | None = None):
-        if (cfg.distill is None) != (teacher is None):
-            raise ValueError("a teacher model goes with StepConfig.distill, and StepConfig.distill with a teacher "
+        in_step = cfg.distill is not None and cfg.distill.in_step
+        if in_step != (teacher is not None):
+            raise ValueError("a teacher model goes with StepConfig.distill where 'step', and that with a teacher "
                              f"model (distill: {cfg.distill!r}, teacher given: {teacher is not None})")
+        self.recorded_teacher = cfg.distill is not None and cfg.distill.recorded
         self.cfg, self.mesh = cfg, mesh
         batch_axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
         self.rows_per_shard = sharding.rows_per_shard(mesh)
         self.batch_sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes, None))
         batch_shardings = TrajectoryBatch(**{f.name: self.batch_sharding for f in dataclasses.fields(TrajectoryBatch)
-                                             if f.name != "routes"})
+                                             if f.name not in ("routes", "teacher_logp")})
         if cfg.routing_replay == "rollout":
             batch_shardings = batch_shardings.replace(routes=self.batch_sharding)
+        if self.recorded_teacher:
+            batch_shardings = batch_shardings.replace(teacher_logp=self.batch_sharding)
 
         # With LoRA the frozen base goes in as an argument of its own (never a constant of the program,
         # never donated), on the shardings it already has.
@@ -520,6 +531,9 @@ class TrainStep:
             route = self.cfg.route_spec  # not `spec`, which the frozen base and the teacher are mapped with below
             abstract_batch = abstract_batch.replace(routes=jax.ShapeDtypeStruct(
                 (*shape, route.layers, route.top_k), route.dtype, sharding=self.batch_sharding))
+        if self.recorded_teacher:
+            abstract_batch = abstract_batch.replace(teacher_logp=jax.ShapeDtypeStruct(
+                tuple(shape), np.dtype(np.float32), sharding=self.batch_sharding))
         abstract_frozen = None if self.frozen is None else jax.tree.map(spec, self.frozen)
         abstract_teacher = None if self.teacher is None else jax.tree.map(spec, self.teacher)
         # Traced with the mesh set, so that the model keeps activations split by rows (`rows_sharded`).
@@ -555,6 +569,12 @@ class TrainStep:
                 raise ValueError(f"routing replay needs batch.routes {spec.dtype} {want}, got {got}")
         else:
             batch = batch.replace(routes=None)
+        if self.recorded_teacher:
+            if batch.teacher_logp is None:
+                raise ValueError("trainer.distill.where 'rollout' needs batch.teacher_logp (the teacher's recorded "
+                                 "log-probs: make_batch(teacher=True)), got None")
+        else:
+            batch = batch.replace(teacher_logp=None)
         shape = tuple(np.shape(batch.tokens))
         self._check_shape(shape)
         if self.cfg.loss.kl_coef > 0 and ref_params is None:

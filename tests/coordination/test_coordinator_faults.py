@@ -1,5 +1,6 @@
 """The coordinator under faults, against a real trajectory service and a scripted engine: a reward that
-raises or returns NaN fails its group (counted) instead of stopping the loop, the coordinator renews the
+raises or returns NaN fails its group (counted) instead of stopping the loop, and so does a distillation teacher
+that raises or scores a token NaN (the others' teacher log-probs reach the service), the coordinator renews the
 leases of what it holds, `stop` hands back every group it can even when one hand-back is refused, and a failed
 engine stops the coordinator for good with an error the train loop raises."""
 
@@ -63,14 +64,14 @@ class Clock:
         return self.t
 
 
-def setup(reward_fn, clock, groups=2, scoring_threads=0):
+def setup(reward_fn, clock, groups=2, scoring_threads=0, teacher_fn=None):
     records = [{"prompt": [5, 6 + i], "meta": {"i": i}} for i in range(20)]
     svc = TrajectoryService(PromptSource(records, shuffle=False), batch_groups=groups, group_size=2, eta=0,
                             lease_s=10.0, clock=clock)
     engine = ScriptedEngine()
     coord = Coordinator("c", [engine], svc, NoWeights(), strategy=Coordination(max_running=2 * groups), eta=0,
                         sampling=SamplingParams(max_tokens=8), reward_fn=reward_fn, clock=clock,
-                        renew_every_s=1.0, scoring_threads=scoring_threads)
+                        renew_every_s=1.0, scoring_threads=scoring_threads, teacher_fn=teacher_fn)
     return svc, engine, coord
 
 
@@ -94,6 +95,30 @@ def test_a_nan_or_raising_reward_fails_the_group_and_the_loop_goes_on():
     assert stats["counts"]["failed"] == 2 and coord.counts["groups_failed"] == 2
     assert stats["groups"]["running"] == 2  # the loop went on and took new work
     assert "reward" in str(svc.snapshot()["groups"][0]["meta"]["failure"])
+
+
+@pytest.mark.parametrize("scoring_threads", [0, 2])
+def test_a_raising_or_nan_teacher_fails_its_group_and_the_others_record_their_teacher_log_probs(scoring_threads):
+    def teacher(task, samples):
+        if task.group_id == 0:
+            raise RuntimeError("teacher forward raised")
+        if task.group_id == 1:
+            return [[-0.25, math.nan], [-0.25, -1.0]]
+        return [[-0.25, -1.0 - task.group_id] for _ in samples]
+
+    clock = Clock()
+    svc, engine, coord = setup(lambda task, samples: [1.0, 0.0], clock, groups=3, teacher_fn=teacher,
+                               scoring_threads=scoring_threads)
+    coord.step()
+    engine.finish_all()
+    coord.step()  # must not raise
+    wait_until(lambda: coord.step() or coord.counts["groups_failed"] + coord.counts["groups_finished"] == 3,
+               timeout=30, what=lambda: f"the three groups handed in: {coord.counts}")
+    assert svc.stats()["counts"]["failed"] == 2 and coord.counts["groups_failed"] == 2
+    failures = {g["group_id"]: str(g["meta"].get("failure")) for g in svc.snapshot()["groups"]}
+    assert "teacher forward raised" in failures[0] and "teacher_logprobs[1] = nan" in failures[1], failures
+    (finished,) = [g for g in svc.snapshot()["groups"] if g["group_id"] == 2]
+    assert [s["teacher_logprobs"] for s in finished["samples"]] == [[-0.25, -3.0], [-0.25, -3.0]]
 
 
 def test_the_coordinator_renews_its_leases_and_drops_the_groups_it_lost():
