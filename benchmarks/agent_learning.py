@@ -31,8 +31,7 @@ import sys
 
 import results_meta
 from async_vs_sync import QUICK, parse_overrides, run_one
-from mismatch_learning import learning_parser
-from moe_learning import mean_curves, print_runs, save, seeds_of
+from moe_learning import mean_curves, plot_curves, print_runs, run_parser, save, seeds_of
 from precision import difference_noise, eval_curve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -66,34 +65,17 @@ def summarise(runs: list[dict], n: int) -> dict:
             "agent_step_s_vs_native": step_s["agent"] / step_s["native"], "curves": mean_curves(by)}
 
 
-def plot(runs: list[dict], curves: list[dict], path: pathlib.Path) -> None:
-    from matplotlib.figure import Figure
+# The plot's legend label of each variant.
+NAMES = {"native": "native environment", "agent": "agent program"}
 
-    fig = Figure(figsize=(6, 4))
-    acc = fig.subplots()
-    for i, name in enumerate(RUNS):
-        color = f"C{i}"
-        for run in (r for r in runs if r["run"] == name):
-            if run["eval_curve"]:
-                acc.plot(*zip(*run["eval_curve"]), color=color, alpha=0.3, linewidth=1)
-        mean = [(c["step"], c[name]) for c in curves if c.get(name) is not None]
-        if mean:
-            acc.plot(*zip(*mean), color=color, marker="o", label=f"{name} (mean over seeds)")
-    acc.set(title="tool demo: native environment vs agent program", xlabel="step", ylabel="held-out accuracy")
-    acc.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+
+def plot(runs: list[dict], curves: list[dict], path: pathlib.Path) -> None:
+    plot_curves(runs, curves, path, names=NAMES, title='tool demo: native environment vs agent program')
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable, so tests can parse the documented commands without running them)."""
-    parser = learning_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (default 0,1,2; quick 0)")
-    parser.add_argument("--workdir", type=pathlib.Path, default=ROOT / "runs" / "agent_learning")
-    parser.add_argument("--plot", type=pathlib.Path, help="also save the plot here")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every run (repeatable)")
-    return parser
+    return run_parser(__doc__.split("\n\n")[0], ROOT / "runs" / "agent_learning")
 
 
 def main(argv=None) -> int:

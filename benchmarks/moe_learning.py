@@ -139,6 +139,42 @@ def save(args: argparse.Namespace, name: str, runs: list[dict], headline: dict, 
         print(f"wrote {args.json}")
 
 
+def plot_curves(runs: list[dict], curves: list[dict], path: pathlib.Path, *, names: dict[str, str], title: str,
+                target: float | None = None) -> None:
+    """One panel of held-out accuracy against step: each run's curve faint, each variant's mean over seeds
+    marked (`names`: variant -> its legend label), and a dotted line at `target` if given."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    acc = fig.subplots()
+    for i, (name, label) in enumerate(names.items()):
+        color = f"C{i}"
+        for run in (r for r in runs if r["run"] == name):
+            if run["eval_curve"]:
+                acc.plot(*zip(*run["eval_curve"]), color=color, alpha=0.3, linewidth=1)
+        mean = [(c["step"], c[name]) for c in curves if c.get(name) is not None]
+        if mean:
+            acc.plot(*zip(*mean), color=color, marker="o", label=f"{label} (mean over seeds)")
+    if target is not None:
+        acc.axhline(target, color="grey", linestyle=":", linewidth=1)
+    acc.set(title=title, xlabel="step", ylabel="held-out accuracy")
+    acc.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def run_parser(description: str, workdir: pathlib.Path) -> argparse.ArgumentParser:
+    """`learning_parser`'s arguments and those of a benchmark of several seeded runs: --seeds (default 0,1,2;
+    quick 0), --workdir, --plot and repeatable --set KEY=VALUE overrides."""
+    parser = learning_parser(description)
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (default 0,1,2; quick 0)")
+    parser.add_argument("--workdir", type=pathlib.Path, default=workdir)
+    parser.add_argument("--plot", type=pathlib.Path, help="also save the plot here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (repeatable)")
+    return parser
+
+
 def plot(runs: list[dict], curves: list[dict], path: pathlib.Path) -> None:
     from matplotlib.figure import Figure
 
@@ -167,13 +203,7 @@ def plot(runs: list[dict], curves: list[dict], path: pathlib.Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (importable, so tests can parse the documented commands without running them)."""
-    parser = learning_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (default 0,1,2; quick 0)")
-    parser.add_argument("--workdir", type=pathlib.Path, default=ROOT / "runs" / "moe_learning")
-    parser.add_argument("--plot", type=pathlib.Path, help="also save the plot here")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every run (repeatable)")
-    return parser
+    return run_parser(__doc__.split("\n\n")[0], ROOT / "runs" / "moe_learning")
 
 
 def main(argv=None) -> int:
