@@ -2,8 +2,9 @@
 
 On-policy distillation (jaxflow/trainer/distill.py) with `trainer.distill.where = "rollout"` computes the
 teacher's per-token log-probs here instead of in the trainer's step: the teacher's weights live beside the
-rollout engines (off the trainer's mesh) and groups are scored as they finish, while the trainer trains. The
-coordinator calls `score_group(task, samples)` on each finished group before it hands the group to the
+rollout engines (the trainer loads none; `mesh` says where they go, by default the first device) and groups
+are scored as they finish, while the trainer trains. The coordinator calls `score_group(task, samples)` on
+each finished group (on its scoring threads, while it goes on generating) before it hands the group to the
 trajectory service (`Coordinator(teacher_fn=...)`), which records the result on each sample as
 `Sample.teacher_logprobs`, as its behaviour log-probs are recorded; the trainer's batch carries them to the
 step (`TrajectoryBatch.teacher_logp`).
