@@ -190,14 +190,7 @@ def reward_model_problems(config: ml_collections.ConfigDict) -> list[str]:
                             "render [prompt + response] with")
     except (ModelConfigError, OSError, ValueError) as e:
         problems.append(f"rollout.reward_model.dir: {e}")
-    if config.cluster.get("rollout_actors") or config.cluster.get("trainer_processes"):
-        problems.append("rollout.reward_model runs in the job's process: set cluster.rollout_actors and "
-                        "cluster.trainer_processes to 0 (the job does not place a reward model in Ray yet)")
-    env = config.rollout.get("env")
-    if env is not None and env.get("ref") is not None:
-        problems.append("rollout.reward_model scores single answers; episodes (rollout.env.ref) are scored by "
-                        "their environments: set one of the two")
-    return problems
+    return problems + answer_scorer_problems(config, "rollout.reward_model", "a reward model")
 
 
 def judge_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -232,12 +225,20 @@ def judge_problems(config: ml_collections.ConfigDict) -> list[str]:
             refs.resolve(ref, what=f"rollout.judge.{key}", expect="function", arity=2)
         except refs.RefError as e:
             problems.append(str(e))
+    return problems + answer_scorer_problems(config, "rollout.judge", "a judge")
+
+
+def answer_scorer_problems(config: ml_collections.ConfigDict, section: str, what: str) -> list[str]:
+    """Where a model that scores the answers in place of the task's reward (`section`: rollout.reward_model or
+    rollout.judge) cannot run: it lives in the job's process (not with rollout actors or trainer processes), and
+    it scores single answers (episodes are scored by their environments)."""
+    problems = []
     if config.cluster.get("rollout_actors") or config.cluster.get("trainer_processes"):
-        problems.append("rollout.judge runs in the job's process: set cluster.rollout_actors and "
-                        "cluster.trainer_processes to 0 (the job does not place a judge in Ray yet)")
+        problems.append(f"{section} runs in the job's process: set cluster.rollout_actors and "
+                        f"cluster.trainer_processes to 0 (the job does not place {what} in Ray yet)")
     env = config.rollout.get("env")
     if env is not None and env.get("ref") is not None:
-        problems.append("rollout.judge scores single answers; episodes (rollout.env.ref) are scored by their "
+        problems.append(f"{section} scores single answers; episodes (rollout.env.ref) are scored by their "
                         "environments: set one of the two")
     return problems
 
