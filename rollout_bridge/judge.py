@@ -446,6 +446,11 @@ def build_judge(section: JudgeConfig, *, seed: int = 0, dtype: str | None = None
     engine = make_engine(section.engine, section.dir, section.max_len, section.max_slots, seed=seed,
                          kv_cache_gib=section.kv_cache_gib, episodes=False, dtype=dtype)
     try:
+        warmed = getattr(engine, "warmed", None)
+        if callable(warmed):
+            # The time limits count generating and parsing a verdict, not compiling the engine's programs: those
+            # (compiled in the background since the engine was built) are ready before the first sample comes.
+            warmed()
         return Judge(engine, tokenizer, prompt_ref=section.prompt_ref, parse_ref=section.parse_ref,
                      **judge_options(section), on_failure=on_failure, name=f"judge:{section.dir}")
     except BaseException:

@@ -29,7 +29,7 @@ def prompt(response, meta):
 
 def parse(verdict, meta):
     if next(calls) % 8 == 7:
-        time.sleep(1.5)
+        time.sleep(6.0)
     return 0.25 * (len(verdict) % 5)
 """
 
@@ -56,13 +56,13 @@ def _judge_config(tmp_path, base_dir, user_judge, **more):
 
 def test_a_judge_scores_the_rollouts_and_its_timeouts_are_counted_while_the_run_goes_on(tmp_path, base_dir,
                                                                                          user_judge, capsys):
-    config = _judge_config(tmp_path, base_dir, user_judge, **{"rollout.judge.timeout_s": "1.0",
+    config = _judge_config(tmp_path, base_dir, user_judge, **{"rollout.judge.timeout_s": "3.0",
                                                               "rollout.judge.failed_value": "-1"})
     assert rl.run(config) == 0
     captured = capsys.readouterr()
     assert f"rollouts are scored by the judge {base_dir} on its own jax engine" in captured.out
     # The slow parses: their samples score -1, counted, each distinct message printed once.
-    says = f"judge judge:{base_dir} parse function {user_judge}:parse did not return within timeout_s=1s"
+    says = f"judge judge:{base_dir} parse function {user_judge}:parse did not return within timeout_s=3s"
     assert captured.err.count(says) == 1
     workdir = pathlib.Path(config.workdir)
     steps = [r for r in records(workdir) if "loss" in r]
