@@ -19,6 +19,20 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import jax  # noqa: E402
 
+# vLLM's structured-output backend (xgrammar) loads tvm_ffi, which installs a fatal-signal handler that prints a
+# native backtrace by unwinding the stack. A fault inside the unwinder itself (seen while jaxlib threw from a
+# cache write) then deadlocks on the unwinder's own lock, and the test hangs instead of failing. Load it first
+# and put Python's fault handler back: a fault then prints the Python stacks and ends the worker in seconds, the
+# test named as crashed.
+try:
+    import tvm_ffi  # noqa: E402, F401
+except ImportError:
+    pass
+import faulthandler  # noqa: E402
+
+faulthandler.disable()
+faulthandler.enable(file=sys.__stderr__)
+
 _CACHE = pathlib.Path(os.environ.get("JAXFLOW_CACHE", pathlib.Path.home() / ".cache" / "jaxflow"))
 jax.config.update("jax_compilation_cache_dir", str(_CACHE / "jax_compilation"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
