@@ -19,18 +19,21 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import jax  # noqa: E402
 
-# vLLM's structured-output backend (xgrammar) loads tvm_ffi, which installs a fatal-signal handler that prints a
+# vLLM's structured-output backend (xgrammar) loads tvm_ffi, which installs fatal-signal handlers that print a
 # native backtrace by unwinding the stack. A fault inside the unwinder itself (seen while jaxlib threw from a
-# cache write) then deadlocks on the unwinder's own lock, and the test hangs instead of failing. Load it first
-# and put Python's fault handler back: a fault then prints the Python stacks and ends the worker in seconds, the
-# test named as crashed.
+# compile or a cache write) then deadlocks on the unwinder's own lock, and the test hangs instead of failing.
+# Load it first, drop its handlers (the default action: the process ends), and put Python's fault handler in
+# front: a fault then prints the Python stacks and ends the worker in seconds, the test named as crashed.
 try:
     import tvm_ffi  # noqa: E402, F401
 except ImportError:
     pass
 import faulthandler  # noqa: E402
+import signal  # noqa: E402
 
 faulthandler.disable()
+for _fatal in (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL):
+    signal.signal(_fatal, signal.SIG_DFL)
 faulthandler.enable(file=sys.__stderr__)
 
 _CACHE = pathlib.Path(os.environ.get("JAXFLOW_CACHE", pathlib.Path.home() / ".cache" / "jaxflow"))
