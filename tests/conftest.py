@@ -42,6 +42,34 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# A compiled XLA:CPU program holds three memory mappings of its machine code while JAX's caches keep it, and a
+# worker that runs a large share of the suite compiles thousands: past the kernel's vm.max_map_count (65,530 by
+# default) mmap fails, a compile raises from deep in jaxlib, and the worker dies. After any module that leaves
+# more than this many mappings, the caches are cleared (later modules reload their programs from the persistent
+# compilation cache).
+MAPPINGS_HIGH = 20_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Clears JAX's compiled-program caches after a module once the worker's memory mappings pass
+    `MAPPINGS_HIGH`, so the suite never reaches the kernel's limit."""
+    yield
+    if _mappings() > MAPPINGS_HIGH:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ray_shutdown():
     """Shuts down the local Ray cluster that the "ray" service placement started, if any, at session end."""
