@@ -424,11 +424,11 @@ class Judge:
 
 
 def build_judge(section: JudgeConfig, *, seed: int = 0, dtype: str | None = None,
-                on_failure: Callable[[str], None] | None = None) -> Judge:
+                on_failure: Callable[[str], None] | None = None, name: str | None = None) -> Judge:
     """The judge a checked `rollout.judge` section describes: its engine (`section.engine`) built from
     `section.dir` with `section.max_slots` slots of `section.max_len` tokens, its tokenizer from the same
     directory, its prompt and parse functions resolved. dtype: what the engine computes in (None: the
-    checkpoint's for JAX, float32 for vLLM).
+    checkpoint's for JAX, float32 for vLLM). name: the judge's `fn_ref` (default "judge:<section.dir>").
 
     Raises:
       ValueError: the directory's tokenizer has no chat template; jaxflow.refs.RefError: a reference does not
@@ -452,7 +452,8 @@ def build_judge(section: JudgeConfig, *, seed: int = 0, dtype: str | None = None
             # (compiled in the background since the engine was built) are ready before the first sample comes.
             warmed()
         return Judge(engine, tokenizer, prompt_ref=section.prompt_ref, parse_ref=section.parse_ref,
-                     **judge_options(section), on_failure=on_failure, name=f"judge:{section.dir}")
+                     **judge_options(section), on_failure=on_failure,
+                     name=name or f"judge:{section.dir}")
     except BaseException:
         engine.close()
         raise

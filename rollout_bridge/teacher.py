@@ -41,6 +41,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,11 @@ class TeacherScorer:
         """Counts since start: groups scored, groups_failed, rows (sequences) and batches (forward passes) run."""
         with self._lock:
             return dict(self._stats)
+
+    def summary(self) -> dict[str, Any]:
+        """{"directory", "architecture", "parameters"}: what the job prints of the teacher it loaded."""
+        return {"directory": self.directory, "architecture": self.config.architecture,
+                "parameters": sum(x.size for x in jax.tree.leaves(self._params))}
 
     def close(self) -> None:
         """Stops the dispatcher; rows still queued fail (their groups raise TeacherFailed). Idempotent."""

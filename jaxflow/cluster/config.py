@@ -55,6 +55,7 @@ class NodeResources(Section):
     trainer: the trainer processes.
     rollout: the rollout engines' actors.
     rewards: the reward workers.
+    scorers: the actor of a reward model, LLM judge or rollout-side teacher (`jaxflow.jobs.scorers`).
     """
 
     SECTION: ClassVar[str] = "cluster.node_resource"
@@ -63,6 +64,7 @@ class NodeResources(Section):
     trainer: str | None = None
     rollout: str | None = None
     rewards: str | None = None
+    scorers: str | None = None
 
     def problems(self) -> list[str]:
         return [f"{self.key(piece)} must be None (any node) or the name of a custom Ray resource, got {resource!r}"

@@ -8,6 +8,7 @@ share a name:
                                 jaxflow-<tag>-trainer-<i>-r<n>, the n-th re-formed group)
     jaxflow-<tag>-rollout-<i>   rollout actor i
     jaxflow-<tag>-rewards       the reward pool's actor
+    jaxflow-<tag>-scorers       the reward model, LLM judge or teacher that rollout actors share
 
 in the Ray namespace `NAMESPACE`. `ray list actors` shows them; `ray.get_actor(name, namespace=NAMESPACE)`
 returns a handle.
@@ -18,12 +19,13 @@ from __future__ import annotations
 import hashlib
 import os
 
-__all__ = ["NAMESPACE", "PATTERNS", "data", "rewards", "rollout", "run_tag", "trainer"]
+__all__ = ["NAMESPACE", "PATTERNS", "data", "rewards", "rollout", "run_tag", "scorers", "trainer"]
 
 NAMESPACE = "jaxflow"
 # Regular expressions matching each kind's names, whatever the run.
 PATTERNS = {"data": r"jaxflow-[0-9a-f]{8}-data", "trainer": r"jaxflow-[0-9a-f]{8}-trainer-\d+(-r\d+)?",
-            "rollout": r"jaxflow-[0-9a-f]{8}-rollout-\d+", "rewards": r"jaxflow-[0-9a-f]{8}-rewards"}
+            "rollout": r"jaxflow-[0-9a-f]{8}-rollout-\d+", "rewards": r"jaxflow-[0-9a-f]{8}-rewards",
+            "scorers": r"jaxflow-[0-9a-f]{8}-scorers"}
 
 
 def run_tag(workdir: str | os.PathLike) -> str:
@@ -45,3 +47,7 @@ def rollout(tag: str, i: int) -> str:
 
 def rewards(tag: str) -> str:
     return f"jaxflow-{tag}-rewards"
+
+
+def scorers(tag: str) -> str:
+    return f"jaxflow-{tag}-scorers"

@@ -250,14 +250,16 @@ class ServiceProxy:
 
 
 def start_host(*, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, resources: dict[str, float] | None = None,
-               name: str | None = None, max_restarts: int = 0, num_cpus: float = 0) -> Any:
+               name: str | None = None, max_restarts: int = 0, num_cpus: float = 0, num_gpus: float = 0,
+               env: dict[str, str] | None = None) -> Any:
     """Starts a `ServiceHost` actor and returns its handle. The cluster must be connected (`connect`).
 
     max_concurrency: calls served at once, over all its services. resources: custom node resources the
     actor needs (e.g. {"data": 0.01}), which place it on the nodes that have them. name: the actor's
     name in Ray's dashboard and logs. max_restarts: how often Ray restarts it when its process dies (-1:
     always); a restarted host is empty (its owner hosts the services again) and the handle, and every
-    proxy holding it, reaches the new process. num_cpus: CPUs it reserves (a reward pool's workers use some).
+    proxy holding it, reaches the new process. num_cpus, num_gpus: CPUs and GPUs it reserves (a reward pool's
+    workers use CPUs; a reward model a GPU). env: environment variables of its process (e.g. `jax_env()`).
     """
     ray = require_ray()
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
@@ -265,6 +267,10 @@ def start_host(*, max_concurrency: int = DEFAULT_MAX_CONCURRENCY, resources: dic
     if not ray.is_initialized():
         raise RuntimeError("Ray is not connected: call jaxflow.cluster.ray_actors.connect(address) first")
     options: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": max_concurrency}
+    if num_gpus:
+        options["num_gpus"] = num_gpus
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
     if max_restarts:
         options["max_restarts"] = max_restarts
     if resources:

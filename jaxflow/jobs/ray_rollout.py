@@ -53,7 +53,13 @@ class RolloutActor:
       reward_ref: "module:function" scoring (response text, meta), or None to leave rewarding to the
         trainer's side.
       rewards: the proxy of a `RewardPool` in its own actor to score in (its time limit and crash
-        isolation), or None to score in this actor.
+        isolation), or of a reward model or judge with its interface (`jaxflow.jobs.scorers`), or None to score
+        in this actor.
+      teacher: the proxy of a teacher scorer (`rollout_bridge.teacher.TeacherScorer`, in the scorers' actor)
+        whose `score_group` records each finished sample's teacher log-probs (on-policy distillation with
+        `trainer.distill.where = "rollout"`), or None.
+      scoring_threads: groups scored at once, off the coordinator's loop (`Coordinator(scoring_threads=)`): for
+        a reward model, judge or teacher, whose batches the groups then share; 0 scores in the loop.
       coordination: `Coordination` options (max_running defaults to max_slots; stuck buffers are the
         trainer's business, so `stuck` is "wait").
       index: the actor's place in its fleet (in its reports).
@@ -68,7 +74,7 @@ class RolloutActor:
                  kv_cache_gib: float | None = 1.0, max_tokens: int = 64, temperature: float = 1.0,
                  stop_token_ids: tuple[int, ...] = (), reward_ref: str | None = None, rewards: Any = None,
                  coordination: dict[str, Any] | None = None, index: int = 0, env: dict | None = None,
-                 dtype: str | None = None):
+                 dtype: str | None = None, teacher: Any = None, scoring_threads: int = 0):
         options = {"max_running": max_slots, "sync": "all", **(coordination or {}), "stuck": "wait"}
         strategy = Coordination.from_config(options)
         from jaxflow.tokenizer import Tokenizer
@@ -91,7 +97,8 @@ class RolloutActor:
                                   stop_token_ids=tuple(stop_token_ids))
         self.name, self.index = name, index
         self._coordinator_args = dict(strategy=strategy, eta=0, sampling=sampling, reward_fn=reward_fn,
-                                      trace_every_s=0.25)
+                                      trace_every_s=0.25, scoring_threads=scoring_threads,
+                                      teacher_fn=None if teacher is None else teacher.score_group)
         self.coordinator = Coordinator(name, [self.engine], trajectories, params, **self._coordinator_args)
         self._started = False
         if ray_actors.require_ray().get_runtime_context().was_current_actor_reconstructed:
@@ -267,14 +274,16 @@ class RolloutFleet:
 
 
 def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_ref: str,
-                eos_id: int, resources: dict[str, float] | None = None, rewards: Any = None) -> RolloutFleet:
+                eos_id: int, resources: dict[str, float] | None = None, rewards: Any = None, teacher: Any = None,
+                scoring_threads: int = 0) -> RolloutFleet:
     """The RL job's `cluster.rollout_actors` rollout actors (each a coordinator over one engine of
     `rollout.engine`, with the `rollout.*` sizes and sampling and the `rollout.coordination` options,
     seeded `seed` + i, named `names.rollout(tag, i)`), started and generating. Rewards are scored by
-    `reward_ref`, in the reward pool's actor `rewards` (a proxy), or in the actors when None; with
-    `rollout.env` set, the actors run its episodes, which their environments score. Their engines compute in
-    rollout.compute_dtype (default model.compute_dtype). resources:
-    custom node resources each actor needs."""
+    `reward_ref`, in the reward pool's actor `rewards` (a proxy; or a reward model's or judge's, `jaxflow.jobs.
+    scorers`), or in the actors when None; with `rollout.env` set, the actors run its episodes, which their
+    environments score. teacher: a teacher scorer's proxy, recording each sample's teacher log-probs (or None).
+    scoring_threads: each actor's (`RolloutActor`). Their engines compute in rollout.compute_dtype (default
+    model.compute_dtype). resources: custom node resources each actor needs."""
     r = config.rollout
     coordination = r.coordination.to_dict()
     tag = names.run_tag(config.workdir)
@@ -284,7 +293,7 @@ def start_fleet(config: Any, trajectories: Any, params: Any, model: Any, reward_
                                   decode_chunk=r.decode_chunk, kv_cache_gib=r.kv_cache_gib,
                                   max_tokens=r.max_tokens,
                                   temperature=r.temperature, stop_token_ids=(eos_id,), reward_ref=reward_ref,
-                                  rewards=rewards,
+                                  rewards=rewards, teacher=teacher, scoring_threads=scoring_threads,
                                   coordination=coordination,
                                   env=r.env.to_dict() if r.get("env") is not None else None,
                                   dtype=rollout_compute_dtype(config))

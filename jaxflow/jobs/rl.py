@@ -24,7 +24,9 @@ processes forming one mesh, and `jaxflow.jobs.rl_cluster` drives the run through
 - the trainer (`jaxflow.trainer.rl_trainer`): consume buffer v, one PPO step, publish v+1;
 - with on-policy distillation whose teacher sits beside the rollout (`trainer.distill.where = "rollout"`), a
   teacher scorer (`rollout_bridge.teacher.TeacherScorer`) that the coordinator hands each finished group to
-  before it finishes it, recording the teacher's log-probs on its samples (the trainer then loads no teacher).
+  before it finishes it, recording the teacher's log-probs on its samples (the trainer then loads no teacher);
+  it, and a reward model or judge in place of the task's reward, run where `jaxflow.jobs.scorers` puts them (in
+  this process, or with rollout actors in a Ray actor they share).
 
 eta = 0 with the "full" batch rule is synchronous RL through the same code: engines only ever generate
 with the weights being trained.
@@ -52,7 +54,6 @@ from typing import Any
 
 import jax
 import ml_collections
-from flax import nnx
 
 from jaxflow import sharding
 from jaxflow.cluster.config import cluster_problems
@@ -78,12 +79,11 @@ from jaxflow.jobs.config import (
 from jaxflow.jobs.prompts import prompt_source, train_records
 from jaxflow.jobs.resume import ExtraCheck
 from jaxflow.jobs.run_log import RunLog
+from jaxflow.jobs.scorers import print_distillation, start_scorers
 from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
 from jaxflow.models import hf_io, lora
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards import RewardPool, group_reward_fn, resolve
-from jaxflow.rewards.judge_config import JudgeConfig
-from jaxflow.rewards.model_config import RewardModelConfig, reward_model_options
 from jaxflow.tasks import get_task
 from jaxflow.tokenizer import Tokenizer
 from jaxflow.trainer.checkpoint import CheckpointDamaged, Checkpointer
@@ -101,10 +101,6 @@ log = logging.getLogger(__name__)
 # The sections check_config checks, each a Section: its keys, their defaults and their checks.
 _SECTIONS = (("data", DataConfig), ("rollout", RolloutConfig), ("eval", EvalConfig),
              ("checkpoint", CheckpointConfig), ("base", BaseConfig), ("model", ModelSection))
-
-
-# Groups a reward model, judge or teacher scores at once in the embedded job (`Coordinator(scoring_threads=)`).
-MODEL_SCORING_THREADS = 8
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
@@ -173,9 +169,7 @@ def reward_model_problems(config: ml_collections.ConfigDict) -> list[str]:
     """Why `rollout.reward_model.dir` cannot score this run's samples: the directory must hold a one-label
     sequence classifier of a supported family (`jaxflow.models.classifier.check_classifier_files`: its
     config.json, its tensors' names and the head's shape; no weights read) and a tokenizer with a chat template;
-    the reward model runs in the job's process, beside engines there (not with rollout actors or trainer
-    processes: the job does not place it in Ray yet); and episodes are scored by their environments, so a
-    reward model would score nothing."""
+    and episodes are scored by their environments, so a reward model would score nothing."""
     section = config.rollout.get("reward_model")
     if section is None or section.get("dir") is None or not isinstance(section.dir, str) or not section.dir.strip():
         return []  # off, or a bad value its own section names
@@ -190,15 +184,14 @@ def reward_model_problems(config: ml_collections.ConfigDict) -> list[str]:
                             "render [prompt + response] with")
     except (ModelConfigError, OSError, ValueError) as e:
         problems.append(f"rollout.reward_model.dir: {e}")
-    return problems + answer_scorer_problems(config, "rollout.reward_model", "a reward model")
+    return problems + answer_scorer_problems(config, "rollout.reward_model")
 
 
 def judge_problems(config: ml_collections.ConfigDict) -> list[str]:
     """Why `rollout.judge` cannot score this run's samples: its directory must hold a causal LM the judge's engine
     serves (config.json: a family of `jaxflow.models` for the JAX engine, any for vLLM; no weights read) and a
     tokenizer with a chat template; its prompt_ref and parse_ref must import and name functions of (text, meta)
-    (resolved here as the judge will, so a typo shows now, not as every sample failing); the judge runs in the
-    job's process, beside the engines there (not with rollout actors or trainer processes); and episodes are
+    (resolved here as the judge will, so a typo shows now, not as every sample failing); and episodes are
     scored by their environments, so a judge would score nothing."""
     section = config.rollout.get("judge")
     if section is None or section.get("dir") is None or not isinstance(section.dir, str) or not section.dir.strip():
@@ -225,22 +218,17 @@ def judge_problems(config: ml_collections.ConfigDict) -> list[str]:
             refs.resolve(ref, what=f"rollout.judge.{key}", expect="function", arity=2)
         except refs.RefError as e:
             problems.append(str(e))
-    return problems + answer_scorer_problems(config, "rollout.judge", "a judge")
+    return problems + answer_scorer_problems(config, "rollout.judge")
 
 
-def answer_scorer_problems(config: ml_collections.ConfigDict, section: str, what: str) -> list[str]:
+def answer_scorer_problems(config: ml_collections.ConfigDict, section: str) -> list[str]:
     """Where a model that scores the answers in place of the task's reward (`section`: rollout.reward_model or
-    rollout.judge) cannot run: it lives in the job's process (not with rollout actors or trainer processes), and
-    it scores single answers (episodes are scored by their environments)."""
-    problems = []
-    if config.cluster.get("rollout_actors") or config.cluster.get("trainer_processes"):
-        problems.append(f"{section} runs in the job's process: set cluster.rollout_actors and "
-                        f"cluster.trainer_processes to 0 (the job does not place {what} in Ray yet)")
+    rollout.judge) cannot run: it scores single answers (episodes are scored by their environments)."""
     env = config.rollout.get("env")
     if env is not None and env.get("ref") is not None:
-        problems.append(f"{section} scores single answers; episodes (rollout.env.ref) are scored by their "
-                        "environments: set one of the two")
-    return problems
+        return [f"{section} scores single answers; episodes (rollout.env.ref) are scored by their environments: "
+                f"set one of the two"]
+    return []
 
 
 def agent_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -267,22 +255,15 @@ def agent_problems(config: ml_collections.ConfigDict) -> list[str]:
 
 def distill_problems(config: ml_collections.ConfigDict, base_dir: pathlib.Path | None = None) -> list[str]:
     """Why `trainer.distill.teacher` cannot teach this run's policy (`distill.teacher_problems`: its files, its
-    vocab size and tokenizer against the base model's), and a teacher beside the rollout (where "rollout") with
-    a deployment the job does not wire it into (rollout actors, trainer processes). base_dir: the base model's
+    vocab size and tokenizer against the base model's). base_dir: the base model's
     directory once it exists; None: the teacher against `base.dir` if that already holds a model, else the
     teacher's own files alone."""
     teacher = (config.trainer.get("distill") or {}).get("teacher")
     if not isinstance(teacher, str) or not teacher.strip():  # none, or a bad value check_trainer_config names
         return []
-    problems = []
-    if (config.trainer.get("distill") or {}).get("where", "step") == "rollout" and (
-            config.cluster.get("rollout_actors") or config.cluster.get("trainer_processes")):
-        problems.append("trainer.distill.where = 'rollout' scores with a teacher in the job's process, beside its "
-                        "engines: set cluster.rollout_actors and cluster.trainer_processes to 0, or use "
-                        "trainer.distill.where = 'step' (the job does not place a teacher scorer in Ray yet)")
     if base_dir is None and (pathlib.Path(config.base.dir) / "config.json").is_file():
         base_dir = pathlib.Path(config.base.dir)
-    return problems + teacher_problems(teacher, base_dir)
+    return teacher_problems(teacher, base_dir)
 
 
 def _given_model(config) -> bool:
@@ -434,21 +415,6 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
                         compute_dtype=compute_dtype(config),
                         exact_logprobs=config.rollout.get("exact_logprobs", False))
     del model  # the trainer holds the policy now: keep no second reference to the loaded arrays
-    teacher_scorer = None
-    if trainer.step_config.distill is not None:
-        d = trainer.step_config.distill
-        if d.recorded:  # beside the engines: each finished group's samples scored before they reach the trainer
-            from rollout_bridge.teacher import TeacherScorer
-            teacher_scorer = TeacherScorer(d.teacher, max_len=config.rollout.max_len,
-                                           chunk=trainer.step_config.logprob_chunk,
-                                           compute_dtype=trainer.step_config.compute_dtype,
-                                           param_dtype=config.trainer.param_dtype)
-            cleanup.callback(teacher_scorer.close)
-        teacher = trainer.teacher if teacher_scorer is None else teacher_scorer.model
-        where = "in the train step" if teacher_scorer is None else "beside the rollout engines"
-        print(f"jaxflow: distilling from the teacher {d.teacher} ({teacher.config.architecture}, "
-              f"{sum(x.size for x in jax.tree.leaves(nnx.state(teacher))):,} parameters, frozen, scored {where}): "
-              f"advantage {d.coef:g} x (log pi_teacher - log pi_student) + {d.task_coef:g} x the task's", flush=True)
     print(f"jaxflow: train step compiled for batches of {' x '.join(map(str, trainer.batch_shape))} "
           f"(micro-batches x rows x tokens) in {trainer.compile_s:.1f}s; every step uses it", flush=True)
     if trainer.lora is not None:
@@ -499,29 +465,17 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
     trainer.publish_weights(params)
     # Where rollout engines pull new weights from (`latest()`, `pull(version)`).
     weights = params if params is not None else device_weights
-    # A reward model (rollout.reward_model.dir) scores the rollouts in place of the task's reward function; the
-    # evals keep the task's reward (held-out accuracy), in the pool.
-    # Or an LLM judge (rollout.judge.dir), generating its verdicts on an engine of its own.
-    reward_model, rewards, reward_ref = None, None, task.reward_ref
-    rm = RewardModelConfig.from_config(config.rollout.get("reward_model"))
-    judge = JudgeConfig.from_config(config.rollout.get("judge"))
-    if rm.dir is not None:
-        from jaxflow.rewards.model import RewardModel
-        rollout_errors = RewardErrors(failed_value=rm.failed_value)
-        reward_model = RewardModel(rm.dir, **reward_model_options(rm), on_failure=rollout_errors)
-        rewards, reward_ref = reward_model, reward_model.name
-        print(f"jaxflow: rollouts are scored by the reward model {rm.dir} (evals by the task's reward)", flush=True)
-    elif judge.dir is not None:
-        from rollout_bridge.judge import build_judge
-        rollout_errors = RewardErrors(failed_value=judge.failed_value)
-        reward_model = build_judge(judge, seed=config.seed, on_failure=rollout_errors)
-        rewards, reward_ref = reward_model, reward_model.name
-        print(f"jaxflow: rollouts are scored by the judge {judge.dir} on its own {judge.engine} engine (prompt "
-              f"{judge.prompt_ref}, verdicts read by {judge.parse_ref}; evals by the task's reward)", flush=True)
+    # A reward model or judge in place of the task's reward (the evals keep the task's reward, in the pool), and
+    # a teacher beside the rollout: in this process, or in the scorers' Ray actor with rollout actors.
+    scorers = start_scorers(config, cleanup, step=trainer.step_config,
+                            param_dtype=config.trainer.param_dtype, in_ray=bool(config.cluster.rollout_actors),
+                            rollout_actors=config.cluster.rollout_actors)
+    if trainer.step_config.distill is not None:
+        print_distillation(trainer.step_config.distill, scorers.teacher, trainer.teacher)
     reward_errors = RewardErrors(failed_value=0.0)
     pool = RewardPool(**reward_pool_options(config.rollout), on_failure=reward_errors)
-    if reward_model is None:
-        rewards, rollout_errors = pool, reward_errors
+    rewards, rollout_errors, reward_ref = ((pool, reward_errors, task.reward_ref) if scorers.answers is None else
+                                           (scorers.answers, scorers.errors, scorers.reward_ref))
     evaluator = Evaluator(config, trainer, device_weights, task, tokenizer, pool)
     sampling = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                               stop_token_ids=(tokenizer.eos_id,))
@@ -543,16 +497,18 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
             engines.append(with_env(engine))
         if config.cluster.rollout_actors:
             from jaxflow.jobs.ray_rollout import start_fleet
-            coordinator = start_fleet(config, service, params, base_dir, task.reward_ref, tokenizer.eos_id)
+            coordinator = start_fleet(config, service, params, base_dir, reward_ref, tokenizer.eos_id,
+                                      rewards=scorers.answers, teacher=scorers.teacher, scoring_threads=scorers.threads)
             placement["rollout_actors"] = coordinator.placed
+            if scorers.placed is not None:
+                placement["scorers"] = scorers.placed
         else:
             # A reward model, a judge or a teacher takes a while a group: groups are scored on threads of their
             # own, together (sharing batches), while the coordinator goes on generating.
             coordinator = Coordinator("coord", engines, service, weights, strategy=strategy, eta=t.eta,
                                       sampling=sampling, reward_fn=reward_fn, trace_every_s=0.25,
-                                      teacher_fn=None if teacher_scorer is None else teacher_scorer.score_group,
-                                      scoring_threads=MODEL_SCORING_THREADS
-                                      if reward_model is not None or teacher_scorer is not None else 0)
+                                      teacher_fn=None if scorers.teacher is None else scorers.teacher.score_group,
+                                      scoring_threads=scorers.threads)
         parts = LoopParts(trainer=trainer, service=service, params=params, coordinator=coordinator, ckpt=ckpt,
                           ledger=ledger, run_log=run_log, evaluator=evaluator, rewards=rewards,
                           reward_errors=rollout_errors, reward_ref=reward_ref)
@@ -570,8 +526,6 @@ def _run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack) -> in
             e.close()
         evaluator.close()
         pool.close()
-        if reward_model is not None:
-            reward_model.close()
         if params is not None:
             params.close()
         device_weights.close()

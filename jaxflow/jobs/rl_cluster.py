@@ -11,6 +11,8 @@ a Ray actor named after the run (`jaxflow.cluster.names`):
     jaxflow-<tag>-rollout-<i>   rollout actors (`jaxflow.jobs.ray_rollout`), pulling each version's shards
                                 from the object store through the publisher's manifests
     jaxflow-<tag>-rewards       the reward pool (`jaxflow.rewards.RewardPool`, its worker processes inside)
+    jaxflow-<tag>-scorers       a reward model or LLM judge in place of the reward, and a teacher beside the
+                                rollout (`jaxflow.jobs.scorers`), when the config has them
 
 with the held-out evals on a JAX engine in the driver. Custom node resources place them
 (`cluster.node_resource.<piece>`: each actor of that piece asks for one unit).
@@ -55,10 +57,12 @@ from jaxflow.jobs.prompts import prompt_source
 from jaxflow.jobs.ray_rollout import start_fleet
 from jaxflow.jobs.resume import ExtraCheck
 from jaxflow.jobs.run_log import RunLog
+from jaxflow.jobs.scorers import print_distillation, start_scorers
 from jaxflow.jobs.train_loop import Evaluator, LoopParts, conclude, train_loop
 from jaxflow.models.config import from_hf_config, read_hf_config
 from jaxflow.models.lora import LoRASpec
 from jaxflow.rewards import RewardPool
+from jaxflow.trainer.rl_trainer import step_config
 
 __all__ = ["run"]
 
@@ -82,7 +86,7 @@ class _Cluster:
         t = config.trainer
         config_json = pathlib.Path(base_dir, "config.json")
         model_config = from_hf_config(read_hf_config(base_dir), source=str(config_json))
-        self.vocab_size = model_config.vocab_size
+        self.vocab_size, self.model_config = model_config.vocab_size, model_config
         self.route_spec = RouteSpec.of(model_config)  # what a mixture-of-experts policy's samples record
         self.spec = TrainerGroup.spec(
             str(base_dir), t, seq_len=config.rollout.max_len, max_sequences=t.batch_groups * config.rollout.group_size,
@@ -182,8 +186,17 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
     cleanup.callback(ray.kill, reward_host)
     rewards = ray_actors.build(RewardPool, _REWARD_METHODS, on=reward_host, name="rewards",
                                kwargs=reward_pool_options(r))
-    reward_errors = RewardErrors(failed_value=0.0)
-    pool = RewardPool(**{**reward_pool_options(r), "num_workers": 1}, on_failure=reward_errors)
+    task_errors = RewardErrors(failed_value=0.0)  # the task reward's failures that reach this process (the evals')
+    step = step_config(t, compute_dtype(config), model_config=cluster.model_config)  # what the trainers compute
+    scorers = start_scorers(config, cleanup, step=step, param_dtype=t.param_dtype, in_ray=True,
+                            rollout_actors=c.rollout_actors)
+    if step.distill is not None:
+        print_distillation(step.distill, scorers.teacher, None)
+    # The rollouts' reward: the task's, in the reward pool's actor, or a reward model's or judge's (the evals keep
+    # the task's, in the pool below).
+    rewards, reward_errors, reward_ref = ((rewards, task_errors, task.reward_ref) if scorers.answers is None else
+                                          (scorers.answers, scorers.errors, scorers.reward_ref))
+    pool = RewardPool(**{**reward_pool_options(r), "num_workers": 1}, on_failure=task_errors)
     cleanup.callback(pool.close)
     evaluator = Evaluator(config, group, ManifestSource(publisher), task, tokenizer, pool, model=str(base_dir))
     cleanup.callback(evaluator.close)
@@ -193,9 +206,12 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
             {k: s[k] for k in ("pid", "mesh")} for s in group.started]}}
     if result["base_accuracy"] is None:
         result["base_accuracy"] = evaluator()
-    fleet = start_fleet(config, trajectories, ManifestSource(publisher), base_dir, task.reward_ref,
-                        tokenizer.eos_id, resources=_resources(config, "rollout"), rewards=rewards)
+    fleet = start_fleet(config, trajectories, ManifestSource(publisher), base_dir, reward_ref,
+                        tokenizer.eos_id, resources=_resources(config, "rollout"), rewards=rewards,
+                        teacher=scorers.teacher, scoring_threads=scorers.threads)
     result["cluster"]["rollout_actors"] = fleet.placed
+    if scorers.placed is not None:
+        result["cluster"]["scorers"] = scorers.placed
     cleanup.callback(fleet.stop)
     never_worked = None
     while True:
@@ -211,7 +227,7 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
         # ckpt None: the trainer processes write the checkpoints.
         parts = LoopParts(trainer=group, service=trajectories, params=publisher, coordinator=fleet, ckpt=None,
                           ledger=ledger, run_log=run_log, evaluator=evaluator, rewards=rewards,
-                          reward_errors=reward_errors, reward_ref=task.reward_ref)
+                          reward_errors=reward_errors, reward_ref=reward_ref)
         try:
             result.update(train_loop(config, parts, start_step=version, base_accuracy=result["base_accuracy"],
                                      step_done=step_done))

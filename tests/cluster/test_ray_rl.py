@@ -150,3 +150,36 @@ def test_the_run_survives_a_rollout_actor_a_trainer_process_and_the_data_service
     for name, w in hf_io.iter_hf_tensors(with_adapters):
         np.testing.assert_allclose(merged[name], w, atol=1e-6, err_msg=name)
     assert any(not np.array_equal(merged[n], w) for n, w in hf_io.iter_hf_tensors(base))  # it trained
+
+
+def test_a_judge_and_a_teacher_beside_the_rollout_score_in_the_scorers_actor(cluster, tmp_path, base_dir, capsys):
+    """Trainer processes, rollout actors and the scorers' actor (`jaxflow.jobs.scorers`): an LLM judge (the base
+    model, its verdicts read by a parse function of the package) scores the rollouts and a teacher scores their
+    tokens, both in that one actor, which both rollout actors call; the trainer processes train on the teacher's
+    log-probs the samples carried (the distillation terms are not 0) and the judge's counts are the accounting."""
+    from engine_helpers import perturbed
+
+    steps = 2
+    teacher, _ = perturbed(hf_io.load_model(base_dir), seed=7, scale=0.1)
+    teacher_dir = hf_io.export_model(teacher, tmp_path / "teacher", tokenizer_dir=base_dir)
+    config = config_for(cluster, tmp_path, base_dir, **{
+        "trainer.steps": steps, "checkpoint.every": 1000, "trainer.distill.teacher": teacher_dir,
+        "trainer.distill.where": "rollout", "trainer.distill.task_coef": 1.0,
+        "rollout.judge.dir": str(base_dir), "rollout.judge.parse_ref": "jaxflow.tasks.arithmetic:even_answer_reward",
+        "rollout.judge.max_tokens": 16, "rollout.judge.max_len": 128, "rollout.judge.max_slots": 8})
+    assert rl.run(config) == 0
+    out = capsys.readouterr().out
+    tag = names.run_tag(tmp_path / "run")
+    assert f"rollouts are scored by the judge {base_dir} on its own jax engine in the Ray actor {names.scorers(tag)}" \
+        in out, out
+    assert f"distilling from the teacher {teacher_dir}" in out and "scored beside the rollout engines" in out, out
+    trained, result = check_run(pathlib.Path(config.workdir), steps)
+    for r in trained:
+        assert r["distill_adv_abs_mean"] > 0 and r["distill_kl"] != 0, r
+    placed = result["cluster"]
+    others = {p["pid"] for p in placed["trainer_processes"]} | {a["pid"] for a in placed["rollout_actors"]}
+    assert placed["scorers"]["pid"] not in others
+    samples = config.trainer.batch_groups * config.rollout.group_size
+    a = result["accounting"]
+    assert a["reward_calls"] >= a["reward_scored"] >= steps * samples, a
+    assert all(a[f"reward_{k}"] == 0 for k in ("raised", "timed_out", "crashed", "invalid")), a

@@ -231,8 +231,6 @@ def reward_model_dir(tmp_path_factory):
     ({"rollout.reward_model.timeout_s": "0"}, "rollout.reward_model.timeout_s must be > 0"),
     ({"rollout.reward_model.failed_value": "inf"}, "rollout.reward_model.failed_value"),
     ({"rollout.reward_model.dir": "{missing}"}, "rollout.reward_model.dir: no config.json in"),
-    ({"rollout.reward_model.dir": "{rm}", "cluster.mode": "ray", "cluster.rollout_actors": "1"},
-     "rollout.reward_model runs in the job's process"),
     ({"rollout.reward_model.dir": "{rm}", "rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv"},
      "episodes (rollout.env.ref) are scored by their environments"),
 ])
@@ -256,6 +254,9 @@ def test_a_causal_lm_is_not_a_reward_model_and_a_classifier_passes(reward_model_
                                                     "'score.weight'")):
         rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(causal)}))
     rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(reward_model_dir)}))
+    # With rollout actors too: it runs in the scorers' Ray actor (jaxflow.jobs.scorers).
+    rl.check_config(load_config(CONFIG, {"rollout.reward_model.dir": str(reward_model_dir), "cluster.mode": "ray",
+                                         "cluster.rollout_actors": "1"}))
 
 
 @pytest.fixture(scope="module")
@@ -279,10 +280,6 @@ def judge_dir(tmp_path_factory):
     ({"rollout.judge.dir": "{missing}"}, "rollout.judge.dir: no config.json in"),
     ({"rollout.judge.dir": "{judge}", "rollout.reward_model.dir": "{judge}"},
      "rollout.reward_model.dir and rollout.judge.dir are both set"),
-    ({"rollout.judge.dir": "{judge}", "cluster.mode": "ray", "cluster.rollout_actors": "1"},
-     "rollout.judge runs in the job's process"),
-    ({"rollout.judge.dir": "{judge}", "cluster.mode": "ray", "cluster.trainer_processes": "1"},
-     "rollout.judge runs in the job's process"),
     ({"rollout.judge.dir": "{judge}", "rollout.env.ref": "jaxflow.envs.calculator:CalculatorEnv"},
      "rollout.judge scores single answers; episodes (rollout.env.ref) are scored by their environments"),
 ])
@@ -294,6 +291,8 @@ def test_a_judge_that_cannot_score_the_run_is_refused(overrides, says, judge_dir
 
 def test_a_judge_needs_a_causal_lm_with_a_chat_template(judge_dir, reward_model_dir, tmp_path):
     rl.check_config(load_config(CONFIG, {"rollout.judge.dir": str(judge_dir)}))
+    rl.check_config(load_config(CONFIG, {"rollout.judge.dir": str(judge_dir), "cluster.mode": "ray",
+                                         "cluster.rollout_actors": "2", "cluster.trainer_processes": "2"}))
     # A reward model is no judge: the JAX engine serves causal LMs.
     with pytest.raises(ConfigError, match=re.escape(f"rollout.judge.dir: {reward_model_dir}/config.json: architecture "
                                                     "'Qwen3ForSequenceClassification' (model_type 'qwen3') is not "
