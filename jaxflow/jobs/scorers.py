@@ -82,7 +82,10 @@ def start_scorers(config: ml_collections.ConfigDict, cleanup: contextlib.ExitSta
     teacher = distill if distill is not None and distill.recorded else None
     if rm.dir is None and judge.dir is None and teacher is None:
         return Scorers()
-    out, build = Scorers(), _builder(config, cleanup, in_ray, rollout_actors)
+    # A vLLM judge alone in the actor: JAX there only reads shapes, on the CPU, and never takes the GPU memory
+    # vLLM is given (as in a rollout actor with a vLLM engine).
+    env = {"JAX_PLATFORMS": "cpu"} if judge.dir is not None and judge.engine == "vllm" and teacher is None else {}
+    out, build = Scorers(), _builder(config, cleanup, in_ray, rollout_actors, env)
     if rm.dir is not None:
         from jaxflow.rewards.model import RewardModel
         out.reward_ref, out.errors = f"reward_model:{rm.dir}", RewardErrors(failed_value=rm.failed_value)
@@ -117,9 +120,9 @@ class _builder:
     """Builds each scorer here (closed by `cleanup`), or in the scorers' Ray actor, started on first use."""
 
     def __init__(self, config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, in_ray: bool,
-                 rollout_actors: int):
+                 rollout_actors: int, env: dict[str, str]):
         self.config, self.cleanup, self.in_ray, self.callers = config, cleanup, in_ray, max(rollout_actors, 1)
-        self.host = None
+        self.env, self.host = env, None
 
     def __call__(self, factory: Any, service: str, methods: tuple[str, ...], **kwargs: Any) -> Any:
         """`factory(**kwargs)`, here or hosted as `service` in the scorers' actor (then its proxy, serving
@@ -143,7 +146,8 @@ class _builder:
         ask = {**({"GPU": 1} if gpus else {}), **(custom or {})}
         name = names.scorers(names.run_tag(self.config.workdir))
         # Each rollout actor's scoring threads call at once.
-        host = ray_actors.start_host(name=name, num_gpus=1 if gpus else 0, resources=custom, env=ray_actors.jax_env(),
+        host = ray_actors.start_host(name=name, num_gpus=1 if gpus else 0, resources=custom,
+                                     env={**ray_actors.jax_env(), **self.env},
                                      max_concurrency=SCORING_THREADS * (self.callers + 1))
         self.cleanup.callback(ray.kill, host)
         ready, _ = ray.wait([host.where.remote()], timeout=PLACE_TIMEOUT_S)
