@@ -71,8 +71,8 @@ def test_a_skyrl_gym_environment_trains_through_the_adapter(tmp_path, monkeypatc
 
     The base answers the second turn in the rewarded form about 6% of the time, so early steps have few
     groups with any signal. In groups of 4 (8 a step; 22% of them with signal) a step often trained on one
-    group alone, and some runs drifted into episodes that ran to max_tokens, where no group has signal and
-    the reward stays 0 (1 run of 8; another sat near 0 for 8 steps). Groups of 8 (4 a step: the same 32
+    group alone, and a run could drift into episodes that ran to max_tokens, where no group has signal and
+    the reward stays 0. Groups of 8 (4 a step: the same 32
     episodes; 39% with signal) compare each rewarded episode with 7 others, and the runs rise steadily."""
     import math
     import pathlib
