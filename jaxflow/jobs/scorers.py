@@ -85,7 +85,7 @@ def start_scorers(config: ml_collections.ConfigDict, cleanup: contextlib.ExitSta
     # A vLLM judge alone in the actor: JAX there only reads shapes, on the CPU, and never takes the GPU memory
     # vLLM is given (as in a rollout actor with a vLLM engine).
     env = {"JAX_PLATFORMS": "cpu"} if judge.dir is not None and judge.engine == "vllm" and teacher is None else {}
-    out, build = Scorers(), _builder(config, cleanup, in_ray, rollout_actors, env)
+    out, build = Scorers(), _Builder(config, cleanup, in_ray, rollout_actors, env)
     if rm.dir is not None:
         from jaxflow.rewards.model import RewardModel
         out.reward_ref, out.errors = f"reward_model:{rm.dir}", RewardErrors(failed_value=rm.failed_value)
@@ -116,7 +116,7 @@ def _where(in_ray: bool, config: ml_collections.ConfigDict) -> str:
     return f" in the Ray actor {names.scorers(names.run_tag(config.workdir))}" if in_ray else ""
 
 
-class _builder:
+class _Builder:
     """Builds each scorer here (closed by `cleanup`), or in the scorers' Ray actor, started on first use."""
 
     def __init__(self, config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, in_ray: bool,
