@@ -10,7 +10,8 @@ a Ray actor named after the run (`jaxflow.cluster.names`):
                                 each restores the newest checkpoint when it starts
     jaxflow-<tag>-rollout-<i>   rollout actors (`jaxflow.jobs.ray_rollout`), pulling each version's shards
                                 from the object store through the publisher's manifests
-    jaxflow-<tag>-rewards       the reward pool (`jaxflow.rewards.RewardPool`, its worker processes inside)
+    jaxflow-<tag>-rewards       the reward pool (`jaxflow.rewards.RewardPool`, its worker processes inside),
+                                unless a reward model or LLM judge scores the rollouts
     jaxflow-<tag>-scorers       a reward model or LLM judge in place of the reward, and a teacher beside the
                                 rollout (`jaxflow.jobs.scorers`), when the config has them
 
@@ -182,20 +183,23 @@ def run(config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack, base_d
     if extra is None:  # a checkpoint to come back to before the first step
         group.checkpoint(None, {"trajectories": trajectories.snapshot(), "base_accuracy": None})
     group.publish_weights(publisher)
-    reward_host = ray_actors.start_host(name=names.rewards(cluster.tag), resources=_resources(config, "rewards"))
-    cleanup.callback(ray.kill, reward_host)
-    rewards = ray_actors.build(RewardPool, _REWARD_METHODS, on=reward_host, name="rewards",
-                               kwargs=reward_pool_options(r))
     task_errors = RewardErrors(failed_value=0.0)  # the task reward's failures that reach this process (the evals')
     step = step_config(t, compute_dtype(config), model_config=cluster.model_config)  # what the trainers compute
     scorers = start_scorers(config, cleanup, step=step, param_dtype=t.param_dtype, in_ray=True,
                             rollout_actors=c.rollout_actors)
     if step.distill is not None:
         print_distillation(step.distill, scorers.teacher, None)
-    # The rollouts' reward: the task's, in the reward pool's actor, or a reward model's or judge's (the evals keep
+    # The rollouts' reward: a reward model's or judge's, or the task's in the reward pool's actor (the evals keep
     # the task's, in the pool below).
-    rewards, reward_errors, reward_ref = ((rewards, task_errors, task.reward_ref) if scorers.answers is None else
-                                          (scorers.answers, scorers.errors, scorers.reward_ref))
+    if scorers.answers is not None:
+        rewards, reward_errors, reward_ref = scorers.answers, scorers.errors, scorers.reward_ref
+    else:
+        reward_host = ray_actors.start_host(name=names.rewards(cluster.tag),
+                                            resources=_resources(config, "rewards"))
+        cleanup.callback(ray.kill, reward_host)
+        rewards = ray_actors.build(RewardPool, _REWARD_METHODS, on=reward_host, name="rewards",
+                                   kwargs=reward_pool_options(r))
+        reward_errors, reward_ref = task_errors, task.reward_ref
     pool = RewardPool(**{**reward_pool_options(r), "num_workers": 1}, on_failure=task_errors)
     cleanup.callback(pool.close)
     evaluator = Evaluator(config, group, ManifestSource(publisher), task, tokenizer, pool, model=str(base_dir))
